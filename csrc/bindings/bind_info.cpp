@@ -1,0 +1,67 @@
+// Build and runtime report: kog.backend_info() is built from these.
+#include <omp.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdlib>
+
+#include "cpu/kernels.h"
+#include "gpu/launch.h"
+
+namespace py = pybind11;
+
+namespace {
+
+py::list gpu_devices() {
+  py::list out;
+#ifdef KOG_WITH_GPU
+  for (const auto& d : kog::gpu::devices()) {
+    py::dict e;
+    e["index"] = d.index;
+    e["name"] = d.name;
+    e["arch"] = d.arch;
+    e["total_memory"] = d.total_memory;
+    e["multiprocessors"] = d.multiprocessors;
+    e["warp_size"] = d.warp_size;
+    e["shared_memory_per_block"] = d.shared_memory_per_block;
+    out.append(e);
+  }
+#endif
+  return out;
+}
+
+py::dict build_info() {
+  py::dict d;
+  d["backend"] = KOG_BACKEND_NAME;
+  d["gpu_archs"] = KOG_GPU_ARCHS_STR;
+  d["compiler"] = KOG_COMPILER_STR;
+#ifdef KOG_WITH_GPU
+  d["gpu_runtime"] = kog::gpu::runtime_version();
+#else
+  d["gpu_runtime"] = py::none();
+#endif
+  d["cpu_isa"] = kog::cpu::kernels().isa;
+  d["cpu_isas_supported"] = kog::cpu::supported_isas();
+  d["cpu_threads"] = kog::cpu::num_threads();
+  return d;
+}
+
+}  // namespace
+
+void bind_info(py::module_& m) {
+  // KOG_NUM_THREADS sizes the OpenMP pool of the CPU kernels.
+  if (const char* v = std::getenv("KOG_NUM_THREADS")) {
+    if (std::atoi(v) > 0) omp_set_num_threads(std::atoi(v));
+  }
+  m.def("build_info", &build_info, "backend, GPU targets, compiler and CPU ISA of this build");
+  m.def("gpu_devices", &gpu_devices, "GPUs visible to this build's runtime (empty on CPU builds)");
+  m.def("set_cpu_isa", &kog::cpu::set_isa, py::arg("isa"),
+        "use the CPU kernels built for `isa` (generic, avx2, avx512)");
+  m.def("cpu_isas_supported", &kog::cpu::supported_isas);
+  m.attr("has_gpu_backend") =
+#ifdef KOG_WITH_GPU
+      true;
+#else
+      false;
+#endif
+}

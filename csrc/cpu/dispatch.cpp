@@ -1,0 +1,103 @@
+// Picks the CPU kernel table for the running CPU. Built with the baseline flags only.
+#include <omp.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "common/errors.h"
+#include "cpu/kernels.h"
+
+namespace kog::cpu {
+namespace {
+
+struct IsaEntry {
+  const char* name;
+  const KernelTable& (*table)();
+  bool (*supported)();
+};
+
+bool always() { return true; }
+#if defined(__x86_64__) || defined(_M_X64)
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+bool has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16") && has_avx2();
+}
+#endif
+
+// Best last.
+const std::vector<IsaEntry>& built_isas() {
+  static const std::vector<IsaEntry> isas = {
+#ifdef KOG_HAVE_ISA_GENERIC
+      {"generic", &generic::kernel_table, &always},
+#endif
+#ifdef KOG_HAVE_ISA_AVX2
+      {"avx2", &avx2::kernel_table, &has_avx2},
+#endif
+#ifdef KOG_HAVE_ISA_AVX512
+      {"avx512", &avx512::kernel_table, &has_avx512},
+#endif
+  };
+  return isas;
+}
+
+const KernelTable* pick(const std::string& wanted) {
+  const KernelTable* best = nullptr;
+  for (const auto& e : built_isas()) {
+    if (!e.supported()) continue;
+    if (!wanted.empty() && wanted == e.name) return &e.table();
+    best = &e.table();
+  }
+  return best;
+}
+
+std::atomic<const KernelTable*> g_table{nullptr};
+
+}  // namespace
+
+const KernelTable& kernels() {
+  const KernelTable* t = g_table.load(std::memory_order_acquire);
+  if (t == nullptr) {
+    const char* env = std::getenv("KOG_CPU_ISA");
+    t = pick(env != nullptr ? env : "");
+    g_table.store(t, std::memory_order_release);
+  }
+  return *t;
+}
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> out;
+  for (const auto& e : built_isas())
+    if (e.supported()) out.emplace_back(e.name);
+  return out;
+}
+
+void set_isa(const std::string& isa) {
+  for (const auto& e : built_isas()) {
+    if (isa == e.name) {
+      KOG_CHECK(e.supported(), "this CPU does not support the '", isa, "' kernels");
+      g_table.store(&e.table(), std::memory_order_release);
+      return;
+    }
+  }
+  KOG_CHECK(false, "no CPU kernels named '", isa, "' in this build");
+}
+
+int num_threads() {
+  for (const char* var : {"KOG_NUM_THREADS", "OMP_NUM_THREADS"}) {
+    if (const char* v = std::getenv(var)) {
+      const int n = std::atoi(v);
+      if (n > 0) return n;
+    }
+  }
+  return omp_get_max_threads();
+}
+
+}  // namespace kog::cpu

@@ -1,0 +1,33 @@
+// The CPU kernel table: one instance per instruction set (csrc/cpu/ops/table.cpp is compiled
+// once per ISA), the best supported one picked at run time (csrc/cpu/dispatch.cpp).
+#pragma once
+#include <string>
+#include <vector>
+
+#include "ops/activation.h"
+#include "ops/rmsnorm.h"
+#include "ops/rope.h"
+
+namespace kog::cpu {
+
+struct KernelTable {
+  const char* isa;
+  void (*rmsnorm)(const RMSNormParams&);
+  void (*rope)(const RopeParams&);
+  void (*silu_and_mul)(const SiluAndMulParams&);
+};
+
+namespace generic { const KernelTable& kernel_table(); }
+namespace avx2 { const KernelTable& kernel_table(); }
+namespace avx512 { const KernelTable& kernel_table(); }
+
+// The table in use: KOG_CPU_ISA if set and supported, else the best the CPU supports.
+const KernelTable& kernels();
+// ISAs built into this module that the running CPU supports, best last.
+std::vector<std::string> supported_isas();
+// Switches the table in use (tests run every kernel under every supported ISA).
+void set_isa(const std::string& isa);
+// Threads the CPU kernels use (OpenMP); KOG_NUM_THREADS or OMP_NUM_THREADS override.
+int num_threads();
+
+}  // namespace kog::cpu

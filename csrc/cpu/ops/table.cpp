@@ -1,0 +1,18 @@
+// This ISA's kernel table (one per KOG_ISA_NS build).
+#include "cpu/kernels.h"
+
+#define KOG_STR2(x) #x
+#define KOG_STR(x) KOG_STR2(x)
+
+namespace kog::cpu::KOG_ISA_NS {
+
+void rmsnorm(const RMSNormParams& p);
+void rope(const RopeParams& p);
+void silu_and_mul(const SiluAndMulParams& p);
+
+const KernelTable& kernel_table() {
+  static const KernelTable table{KOG_STR(KOG_ISA_NS), &rmsnorm, &rope, &silu_and_mul};
+  return table;
+}
+
+}  // namespace kog::cpu::KOG_ISA_NS

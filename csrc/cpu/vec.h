@@ -1,0 +1,63 @@
+// ISA-local helpers for CPU kernel sources (csrc/cpu/ops/*.cpp, compiled once per ISA).
+// Everything here lives in kog::cpu::KOG_ISA_NS so no inline function is shared between ISA
+// builds (see cmake/KogCpuIsa.cmake); only compiler builtins are called.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#include "common/dtype.h"
+
+#ifndef KOG_ISA_NS
+#error "compile CPU kernels through kog_add_cpu_kernels (defines KOG_ISA_NS)"
+#endif
+
+namespace kog::cpu::KOG_ISA_NS {
+
+using bf16_t = uint16_t;  // bfloat16 storage: the top half of an IEEE fp32
+using f16_t = _Float16;
+
+// Work below this many elements stays on the calling thread: a fork costs more than it saves.
+constexpr int64_t kParallelMinElems = 1 << 15;
+
+static inline float bits_to_f32(uint32_t u) {
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint32_t f32_to_bits(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  return u;
+}
+
+static inline float to_f32(float v) { return v; }
+static inline float to_f32(bf16_t v) { return bits_to_f32(uint32_t(v) << 16); }
+static inline float to_f32(f16_t v) { return float(v); }
+
+template <typename T>
+static inline T from_f32(float v);
+template <>
+inline float from_f32<float>(float v) { return v; }
+template <>
+inline f16_t from_f32<f16_t>(float v) { return f16_t(v); }
+// Round to nearest even; NaN stays a (quiet) NaN.
+template <>
+inline bf16_t from_f32<bf16_t>(float v) {
+  uint32_t u = f32_to_bits(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16_t(u >> 16);
+}
+
+// Calls fn.template operator()<T>() with T the storage type of dtype.
+template <typename Fn>
+static inline void dispatch_float(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kF32: fn(float{}); break;
+    case DType::kF16: fn(f16_t{}); break;
+    case DType::kBF16: fn(bf16_t{}); break;
+    default: break;  // the binding has already rejected other dtypes
+  }
+}
+
+}  // namespace kog::cpu::KOG_ISA_NS

@@ -1,0 +1,35 @@
+// Host-side interface of the GPU backend: plain C++, no vendor types, so the bindings compile
+// the same in every build. Implemented by csrc/gpu/**/*.cu in cuda and rocm builds only.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ops/activation.h"
+#include "ops/rmsnorm.h"
+#include "ops/rope.h"
+
+namespace kog::gpu {
+
+struct DeviceInfo {
+  int index;
+  std::string name;
+  std::string arch;       // "sm_90" / "gfx942"
+  int64_t total_memory;   // bytes
+  int multiprocessors;    // SMs or CUs
+  int warp_size;          // 32 or 64
+  int64_t shared_memory_per_block;
+};
+
+// Devices the runtime sees; empty when no driver or device is present (never throws).
+std::vector<DeviceInfo> devices();
+// "CUDA 13.0" / "HIP 6.2": the runtime this module was built against.
+std::string runtime_version();
+
+// Launchers: enqueue on `stream` (cudaStream_t / hipStream_t as an opaque pointer) on the
+// current device. Throw kog::Error(kBackend) if the launch fails.
+void rmsnorm(const RMSNormParams& p, void* stream);
+void rope(const RopeParams& p, void* stream);
+void silu_and_mul(const SiluAndMulParams& p, void* stream);
+
+}  // namespace kog::gpu

@@ -1,0 +1,5 @@
+import sys
+
+from kog.cli import main
+
+sys.exit(main())

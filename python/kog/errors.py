@@ -1,0 +1,45 @@
+"""Kog's exception hierarchy. Native errors (kog._C) are raised as these classes."""
+
+from __future__ import annotations
+
+
+class KogError(Exception):
+    """Base class of every error Kog raises on purpose."""
+
+
+class InvalidRequest(KogError, ValueError):
+    """A request or argument is invalid (bad shape, dtype, sampling value, prompt too long)."""
+
+
+class KVCacheFull(KogError):
+    """No KV block can be freed even after evicting the prefix cache and swapping."""
+
+
+class UnknownSequence(KogError, KeyError):
+    """A sequence id that the KV allocator does not know."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidOperation(KogError):
+    """An operation not allowed in the object's current state (e.g. appending to a suspended sequence)."""
+
+
+class ModelLoadError(KogError):
+    """A checkpoint cannot be loaded: missing or misshapen tensor, corrupt file, unknown architecture."""
+
+
+class BackendError(KogError, RuntimeError):
+    """The native backend failed, or the requested backend is not in this build."""
+
+
+__all__ = [
+    "BackendError",
+    "InvalidOperation",
+    "InvalidRequest",
+    "KVCacheFull",
+    "KogError",
+    "ModelLoadError",
+    "UnknownSequence",
+]

@@ -1,0 +1,251 @@
+"""Typed wrappers over the native kernels of kog._C.
+
+Every wrapper checks shapes, dtypes and devices and raises kog.InvalidRequest (or
+kog.BackendError for a device this build cannot run) before any native code runs. CPU tensors
+run the CPU kernels (best ISA of the running CPU); CUDA/ROCm tensors run the GPU kernels on
+torch's current stream.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+
+from kog import _C
+from kog.errors import BackendError, InvalidRequest
+
+# Mirrors kog::DType (csrc/common/dtype.h).
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int32: 3, torch.int64: 4}
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _float_code(name: str, t: torch.Tensor) -> int:
+    if t.dtype not in FLOAT_DTYPES:
+        raise InvalidRequest(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    return _DTYPE_CODE[t.dtype]
+
+
+def _same(name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:
+    if t.dtype != ref.dtype:
+        raise InvalidRequest(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}")
+    if t.device != ref.device:
+        raise InvalidRequest(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+
+
+def _device_and_stream(t: torch.Tensor) -> tuple[int, int]:
+    """(-1, 0) for CPU tensors; (device index, current stream handle) for GPU tensors."""
+    if t.device.type == "cpu":
+        return -1, 0
+    if t.device.type == "cuda":
+        if not _C.has_gpu_backend:
+            raise BackendError(
+                f"tensor is on {t.device} but this kog build has no GPU backend "
+                f"(rebuild with KOG_BACKEND=cuda or KOG_BACKEND=rocm)"
+            )
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        if index != torch.cuda.current_device():
+            raise InvalidRequest(f"tensor is on {t.device} but the current device is cuda:{torch.cuda.current_device()}")
+        return index, torch.cuda.current_stream(index).cuda_stream
+    raise InvalidRequest(f"unsupported device {t.device}")
+
+
+def _rows(name: str, t: torch.Tensor, width: int) -> tuple[int, int]:
+    """(n_rows, row stride) of t seen as [n_rows, width] with unit stride inside a row.
+
+    Raises InvalidRequest when t cannot be viewed that way without a copy.
+    """
+    if t.dim() == 0 or t.shape[-1] != width:
+        raise InvalidRequest(f"{name} must have last dimension {width}, got shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        return 0, width
+    if t.stride(-1) != 1 and width > 1:
+        raise InvalidRequest(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    try:
+        view = t.view(-1, width)
+    except RuntimeError as e:
+        raise InvalidRequest(f"{name} with shape {tuple(t.shape)} and strides {t.stride()} is not a strided matrix of rows") from e
+    return view.shape[0], (view.stride(0) if view.shape[0] > 1 else width)
+
+
+def rmsnorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RMSNorm over the last dimension, optionally fused with the residual add before it.
+
+    Args:
+        x: [..., hidden], float32/float16/bfloat16.
+        weight: [hidden], same dtype and device.
+        eps: added to the mean square.
+        residual: [..., hidden] like x; when given it is updated in place to ``x + residual``
+            and that sum is normalized (the decoder-layer pattern).
+        out: optional output like x (may be x itself); allocated when None.
+
+    Returns:
+        out: [..., hidden], ``norm * weight``.
+    """
+    code = _float_code("x", x)
+    hidden = x.shape[-1] if x.dim() else 0
+    _same("weight", weight, x, "x")
+    if weight.shape != (hidden,) or not weight.is_contiguous():
+        raise InvalidRequest(f"weight must be contiguous with shape ({hidden},), got {tuple(weight.shape)}")
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise InvalidRequest(f"eps must be a finite number >= 0, got {eps}")
+    n_rows, x_stride = _rows("x", x, hidden)
+    res_stride = 0
+    if residual is not None:
+        _same("residual", residual, x, "x")
+        if residual.shape != x.shape:
+            raise InvalidRequest(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+        _, res_stride = _rows("residual", residual, hidden)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        _same("out", out, x, "x")
+        if out.shape != x.shape:
+            raise InvalidRequest(f"out shape {tuple(out.shape)} != x shape {tuple(x.shape)}")
+    _, out_stride = _rows("out", out, hidden)
+    device, stream = _device_and_stream(x)
+    _C.rmsnorm(
+        out.data_ptr(), x.data_ptr(), residual.data_ptr() if residual is not None else 0,
+        weight.data_ptr(), n_rows, hidden, x_stride, out_stride, res_stride, float(eps), code,
+        device, stream,
+    )
+    return out
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    is_neox: bool = True,
+    attention_scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rotary position embedding, in place on q and k.
+
+    Args:
+        q: [n_tokens, n_q_heads, head_dim]; heads contiguous, any token stride.
+        k: [n_tokens, n_kv_heads, head_dim] like q, or None.
+        positions: [n_tokens] int32/int64, >= 0, same device.
+        inv_freq: [rotary_dim / 2] float32 (see rope_inv_freq); rotary_dim <= head_dim.
+        is_neox: rotate pairs (i, i + rotary_dim/2) if True, (2i, 2i+1) if False.
+        attention_scaling: multiplies cos and sin (1.0 except for YaRN-style scaling).
+
+    Returns:
+        (q, k), rotated in place.
+    """
+    code = _float_code("q", q)
+    if q.dim() != 3:
+        raise InvalidRequest(f"q must be [n_tokens, n_heads, head_dim], got shape {tuple(q.shape)}")
+    n_tokens, n_q_heads, head_dim = q.shape
+    if q.numel() and (q.stride(2) != 1 or q.stride(1) != head_dim):
+        raise InvalidRequest(f"q heads must be contiguous, got strides {q.stride()}")
+    n_kv_heads, k_stride = 0, 0
+    if k is not None:
+        _same("k", k, q, "q")
+        if k.dim() != 3 or k.shape[0] != n_tokens or k.shape[2] != head_dim:
+            raise InvalidRequest(f"k must be [{n_tokens}, n_kv_heads, {head_dim}], got {tuple(k.shape)}")
+        if k.numel() and (k.stride(2) != 1 or k.stride(1) != head_dim):
+            raise InvalidRequest(f"k heads must be contiguous, got strides {k.stride()}")
+        n_kv_heads, k_stride = k.shape[1], k.stride(0)
+    if positions.dtype not in (torch.int32, torch.int64) or positions.shape != (n_tokens,):
+        raise InvalidRequest(f"positions must be int32/int64 of shape ({n_tokens},), got {positions.dtype} {tuple(positions.shape)}")
+    if positions.device != q.device or inv_freq.device != q.device:
+        raise InvalidRequest("positions and inv_freq must be on q's device")
+    positions = positions.contiguous()
+    if inv_freq.dtype != torch.float32 or inv_freq.dim() != 1 or not inv_freq.is_contiguous():
+        raise InvalidRequest("inv_freq must be a contiguous 1-D float32 tensor")
+    rotary_dim = 2 * inv_freq.shape[0]
+    if not 0 < rotary_dim <= min(head_dim, 512):
+        raise InvalidRequest(f"rotary_dim {rotary_dim} (2 x len(inv_freq)) must be in (0, min(head_dim={head_dim}, 512)]")
+    device, stream = _device_and_stream(q)
+    _C.rope(
+        q.data_ptr(), k.data_ptr() if k is not None else 0, positions.data_ptr(), inv_freq.data_ptr(),
+        n_tokens, n_q_heads, n_kv_heads, head_dim, rotary_dim, q.stride(0) if n_tokens > 1 else n_q_heads * head_dim,
+        k_stride, float(attention_scaling), bool(is_neox), code, _DTYPE_CODE[positions.dtype], device, stream,
+    )
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU gate: ``silu(x[..., :d]) * x[..., d:]``.
+
+    Args:
+        x: [..., 2 * d], float32/float16/bfloat16.
+        out: optional [..., d] output like x.
+
+    Returns:
+        out: [..., d].
+    """
+    code = _float_code("x", x)
+    if x.dim() == 0 or x.shape[-1] % 2 != 0 or x.shape[-1] == 0:
+        raise InvalidRequest(f"x must have an even, non-zero last dimension, got shape {tuple(x.shape)}")
+    d = x.shape[-1] // 2
+    n_rows, x_stride = _rows("x", x, 2 * d)
+    out_shape = (*x.shape[:-1], d)
+    if out is None:
+        out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    else:
+        _same("out", out, x, "x")
+        if tuple(out.shape) != out_shape:
+            raise InvalidRequest(f"out must have shape {out_shape}, got {tuple(out.shape)}")
+    _, out_stride = _rows("out", out, d)
+    device, stream = _device_and_stream(x)
+    _C.silu_and_mul(out.data_ptr(), x.data_ptr(), n_rows, d, x_stride, out_stride, code, device, stream)
+    return out
+
+
+def rope_inv_freq(
+    rotary_dim: int, base: float = 10000.0, scaling: Mapping[str, Any] | None = None
+) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim / 2] (float32) for rope(), with HF-style rope_scaling.
+
+    Args:
+        rotary_dim: even number of rotated dimensions per head.
+        base: rope_theta.
+        scaling: the ``rope_scaling`` dict of an HF config, or None. Supported ``rope_type``
+            (or ``type``): ``default``, ``linear`` (factor) and ``llama3`` (factor,
+            low_freq_factor, high_freq_factor, original_max_position_embeddings).
+
+    Returns:
+        inv_freq: [rotary_dim / 2] float32 on the CPU.
+    """
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise InvalidRequest(f"rotary_dim must be a positive even number, got {rotary_dim}")
+    if not base > 0:
+        raise InvalidRequest(f"rope base (rope_theta) must be > 0, got {base}")
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise InvalidRequest(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch.Tensor:
+    # Wavelengths longer than original_max / low_freq_factor are slowed by `factor`, shorter
+    # than original_max / high_freq_factor kept, and those between interpolated smoothly.
+    try:
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        original_max = float(scaling["original_max_position_embeddings"])
+    except KeyError as e:
+        raise InvalidRequest(f"llama3 rope_scaling is missing {e.args[0]!r}") from None
+    if high <= low:
+        raise InvalidRequest(f"llama3 rope_scaling needs high_freq_factor > low_freq_factor, got {high} <= {low}")
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original_max / low, inv_freq / factor, inv_freq)
+    smooth = (original_max / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original_max / high) & (wavelen <= original_max / low)
+    return torch.where(medium, smoothed, scaled)

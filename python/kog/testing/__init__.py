@@ -1,0 +1,1 @@
+"""Test helpers: plain-torch references for every native kernel."""
