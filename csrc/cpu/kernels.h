@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "ops/activation.h"
+#include "ops/linear.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
 
@@ -15,6 +16,7 @@ struct KernelTable {
   void (*rmsnorm)(const RMSNormParams&);
   void (*rope)(const RopeParams&);
   void (*silu_and_mul)(const SiluAndMulParams&);
+  void (*linear)(const LinearParams&, float* scratch);  // scratch: m * k floats
 };
 
 namespace generic { const KernelTable& kernel_table(); }

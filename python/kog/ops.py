@@ -249,3 +249,40 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torc
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= original_max / high) & (wavelen <= original_max / low)
     return torch.where(medium, smoothed, scaled)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` with Kog's decode-batch kernel (weights streamed once for all rows).
+
+    Args:
+        x: [..., k] float32/float16/bfloat16 (few rows: a decode batch).
+        weight: [n, k] contiguous, same dtype (HF nn.Linear layout).
+        bias: [n] or None.
+        out: optional [..., n] output.
+
+    Returns:
+        out: [..., n].
+    """
+    code = _float_code("x", x)
+    _same("weight", weight, x, "x")
+    if weight.dim() != 2 or not weight.is_contiguous():
+        raise InvalidRequest(f"weight must be a contiguous [n, k] matrix, got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    m, x_stride = _rows("x", x, k)
+    if bias is not None:
+        _same("bias", bias, x, "x")
+        if bias.shape != (n,) or not bias.is_contiguous():
+            raise InvalidRequest(f"bias must be contiguous with shape ({n},), got {tuple(bias.shape)}")
+    out_shape = (*x.shape[:-1], n)
+    if out is None:
+        out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    else:
+        _same("out", out, x, "x")
+        if tuple(out.shape) != out_shape:
+            raise InvalidRequest(f"out must have shape {out_shape}, got {tuple(out.shape)}")
+    _, out_stride = _rows("out", out, n)
+    device, _ = _device_and_stream(x)
+    _C.linear(out.data_ptr(), x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else 0,
+              m, n, k, x_stride, out_stride, code, device)
+    return out

@@ -9,9 +9,10 @@ namespace kog::cpu::KOG_ISA_NS {
 void rmsnorm(const RMSNormParams& p);
 void rope(const RopeParams& p);
 void silu_and_mul(const SiluAndMulParams& p);
+void linear(const LinearParams& p, float* scratch);
 
 const KernelTable& kernel_table() {
-  static const KernelTable table{KOG_STR(KOG_ISA_NS), &rmsnorm, &rope, &silu_and_mul};
+  static const KernelTable table{KOG_STR(KOG_ISA_NS), &rmsnorm, &rope, &silu_and_mul, &linear};
   return table;
 }
 

@@ -83,3 +83,11 @@ def rope_inv_freq(rotary_dim: int, base: float, scaling: Mapping[str, Any] | Non
                 out.append((1 - smooth) * f / factor + smooth * f)
         freqs = out
     return torch.tensor(freqs, dtype=torch.float32)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., k] @ weight[n, k]^T (+ bias [n]) in fp64, rounded once to x's dtype."""
+    out = x.double() @ weight.double().T
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype)

@@ -16,5 +16,5 @@ TOLERANCES = {
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, **override) -> None:
     tol = dict(TOLERANCES[expected.dtype])
-    tol.update(override)
+    tol.update({k: v for k, v in override.items() if v is not None})
     torch.testing.assert_close(actual, expected, **tol)
