@@ -1,0 +1,126 @@
+"""The sampler: logits of a batch of sequences -> one token each, per-request parameters.
+
+Order per row (vLLM's): min_tokens masking, repetition/presence/frequency penalties, then greedy
+argmax, or temperature -> top-k -> top-p -> min-p -> a draw from the request's own generator.
+Logprobs are those of the model's raw distribution (log_softmax of the unprocessed logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from kog.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    """Per-sequence state the sampler needs besides its logits row."""
+
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    eos_token_ids: Sequence[int] = ()
+    generator: torch.Generator | None = None  # seeded per request; None: torch's default
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float | None]  # of the sampled token, None when not asked for
+    top_logprobs: list[list[tuple[int, float]] | None]  # best alternatives, most likely first
+
+
+def make_generator(seed: int | None) -> torch.Generator | None:
+    """A CPU generator seeded for one request, or None to use torch's default stream."""
+    if seed is None:
+        return None
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """logits [V] float32 -> penalized copy (repetition over prompt+output, presence/frequency over output)."""
+    p = row.params
+    vocab = logits.shape[0]
+    out = logits
+    if p.repetition_penalty != 1.0 and (row.prompt_ids or row.output_ids):
+        seen = torch.tensor(list(row.prompt_ids) + list(row.output_ids), dtype=torch.long)
+        seen = seen[(seen >= 0) & (seen < vocab)].unique()
+        vals = out[seen]
+        out = out.clone()
+        out[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
+        ids = torch.tensor(list(row.output_ids), dtype=torch.long)
+        counts = torch.bincount(ids[(ids >= 0) & (ids < vocab)], minlength=vocab).to(out.dtype)
+        out = out - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(out.dtype)
+    return out
+
+
+def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p on logits [V]; dropped tokens become -inf."""
+    out = logits / p.temperature
+    vocab = out.shape[0]
+    if 0 < p.top_k < vocab:
+        kth = torch.topk(out, p.top_k).values[-1]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(out, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        out = out.masked_fill(drop, float("-inf"))
+    if p.min_p > 0.0:
+        probs = torch.softmax(out, dim=-1)
+        out = out.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return out
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
+    """Pick one token per row.
+
+    Args:
+        logits: [B, V] (any float dtype; computed in float32).
+        rows: B SampleRow, one per logits row.
+
+    Returns:
+        SampleResult with B token ids (and logprobs where asked for).
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [{len(rows)}, V], got {tuple(logits.shape)}")
+    logits = logits.float()
+    tokens: list[int] = []
+    logprobs: list[float | None] = []
+    tops: list[list[tuple[int, float]] | None] = []
+    for i, row in enumerate(rows):
+        p = row.params
+        raw = logits[i]
+        x = raw
+        if len(row.output_ids) < p.min_tokens:
+            banned = [t for t in (*row.eos_token_ids, *p.stop_token_ids) if 0 <= t < x.shape[0]]
+            if banned:
+                x = x.clone()
+                x[banned] = float("-inf")
+        x = apply_penalties(x, row)
+        if p.greedy:
+            token = int(torch.argmax(x))
+        else:
+            probs = torch.softmax(filter_logits(x, p), dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=row.generator))
+        tokens.append(token)
+        if p.logprobs is None:
+            logprobs.append(None)
+            tops.append(None)
+            continue
+        lp = torch.log_softmax(raw, dim=-1)
+        logprobs.append(float(lp[token]))
+        if p.logprobs > 0:
+            vals, ids = torch.topk(lp, p.logprobs)
+            tops.append([(int(t), float(v)) for t, v in zip(ids, vals)])
+        else:
+            tops.append([])
+    return SampleResult(tokens, logprobs, tops)
