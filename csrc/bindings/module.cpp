@@ -7,6 +7,7 @@ void bind_errors(py::module_& m);
 void bind_info(py::module_& m);
 void bind_ops(py::module_& m);
 void bind_linear(py::module_& m);
+void bind_schedule(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "Kog native core: CPU/GPU kernels and the paged KV allocator";
@@ -14,4 +15,5 @@ PYBIND11_MODULE(_C, m) {
   bind_info(m);
   bind_ops(m);
   bind_linear(m);
+  bind_schedule(m);
 }

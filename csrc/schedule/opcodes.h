@@ -1,0 +1,37 @@
+// Opcodes and buffers of the decode instruction schedule: the program that both the CPU
+// executor and the GPU persistent decode kernel run, built on the host once per model config
+// (kog/schedule.py). Numeric values are part of the interface: kog.schedule.Opcode and
+// kog.schedule.Buffer mirror them, and tests/cpu/test_schedule.py checks they agree.
+#pragma once
+#include <cstdint>
+
+namespace kog::schedule {
+
+enum class Opcode : int32_t {
+  kEmbed = 0,       // hidden[b] = embed_tokens[token[b]]
+  kRmsNorm = 1,     // (residual += in, when fused) ; out = rmsnorm(residual or in) * weight
+  kLinear = 2,      // out = in @ weight^T (+ bias)
+  kQkNorm = 3,      // per-head RMSNorm of the q and k parts of qkv (Qwen3)
+  kRope = 4,        // rotate the q and k parts of qkv at the step's positions
+  kKvAppend = 5,    // write the k and v parts of qkv into this layer's paged cache
+  kAttnDecode = 6,  // attn = paged attention of q over this layer's cache
+  kSiluMul = 7,     // act = silu(gate) * up
+  kSample = 8,      // tokens = sample(logits)
+  kNumOpcodes = 9,
+};
+
+// Activation buffers of one decode step, each [batch, width] in the run dtype.
+enum class Buffer : int32_t {
+  kTokens = 0,    // [batch] int32: input token ids, then the sampled ones
+  kHidden = 1,    // [batch, hidden]
+  kResidual = 2,  // [batch, hidden]: the residual stream
+  kNormed = 3,    // [batch, hidden]
+  kQkv = 4,       // [batch, (n_q_heads + 2 n_kv_heads) head_dim]
+  kAttn = 5,      // [batch, n_q_heads head_dim]
+  kGateUp = 6,    // [batch, 2 intermediate]
+  kAct = 7,       // [batch, intermediate]
+  kLogits = 8,    // [batch, vocab] f32
+  kNumBuffers = 9,
+};
+
+}  // namespace kog::schedule
