@@ -5,6 +5,8 @@
 #include <vector>
 
 #include "ops/activation.h"
+#include "ops/attention.h"
+#include "ops/kv_append.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
 
@@ -15,6 +17,9 @@ struct KernelTable {
   void (*rmsnorm)(const RMSNormParams&);
   void (*rope)(const RopeParams&);
   void (*silu_and_mul)(const SiluAndMulParams&);
+  void (*kv_append)(const KVAppendParams&);
+  void (*paged_attention_decode)(const PagedAttentionParams&);
+  void (*paged_attention_prefill)(const PagedAttentionParams&);
 };
 
 namespace generic { const KernelTable& kernel_table(); }
