@@ -6,6 +6,8 @@
 
 #include "ops/activation.h"
 #include "ops/linear.h"
+#include "ops/attention.h"
+#include "ops/kv_append.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
 
@@ -17,6 +19,9 @@ struct KernelTable {
   void (*rope)(const RopeParams&);
   void (*silu_and_mul)(const SiluAndMulParams&);
   void (*linear)(const LinearParams&, float* scratch);  // scratch: m * k floats
+  void (*kv_append)(const KVAppendParams&);
+  void (*paged_attention_decode)(const PagedAttentionParams&);
+  void (*paged_attention_prefill)(const PagedAttentionParams&);
 };
 
 namespace generic { const KernelTable& kernel_table(); }

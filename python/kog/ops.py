@@ -286,3 +286,202 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _C.linear(out.data_ptr(), x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else 0,
               m, n, k, x_stride, out_stride, code, device)
     return out
+# ---- paged KV cache and attention ------------------------------------------------------------
+# One layer's cache: kv_cache [num_blocks, 2, n_kv_heads, block_size, head_dim] (dim 1: 0 = K,
+# 1 = V), contiguous; token t of a sequence is at block_tables[s][t // block_size], offset
+# t % block_size (slot = block_id * block_size + offset).
+
+
+def _heads(name: str, t: torch.Tensor, n_tokens: int | None = None) -> None:
+    if t.dim() != 3:
+        raise InvalidRequest(f"{name} must be [n_tokens, n_heads, head_dim], got shape {tuple(t.shape)}")
+    if n_tokens is not None and t.shape[0] != n_tokens:
+        raise InvalidRequest(f"{name} must have {n_tokens} tokens, got shape {tuple(t.shape)}")
+    if t.numel() and (t.stride(2) != 1 or t.stride(1) != t.shape[2]):
+        raise InvalidRequest(f"{name} heads must be contiguous, got strides {t.stride()}")
+
+
+def _token_stride(t: torch.Tensor) -> int:
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1] * t.shape[2]
+
+
+def _kv_cache_shape(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """(num_blocks, n_kv_heads, block_size, head_dim) of one layer's cache."""
+    _float_code("kv_cache", kv_cache)
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise InvalidRequest(
+            "kv_cache must be one layer [num_blocks, 2, n_kv_heads, block_size, head_dim], "
+            f"got shape {tuple(kv_cache.shape)}"
+        )
+    if not kv_cache.is_contiguous():
+        raise InvalidRequest("kv_cache must be contiguous (pass kv_caches[layer] of the full cache)")
+    num_blocks, _, n_kv_heads, block_size, head_dim = kv_cache.shape
+    if num_blocks == 0 or n_kv_heads == 0 or block_size == 0 or head_dim == 0:
+        raise InvalidRequest(f"kv_cache has an empty dimension: {tuple(kv_cache.shape)}")
+    return num_blocks, n_kv_heads, block_size, head_dim
+
+
+def _index_vector(name: str, t: torch.Tensor, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if t.dtype != dtype or t.shape != (n,):
+        raise InvalidRequest(f"{name} must be {dtype} of shape ({n},), got {t.dtype} {tuple(t.shape)}")
+    if t.device != device:
+        raise InvalidRequest(f"{name} is on {t.device} but the cache is on {device}")
+    return t.contiguous()
+
+
+def kv_append(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    validate_indices: bool = True,
+) -> None:
+    """Write this step's keys and values into one layer's paged cache (reshape_and_cache).
+
+    Args:
+        k: [n_tokens, n_kv_heads, head_dim], heads contiguous, any token stride.
+        v: like k.
+        kv_cache: [num_blocks, 2, n_kv_heads, block_size, head_dim], same dtype and device.
+        slot_mapping: [n_tokens] int64, block_id * block_size + offset; negative = skip (padding).
+            Non-negative slots must be distinct.
+        validate_indices: check slot values (reads them; pass False when the caller already has).
+    """
+    num_blocks, n_kv_heads, block_size, head_dim = _kv_cache_shape(kv_cache)
+    code = _DTYPE_CODE[kv_cache.dtype]
+    for name, t in (("k", k), ("v", v)):
+        _same(name, t, kv_cache, "kv_cache")
+        _heads(name, t, k.shape[0] if k.dim() == 3 else None)
+        if t.shape[1:] != (n_kv_heads, head_dim):
+            raise InvalidRequest(f"{name} must be [n_tokens, {n_kv_heads}, {head_dim}] to match kv_cache, got {tuple(t.shape)}")
+    n_tokens = k.shape[0]
+    slot_mapping = _index_vector("slot_mapping", slot_mapping, n_tokens, torch.int64, kv_cache.device)
+    if validate_indices and n_tokens:
+        if int(slot_mapping.max()) >= num_blocks * block_size:
+            raise InvalidRequest(f"slot_mapping holds slot {int(slot_mapping.max())} past the cache ({num_blocks} blocks of {block_size})")
+        used = slot_mapping[slot_mapping >= 0]
+        if used.numel() != torch.unique(used).numel():
+            raise InvalidRequest("slot_mapping maps two tokens to the same slot")
+    device, stream = _device_and_stream(kv_cache)
+    _C.kv_append(
+        kv_cache.data_ptr(), k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(), n_tokens,
+        n_kv_heads, head_dim, block_size, num_blocks, _token_stride(k), _token_stride(v), code,
+        device, stream,
+    )
+
+
+def paged_attention_decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float | None = None, out: torch.Tensor | None = None, validate_indices: bool = True,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its cached context (FlashDecoding on CPU).
+
+    Args:
+        q: [n_seqs, n_q_heads, head_dim], heads contiguous; n_q_heads a multiple of n_kv_heads,
+            head_dim a multiple of 16 up to 256.
+        kv_cache: one layer [num_blocks, 2, n_kv_heads, block_size, head_dim], q's dtype.
+        block_tables: [n_seqs, max_blocks_per_seq] int32 block ids (entries past a sequence's
+            last block are ignored).
+        seq_lens: [n_seqs] int32 tokens in the cache incl. the new one, in [1, max_blocks * block_size].
+        scale: softmax scale, head_dim ** -0.5 when None.
+        out: optional [n_seqs, n_q_heads, head_dim] like q.
+        validate_indices: check seq_lens and block ids (reads them; pass False for later layers
+            of a step whose metadata was checked once).
+
+    Returns:
+        out: [n_seqs, n_q_heads, head_dim].
+    """
+    return _paged_attention(q, kv_cache, block_tables, seq_lens, None, scale, out, validate_indices)
+
+
+def paged_attention_prefill(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor, scale: float | None = None, out: torch.Tensor | None = None,
+    validate_indices: bool = True,
+) -> torch.Tensor:
+    """Causal attention of a batch of query chunks over their cached context.
+
+    Serves prompt prefill, chunked prefill and multi-token (speculative) verification. Sequence
+    s owns q rows [query_start_loc[s], query_start_loc[s+1]) (q_len of them); its row i sits at
+    position seq_lens[s] - q_len + i and attends to the cached positions up to that one.
+
+    Args:
+        q: [n_tokens, n_q_heads, head_dim], heads contiguous.
+        kv_cache, block_tables, scale, out, validate_indices: as for paged_attention_decode.
+        seq_lens: [n_seqs] int32 cached tokens per sequence incl. this chunk, >= q_len.
+        query_start_loc: [n_seqs + 1] int32, non-decreasing, first 0, last n_tokens.
+
+    Returns:
+        out: [n_tokens, n_q_heads, head_dim].
+    """
+    if query_start_loc is None:
+        raise InvalidRequest("query_start_loc is required (use paged_attention_decode for one token per sequence)")
+    return _paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, validate_indices)
+
+
+def _paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, validate):
+    decode = query_start_loc is None
+    num_blocks, n_kv_heads, block_size, head_dim = _kv_cache_shape(kv_cache)
+    code = _DTYPE_CODE[kv_cache.dtype]
+    _same("q", q, kv_cache, "kv_cache")
+    _heads("q", q)
+    n_tokens, n_q_heads = q.shape[0], q.shape[1]
+    if q.shape[2] != head_dim:
+        raise InvalidRequest(f"q head_dim {q.shape[2]} != kv_cache head_dim {head_dim}")
+    if n_q_heads == 0 or n_q_heads % n_kv_heads:
+        raise InvalidRequest(f"q has {n_q_heads} heads, not a multiple of kv_cache's {n_kv_heads}")
+    if head_dim % 16 or head_dim > 256:
+        raise InvalidRequest(f"head_dim must be a multiple of 16 up to 256, got {head_dim}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
+        raise InvalidRequest(f"block_tables must be 2-D int32, got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if block_tables.device != kv_cache.device:
+        raise InvalidRequest(f"block_tables is on {block_tables.device} but kv_cache is on {kv_cache.device}")
+    if block_tables.numel() and block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    n_seqs, max_blocks = block_tables.shape
+    seq_lens = _index_vector("seq_lens", seq_lens, n_seqs, torch.int32, kv_cache.device)
+    if decode and n_tokens != n_seqs:
+        raise InvalidRequest(f"decode takes one query per sequence: q has {n_tokens} tokens, block_tables {n_seqs} rows")
+    if not decode:
+        query_start_loc = _index_vector("query_start_loc", query_start_loc, n_seqs + 1, torch.int32, kv_cache.device)
+    max_seq_len = int(seq_lens.max()) if n_seqs else 0
+    q_lens = query_start_loc.diff() if not decode else None
+    max_q_len = 1 if decode else (int(q_lens.max()) if n_seqs else 0)
+    if validate and n_seqs:
+        _check_attention_indices(seq_lens, block_tables, query_start_loc, q_lens, n_tokens, num_blocks, block_size, decode)
+    if scale is None:
+        scale = head_dim ** -0.5
+    if not math.isfinite(scale):
+        raise InvalidRequest(f"scale must be finite, got {scale}")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    else:
+        _same("out", out, q, "q")
+        _heads("out", out)
+        if out.shape != q.shape:
+            raise InvalidRequest(f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
+    device, stream = _device_and_stream(kv_cache)
+    _C.paged_attention(
+        decode, out.data_ptr(), q.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(),
+        seq_lens.data_ptr(), 0 if decode else query_start_loc.data_ptr(), n_seqs, n_tokens,
+        n_q_heads, n_kv_heads, head_dim, block_size, num_blocks, max_blocks,
+        block_tables.stride(0) if n_seqs > 1 else max_blocks, _token_stride(q), _token_stride(out),
+        max_seq_len, max_q_len, float(scale), code, device, stream,
+    )
+    return out
+
+
+def _check_attention_indices(seq_lens, block_tables, query_start_loc, q_lens, n_tokens, num_blocks, block_size, decode):
+    max_blocks = block_tables.shape[1]
+    if int(seq_lens.min()) < (1 if decode else 0):
+        raise InvalidRequest(f"seq_lens must be >= {1 if decode else 0}, got {seq_lens.tolist()[:16]}")
+    if int(seq_lens.max()) > max_blocks * block_size:
+        raise InvalidRequest(f"seq_lens {int(seq_lens.max())} exceeds block_tables capacity ({max_blocks} blocks of {block_size})")
+    if query_start_loc is not None:
+        if int(query_start_loc[0]) != 0 or int(query_start_loc[-1]) != n_tokens:
+            raise InvalidRequest(f"query_start_loc must start at 0 and end at n_tokens={n_tokens}, got {query_start_loc.tolist()[:16]}")
+        if int(q_lens.min()) < 0:
+            raise InvalidRequest("query_start_loc must be non-decreasing")
+        if bool((q_lens > seq_lens).any()):
+            raise InvalidRequest("a sequence has more query tokens (query_start_loc) than seq_lens")
+    n_used = (seq_lens.to(torch.int64) + block_size - 1) // block_size  # [n_seqs]
+    used = torch.arange(max_blocks, device=block_tables.device)[None, :] < n_used[:, None]
+    ids = block_tables[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise InvalidRequest(f"block_tables holds block ids outside [0, {num_blocks}) in a sequence's used blocks")

@@ -10,9 +10,13 @@ void rmsnorm(const RMSNormParams& p);
 void rope(const RopeParams& p);
 void silu_and_mul(const SiluAndMulParams& p);
 void linear(const LinearParams& p, float* scratch);
+void kv_append(const KVAppendParams& p);
+void paged_attention_decode(const PagedAttentionParams& p);
+void paged_attention_prefill(const PagedAttentionParams& p);
 
 const KernelTable& kernel_table() {
-  static const KernelTable table{KOG_STR(KOG_ISA_NS), &rmsnorm, &rope, &silu_and_mul, &linear};
+  static const KernelTable table{KOG_STR(KOG_ISA_NS), &rmsnorm, &rope, &silu_and_mul, &linear,
+                                 &kv_append, &paged_attention_decode, &paged_attention_prefill};
   return table;
 }
 

@@ -91,3 +91,59 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         out = out + bias.double()
     return out.to(x.dtype)
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's cache as dense (k, v), each [seq_len, n_kv_heads, head_dim].
+
+    kv_cache: one layer [num_blocks, 2, n_kv_heads, block_size, head_dim]; block_table: [>= blocks used].
+    """
+    block_size = kv_cache.shape[3]
+    n_blocks = -(-seq_len // block_size)
+    blocks = kv_cache[block_table[:n_blocks].long()]  # [n_blocks, 2, Hk, block_size, D]
+    dense = blocks.permute(1, 0, 3, 2, 4).reshape(2, n_blocks * block_size, *blocks.shape[2:3], blocks.shape[4])
+    return dense[0, :seq_len], dense[1, :seq_len]
+
+
+def kv_append(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """A new cache with token i's k, v [T, Hk, D] at slot_mapping[i] (skipped when < 0)."""
+    out = kv_cache.clone()
+    block_size = kv_cache.shape[3]
+    for i, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            out[slot // block_size, 0, :, slot % block_size] = k[i]
+            out[slot // block_size, 1, :, slot % block_size] = v[i]
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's query rows over its gathered cache, in fp32.
+
+    q: [T, Hq, D]; query_start_loc [S + 1] (None = one query per sequence, decode); a query
+    row i of a chunk of q_len rows sits at position seq_len - q_len + i.
+    """
+    n_seqs = block_tables.shape[0]
+    if query_start_loc is None:
+        query_start_loc = torch.arange(n_seqs + 1)
+    head_dim = q.shape[-1]
+    scale = head_dim ** -0.5 if scale is None else scale
+    group = q.shape[1] // kv_cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for s in range(n_seqs):
+        a, b = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        seq_len, q_len = int(seq_lens[s]), b - a
+        if q_len == 0:
+            continue
+        k, v = gather_kv(kv_cache, block_tables[s], seq_len)
+        k = k.float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v.float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[a:b].float(), k) * scale  # [Hq, q_len, L]
+        pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > pos, float("-inf"))
+        out[a:b] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+    return out.to(q.dtype)

@@ -1,0 +1,79 @@
+// CPU paged-attention prefill: several query tokens per sequence (prompt chunks, speculative
+// verification), causal against the cache. Contract: csrc/ops/attention.h.
+//
+// Work item = (sequence, tile of query tokens, KV head). Its rows are tile tokens x the GQA
+// group of that KV head, so each K/V chunk is converted once and used by every row; the keys
+// are walked once, in chunks, with online softmax (flash-attention style).
+#include <omp.h>
+
+#include "cpu/ops/attention_common.h"
+
+namespace kog::cpu::KOG_ISA_NS {
+namespace {
+
+using namespace attn;
+
+// Rows per work item: enough to reuse each K/V chunk, few enough to keep acc in L2.
+constexpr int64_t kTargetRows = 64;
+constexpr int64_t kParallelMinWork = 1 << 18;
+
+template <typename T>
+void prefill(const PagedAttentionParams& p) {
+  const int64_t D = p.head_dim, G = p.n_q_heads / p.n_kv_heads, Hkv = p.n_kv_heads;
+  const int64_t tile = kTargetRows / G > 0 ? kTargetRows / G : 1;
+  const int64_t max_rows = tile * G;
+  // Work list: the tiles of every sequence, tile t of seq s at first_item[s] + t.
+  Scratch<int64_t> first_item(p.n_seqs + 1);
+  int64_t n_items = 0, work = 0;
+  for (int64_t s = 0; s < p.n_seqs; ++s) {
+    const int64_t q_len = p.query_start_loc[s + 1] - p.query_start_loc[s];
+    first_item.p[s] = n_items;
+    n_items += (q_len + tile - 1) / tile;
+    work += q_len * int64_t(p.seq_lens[s]) * p.n_q_heads * D;
+  }
+  first_item.p[p.n_seqs] = n_items;
+  Scratch<int64_t> item_seq(n_items);
+  for (int64_t s = 0; s < p.n_seqs; ++s)
+    for (int64_t it = first_item.p[s]; it < first_item.p[s + 1]; ++it) item_seq.p[it] = s;
+  const int nthreads = work >= kParallelMinWork ? omp_get_max_threads() : 1;
+  const int64_t per_thread = rows_scratch(max_rows, D);
+  Scratch<float> scratch(nthreads * per_thread);
+  Scratch<int64_t> limits(nthreads * max_rows);
+  const T* q_base = static_cast<const T*>(p.q);
+  T* out_base = static_cast<T*>(p.out);
+
+#pragma omp parallel num_threads(nthreads)
+  {
+    Rows r;
+    const int tid = omp_get_thread_num();
+    bind_rows(r, scratch.p + tid * per_thread, max_rows, D, limits.p + tid * max_rows);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < n_items * Hkv; ++w) {
+      // Last tiles first: they see the most keys, so the tail of the loop is the cheap work.
+      const int64_t rev = n_items * Hkv - 1 - w;
+      const int64_t item = rev / Hkv, kvh = rev % Hkv, s = item_seq.p[item];
+      const int64_t q_start = p.query_start_loc[s];
+      const int64_t q_len = p.query_start_loc[s + 1] - q_start, len = p.seq_lens[s];
+      const int64_t q0 = (item - first_item.p[s]) * tile, nq = min_i(tile, q_len - q0);
+      const int64_t pos0 = len - q_len + q0;  // absolute position of the tile's first token
+      r.n = nq * G;
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          load_row(r, i * G + g, q_base + (q_start + q0 + i) * p.q_stride + (kvh * G + g) * D, p.scale, D);
+          r.limit[i * G + g] = pos0 + i;
+        }
+      attend<T>(p, p.block_tables + s * p.block_tables_stride, kvh, 0, pos0 + nq, r);
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t g = 0; g < G; ++g)
+          store_row(r, i * G + g, out_base + (q_start + q0 + i) * p.out_stride + (kvh * G + g) * D, D);
+    }
+  }
+}
+
+}  // namespace
+
+void paged_attention_prefill(const PagedAttentionParams& p) {
+  dispatch_float(p.dtype, [&](auto tag) { prefill<decltype(tag)>(p); });
+}
+
+}  // namespace kog::cpu::KOG_ISA_NS

@@ -1,0 +1,49 @@
+// Paged attention over one layer's KV cache, one params struct for the decode and the prefill
+// (chunked prefill, multi-token verification) kernels of every backend.
+//
+// Sequence s owns query tokens [query_start_loc[s], query_start_loc[s+1]) of q (q_len of them;
+// decode: exactly one, token s) and seq_lens[s] cached tokens, this step's included. Its query
+// token i sits at absolute position seq_len - q_len + i and attends causally to the cached
+// positions <= that one. Cached token t lives in block block_tables[s][t / block_size] at
+// offset t % block_size. Query head h reads KV head h / (n_q_heads / n_kv_heads) (GQA).
+//   out = softmax(scale * q k^T) v, softmax and accumulation in fp32, one rounding to dtype.
+#pragma once
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace kog {
+
+struct PagedAttentionParams {
+  void* out;                       // [n_tokens, n_q_heads, head_dim] dtype, token stride out_stride, heads contiguous
+  const void* q;                   // [n_tokens, n_q_heads, head_dim] dtype, token stride q_stride, heads contiguous
+  const void* kv_cache;            // [num_blocks, 2, n_kv_heads, block_size, head_dim] dtype, contiguous:
+                                   //   one layer (index 0 of dim 1 = K, 1 = V)
+  const int32_t* block_tables;     // [n_seqs, max_blocks_per_seq] physical block ids, row stride
+                                   //   block_tables_stride; entries past a sequence's last block are ignored
+  const int32_t* seq_lens;         // [n_seqs] cached tokens per sequence incl. this step's, >= q_len
+  const int32_t* query_start_loc;  // [n_seqs + 1] cumulative query counts, first 0, last n_tokens;
+                                   //   nullptr = decode: one query per sequence, n_tokens == n_seqs
+  int64_t n_seqs;
+  int64_t n_tokens;                // query tokens in q and out
+  int64_t n_q_heads;               // a multiple of n_kv_heads
+  int64_t n_kv_heads;
+  int64_t head_dim;                // a multiple of 16, <= 256
+  int64_t block_size;              // tokens per KV block
+  int64_t num_blocks;              // blocks in this layer's cache: block ids are < num_blocks
+  int64_t max_blocks_per_seq;      // columns of block_tables
+  int64_t block_tables_stride;     // elements between rows of block_tables
+  int64_t q_stride;                // elements between tokens of q
+  int64_t out_stride;              // elements between tokens of out
+  int64_t max_seq_len;             // max(seq_lens), known on the host: sizes split-context work
+  int64_t max_q_len;               // max query tokens of one sequence (1 for decode)
+  float scale;                     // softmax scale, usually head_dim^-0.5
+  DType dtype;                     // f32, f16 or bf16: q, out and kv_cache alike
+};
+
+// Kernels split a sequence's context into partitions of this many tokens (rounded to whole
+// blocks), computed in parallel and merged by log-sum-exp (FlashDecoding), so a single long
+// sequence keeps every core busy.
+constexpr int64_t kAttentionPartitionTokens = 512;
+
+}  // namespace kog
