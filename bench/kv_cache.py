@@ -73,8 +73,8 @@ def main() -> None:
     tu, _ = block_ops(n, False)
     rows.append(("append+fork+free, batched (100k seqs)", f"{ops / tb / 1e6:.2f} M block ops/s",
                  f"{tu / tb:.1f}x vs per-call binding ({ops / tu / 1e6:.2f} M/s)"))
-    f1k, c1 = min(fork_time(1024) for _ in range(3))
-    f128k, c128 = min(fork_time(128 * 1024) for _ in range(3))
+    f1k, c1 = min(fork_time(1024) for _ in range(5))
+    f128k, c128 = min(fork_time(128 * 1024) for _ in range(5))
     rows.append(("fork, 1k-token context", f"{f1k * 1e6:.2f} us", "baseline"))
     rows.append(("fork, 128k-token context", f"{f128k * 1e6:.2f} us", f"{f128k / f1k:.2f}x vs 1k"))
     rows.append(("KV bytes copied at fork", f"{(c1 + c128)} CoW copies = 0 B", "target 0"))
