@@ -1,0 +1,152 @@
+// KVCacheAllocator: per-sequence block tables over a BlockPool, copy-on-write forks, the global
+// prefix cache, pins, suspend/resume and swap to a host pool. Plain C++: it moves no KV bytes,
+// it returns the copies (Moves) for the backend to perform.
+//
+// Error guarantee (strong): every public method validates and plans first, then mutates; a
+// throw (kog::Error) leaves the allocator exactly as it was.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "kvcache/block_pool.h"
+#include "kvcache/ids.h"
+
+namespace kog::kv {
+
+struct KVConfig {
+  int32_t num_blocks = 0;       // device pool size
+  int32_t block_size = 16;      // tokens per block
+  int32_t num_host_blocks = 0;  // host swap pool size (0: no swapping)
+  std::string cache_namespace;  // seeds the prefix hash chain (e.g. the model id)
+  int64_t bytes_per_block = 0;  // KV bytes of one block, all layers (for stats only)
+};
+
+// Copies the backend must perform, in this order: swap_out, swap_in, cow, then the new tokens'
+// KV writes at `slots`. NOTE: a block freed by a swap-out may be reused in the same call, so the
+// device->host copies must run before anything writes to device blocks.
+struct Moves {
+  std::vector<std::pair<int32_t, int32_t>> swap_out;  // (device block, host block)
+  std::vector<std::pair<int32_t, int32_t>> swap_in;   // (host block, device block)
+  std::vector<std::pair<int32_t, int32_t>> cow;       // (src device block, dst device block)
+  std::vector<int64_t> slots;  // [n new tokens] block_id * block_size + offset, in order
+};
+
+enum class SeqState : uint8_t { kRunning = 0, kSuspended = 1, kSwapped = 2 };
+
+struct Stats {
+  int32_t num_blocks, blocks_free, blocks_used, blocks_cached, blocks_pinned;
+  int32_t num_host_blocks, host_blocks_free, blocks_swapped;
+  int64_t num_sequences, prefix_queries, prefix_query_tokens, prefix_hit_tokens;
+  int64_t cow_copies, evictions, blocks_swapped_out, blocks_swapped_in;
+  int64_t bytes_swapped_out, bytes_swapped_in;
+};
+
+struct SeqInfo {
+  SeqState state;
+  int32_t tail;  // device tail block (the anchor of the resident prefix when swapped), -1 none
+  int64_t num_tokens;
+  bool tokens_known;
+  std::vector<int32_t> host_blocks;  // swapped-out suffix, root first
+};
+
+class KVCacheAllocator {
+ public:
+  explicit KVCacheAllocator(const KVConfig& cfg);
+
+  // ---- public API: sequences -------------------------------------------------------------
+  // Creates `seq` from a prompt: shares the longest cached prefix (full blocks), allocates the
+  // rest. Returns the number of prompt tokens already cached (their KV need not be computed).
+  int64_t add_sequence(SeqId seq, const int32_t* tokens, int64_t n, Moves& mv);
+  // Appends n tokens (token ids, or nullptr if unknown: the sequence then stops feeding the
+  // prefix cache). May copy-on-write the tail block and swap out suspended sequences.
+  void append(SeqId seq, int64_t n, const int32_t* tokens, Moves& mv);
+  // Count-only append for many distinct running sequences, all-or-nothing.
+  void append_batch(const int64_t* seqs, const int64_t* counts, int64_t n, Moves& mv);
+  // `child` shares every block of `parent`: O(1), no KV bytes copied.
+  void fork(SeqId parent, SeqId child);
+  void fork_batch(const int64_t* parents, const int64_t* children, int64_t n);
+  // Rolls back to the first n tokens, releasing blocks past them.
+  void truncate(SeqId seq, int64_t n);
+  void free(SeqId seq);
+  void free_batch(const int64_t* seqs, int64_t n);
+  void suspend(SeqId seq);
+  void resume(SeqId seq, Moves& mv);
+  void swap_out(SeqId seq, Moves& mv);  // explicit swap of a suspended sequence
+
+  // ---- public API: prefix cache ----------------------------------------------------------
+  int64_t lookup(const int32_t* tokens, int64_t n);  // cached prefix length in tokens
+  std::pair<PinId, int64_t> pin(const int32_t* tokens, int64_t n);  // (id, tokens pinned)
+  void unpin(PinId pin);
+  int32_t evict(int32_t n_blocks) { return pool_.evict(n_blocks); }
+
+  // ---- views -----------------------------------------------------------------------------
+  std::vector<int32_t> block_table(SeqId seq);
+  bool contains(SeqId seq) const { return seqs_.count(seq) != 0; }
+  SeqInfo info(SeqId seq) const;
+  std::vector<int64_t> sequence_ids() const;
+  std::vector<std::pair<int64_t, std::vector<int32_t>>> pins() const;
+  std::vector<int32_t> host_free_stack() const { return host_free_; }
+  Stats stats() const;
+  const BlockPool& pool() const { return pool_; }
+  int32_t block_size() const { return bs_; }
+
+ private:
+  struct Sequence {
+    BlockId tail;
+    int64_t num_tokens = 0;
+    bool tokens_known = true;
+    SeqState state = SeqState::kRunning;
+    uint64_t suspend_tick = 0;
+    bool table_valid = true;
+    std::vector<int32_t> table;             // cached block table, rebuilt lazily after fork
+    std::vector<HostBlockId> host_blocks;   // swapped-out suffix, root first
+  };
+
+  // ---- internal helpers ------------------------------------------------------------------
+  Sequence& get(SeqId seq);
+  const Sequence& get(SeqId seq) const;
+  Sequence& get_running(SeqId seq, const char* op);
+  int64_t blocks_for(int64_t n_tokens) const { return (n_tokens + bs_ - 1) / bs_; }
+  int64_t append_need(const Sequence& s, int64_t n) const;
+  // Makes `need` blocks allocatable: counts free + cached blocks, then plans swap-outs of
+  // suspended sequences (oldest first); throws KVCacheFull before any change if short.
+  // `held` are blocks the caller is about to reference (never counted as swappable).
+  void reserve(int64_t need, Moves& mv, const std::unordered_set<int32_t>* held = nullptr);
+  std::vector<BlockId> exclusive_suffix(const Sequence& s,
+                                        const std::unordered_set<int32_t>* held) const;
+  void do_swap_out(SeqId id, Sequence& s, Moves& mv);
+  void do_append(Sequence& s, int64_t n, const int32_t* tokens, Moves& mv);
+  void prepare_tail_write(Sequence& s, Moves& mv);
+  void seal_tail(Sequence& s);
+  std::vector<BlockId> match(const int32_t* tokens, int64_t n) const;
+  BlockId acquire(const std::vector<BlockId>& chain);  // refs chain.back(), revives as needed
+  void materialize(Sequence& s);
+  void drop_suspended(Sequence& s);
+
+  int32_t bs_;
+  int64_t bytes_per_block_;
+  BlockHash seed_;
+  BlockPool pool_;
+  std::unordered_map<SeqId, Sequence> seqs_;
+  std::map<uint64_t, SeqId> suspended_;  // resident suspended sequences, oldest first
+  uint64_t tick_ = 0;
+  std::unordered_map<PinId, std::vector<BlockId>> pins_;
+  std::vector<int32_t> pin_count_;  // per device block
+  int32_t pinned_blocks_ = 0;
+  int64_t next_pin_ = 0;
+  // Host swap pool: a free stack plus a copy of each swapped block's metadata.
+  int32_t num_host_;
+  std::vector<int32_t> host_free_;
+  std::vector<uint8_t> host_hashed_;
+  std::vector<BlockHash> host_hash_, host_parent_hash_;
+  std::vector<int32_t> host_tokens_;
+  int64_t queries_ = 0, query_tokens_ = 0, hit_tokens_ = 0, cow_ = 0;
+  int64_t swapped_out_ = 0, swapped_in_ = 0;
+};
+
+}  // namespace kog::kv
