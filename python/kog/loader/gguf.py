@@ -19,6 +19,7 @@ import torch
 
 from kog.config import ModelConfig
 from kog.errors import ModelLoadError
+from kog.loader.gguf_file import GGUFFile, TensorInfo
 from kog.loader.weights import Weights, check_shape, expected_shapes, progress_bar, select_names
 
 # GGUF `general.architecture` -> Kog family. Mistral GGUFs are written with the llama architecture.
@@ -62,19 +63,10 @@ class GGUFCheckpoint:
     """One GGUF file, memory-mapped: its metadata, config, weights and tokenizer fields."""
 
     def __init__(self, path: str | Path):
-        import gguf
-
-        self.path = Path(path)
-        try:
-            self.reader = gguf.GGUFReader(self.path)
-        except Exception as e:  # a truncated or foreign file fails in numpy or in the parser
-            raise ModelLoadError(f"{self.path}: not a readable GGUF file: {type(e).__name__}: {e}") from None
-        self.tensors = {t.name: t for t in self.reader.tensors}
-
-    @cached_property
-    def metadata(self) -> dict[str, Any]:
-        """Every key-value field as plain Python (str, int, float, bool, lists of those)."""
-        return {k: f.contents() for k, f in self.reader.fields.items() if not k.startswith("GGUF.")}
+        self.file = GGUFFile(path)
+        self.path = self.file.path
+        self.metadata: dict[str, Any] = self.file.metadata
+        self.tensors: dict[str, TensorInfo] = self.file.tensors
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -138,10 +130,10 @@ class GGUFCheckpoint:
         weights: Weights = {}
         with progress_bar(len(names), f"loading {self.path.name}", progress) as bar:
             for name in names:
-                tensor = self.tensors[by_hf[name]]
-                shape = tuple(int(s) for s in reversed(tensor.shape))  # GGUF lists ne0 (columns) first
-                check_shape(name, shape, expected, f"{self.path} (GGUF tensor {tensor.name})")
-                w = self._dequantize(tensor, shape).to(dtype)
+                info = self.tensors[by_hf[name]]
+                shape = info.torch_shape
+                check_shape(name, shape, expected, f"{self.path} (GGUF tensor {info.name})")
+                w = self._dequantize(info, shape).to(dtype)
                 if config.architecture == "llama" and ".self_attn.q_proj." in name:
                     w = _unpermute_rows(w, config.num_attention_heads)
                 elif config.architecture == "llama" and ".self_attn.k_proj." in name:
@@ -152,25 +144,26 @@ class GGUFCheckpoint:
 
     # ------------------------------------------------------------------ internal helpers
 
-    def _dequantize(self, tensor: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    def _dequantize(self, info: TensorInfo, shape: tuple[int, ...]) -> torch.Tensor:
         import gguf
 
-        qtype = tensor.tensor_type
+        raw = self.file.data(info)  # uint8 [nbytes], read-only view of the file
+        qtype = info.qtype
         try:
             if qtype == gguf.GGMLQuantizationType.F32:
-                array = np.array(tensor.data, dtype=np.float32)  # copy: the mmap is read-only
+                array = raw.view(np.float32).copy()  # copy: the mapping is read-only
             elif qtype == gguf.GGMLQuantizationType.F16:
-                array = np.array(tensor.data, dtype=np.float16)
+                array = raw.view(np.float16).copy()
             elif qtype == gguf.GGMLQuantizationType.BF16:
-                bits = torch.from_numpy(np.array(tensor.data).view(np.int16))
-                return bits.view(torch.bfloat16).reshape(shape)
+                return torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16).reshape(shape)
             else:
-                array = gguf.quants.dequantize(tensor.data, qtype)
+                rows = int(np.prod(shape[:-1], dtype=np.int64))
+                array = gguf.quants.dequantize(raw.reshape(rows, -1), qtype)
             return torch.from_numpy(array).reshape(shape)
         except NotImplementedError:
-            raise ModelLoadError(f"{self.path}: tensor {tensor.name!r} uses unsupported type {qtype.name}") from None
+            raise ModelLoadError(f"{self.path}: tensor {info.name!r} uses unsupported type {qtype.name}") from None
         except (ValueError, RuntimeError) as e:
-            raise ModelLoadError(f"{self.path}: tensor {tensor.name!r} is corrupt: {e}") from None
+            raise ModelLoadError(f"{self.path}: tensor {info.name!r} is corrupt: {e}") from None
 
     def _rope_scaling(self, arch: str, head_dim: int) -> dict[str, Any] | None:
         kind = self.get(f"{arch}.rope.scaling.type")
@@ -182,7 +175,7 @@ class GGUFCheckpoint:
             return scaling
         if _ROPE_FREQS in self.tensors:
             return _llama3_scaling_from_factors(
-                torch.from_numpy(np.array(self.tensors[_ROPE_FREQS].data, dtype=np.float32)),
+                self._dequantize(self.tensors[_ROPE_FREQS], self.tensors[_ROPE_FREQS].torch_shape).float(),
                 float(self.get(f"{arch}.rope.freq_base", 10000.0)), head_dim, self.path,
             )
         if kind not in (None, "none"):
