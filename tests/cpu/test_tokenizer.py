@@ -1,0 +1,175 @@
+"""Tokenizers built from GGUF metadata: ids against an independent BPE and against transformers;
+incremental detokenization."""
+
+from __future__ import annotations
+
+import pytest
+import regex
+
+from kog.errors import ModelLoadError
+from kog.loader import GGUFCheckpoint, IncrementalDetokenizer, Tokenizer, resolve_model, tokenizer_from_gguf
+from kog.testing.tiny_models import tiny_tokenizer, tiny_tokenizer_metadata
+
+TRICKY = [
+    "Hello world",
+    " leading space and trailing space ",
+    "multiple   spaces\t\ttabs\n\n\nnewlines  \n ",
+    "naïve café résumé über Straße",
+    "東京は日本の首都です。中文测试",
+    "emoji 😀👍🏽 family 👨‍👩‍👧‍👦 flags 🇫🇷🇯🇵",
+    "numbers 1234567890 3.14159 -42 1e-5 ٣٤٥",
+    "def f(x):\n    return {'a': [1, 2]}  # comment\n",
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
+    "I'm you're they've we'll she'd it's DON'T",
+    "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n",
+    "mixing<|im_end|>special<|endoftext|>tokens",
+    "zero\u200bwidth and \u00a0nbsp and \r\n crlf",
+    "Привет мир! Γειά σου κόσμε! مرحبا بالعالم",
+    "https://example.com/path?q=1&r=two#frag",
+    "    indented code block\n\tif (a && b || !c) { x += 1; }",
+    "",
+    "a",
+    "🙂",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf():
+    try:
+        return GGUFCheckpoint(resolve_model(None))
+    except ModelLoadError as e:  # neither installed nor downloadable (offline)
+        pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_gguf) -> Tokenizer:
+    return tokenizer_from_gguf(smollm2_gguf.metadata)
+
+
+# ---------------------------------------------------------------------- an independent reference BPE
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_GPT2_RE = regex.compile(r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+
+
+def reference_encode(text: str, metadata: dict) -> list[int]:
+    """llama.cpp's algorithm for the `smollm` pre-tokenizer, written plainly: split out control
+    tokens, isolate each digit, apply GPT-2's regex, map bytes, merge the lowest-ranked pair first."""
+    tokens, types = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.token_type"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranks = {tuple(m.split(" ")): r for r, m in enumerate(metadata["tokenizer.ggml.merges"])}
+    specials = [t for t, k in zip(tokens, types) if k == 3]
+    byte_map = _byte_to_unicode()
+    ids: list[int] = []
+    pattern = "(" + "|".join(regex.escape(s) for s in sorted(specials, key=len, reverse=True)) + ")"
+    for chunk in regex.split(pattern, text):
+        if chunk in vocab and chunk in specials:
+            ids.append(vocab[chunk])
+            continue
+        for piece in regex.split(r"(\p{N})", chunk):
+            for word in _GPT2_RE.findall(piece):
+                symbols = [byte_map[b] for b in word.encode("utf-8")]
+                while len(symbols) > 1:
+                    pairs = [(ranks.get((a, b), 1 << 30), i) for i, (a, b) in enumerate(zip(symbols, symbols[1:]))]
+                    rank, i = min(pairs)
+                    if rank == 1 << 30:
+                        break
+                    symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
+                ids += [vocab[s] for s in symbols]
+    return ids
+
+
+# ---------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_smollm2_ids_match_reference_bpe(smollm2_gguf, smollm2_tokenizer, text):
+    assert smollm2_tokenizer.encode(text) == reference_encode(text, smollm2_gguf.metadata)
+
+
+def test_smollm2_ids_match_transformers(smollm2_tokenizer, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    smollm2_tokenizer.save(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for text in TRICKY:
+        assert smollm2_tokenizer.encode(text) == hf(text)["input_ids"], text
+        ids = smollm2_tokenizer.encode(text)
+        assert smollm2_tokenizer.decode(ids) == hf.decode(ids) == text
+    assert (hf.bos_token, hf.eos_token) == (smollm2_tokenizer.bos_token, smollm2_tokenizer.eos_token)
+
+
+def test_smollm2_special_tokens(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    assert (tok.bos_token, tok.bos_token_id, tok.eos_token, tok.eos_token_id) == ("<|im_start|>", 1, "<|im_end|>", 2)
+    assert tok.encode("<|im_start|>assistant<|im_end|>") == [1, *tok.encode("assistant"), 2]
+    assert tok.decode([1, 2], skip_special_tokens=True) == ""
+    assert tok.encode("hi", add_special_tokens=True) == tok.encode("hi", add_special_tokens=False)  # no BOS
+
+
+def test_tiny_tokenizer_matches_reference():
+    tok, md = tiny_tokenizer(), tiny_tokenizer_metadata()
+    assert len(md["tokenizer.ggml.merges"]) > 100  # the trained vocabulary really merges
+    for text in TRICKY:
+        assert tok.encode(text) == reference_encode(text, md), text
+
+
+def test_add_bos_token_prepends_bos():
+    md = dict(tiny_tokenizer_metadata(), **{"tokenizer.ggml.add_bos_token": True})
+    tok = tokenizer_from_gguf(md)
+    assert tok.encode("hi")[0] == tok.bos_token_id == 1
+    assert tok.encode("hi", add_special_tokens=False) == tok.encode("hi")[1:]
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("tokenizer.ggml.model", "llama", "tokenizer model 'llama'"),
+    ("tokenizer.ggml.pre", "no-such-pre", "pre-tokenizer 'no-such-pre'"),
+])
+def test_unsupported_tokenizer_raises(key, value, match):
+    with pytest.raises(ModelLoadError, match=match):
+        tokenizer_from_gguf(dict(tiny_tokenizer_metadata(), **{key: value}), source="x.gguf")
+
+
+# ---------------------------------------------------------------------- incremental detokenization
+
+STREAMED = ["a😀中文 b🚀🚀x", "👨‍👩‍👧‍👦 family", "東京 → 北京 ✓", "tabs\tand\n\nnewlines  ", "I'm ok; café 1234"]
+
+
+@pytest.mark.parametrize("text", STREAMED)
+def test_detokenizer_emits_whole_characters(smollm2_tokenizer, text):
+    tok = smollm2_tokenizer
+    ids = tok.encode(text)
+    stream = IncrementalDetokenizer(tok)
+    deltas = [stream.step(i) for i in ids]
+    assert "".join(deltas) + stream.flush() == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_detokenizer_holds_back_split_characters(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = tok.encode("😀")
+    assert len(ids) > 1  # an emoji is several byte-level tokens in this vocabulary
+    stream = tok.detokenizer()
+    assert [stream.step(i) for i in ids] == [""] * (len(ids) - 1) + ["😀"]
+
+
+def test_detokenizer_flush_and_specials(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    emoji = tok.encode("🚀")
+    stream = tok.detokenizer()
+    assert stream.step(emoji[0]) == ""
+    assert stream.flush() == "\ufffd"  # an unfinished character comes out as U+FFFD at the end
+    skip = tok.detokenizer(skip_special_tokens=True)
+    assert "".join(skip.step(i) for i in tok.encode("<|im_start|>hi<|im_end|>")) == "hi"
