@@ -62,9 +62,13 @@ def random_weights(config: ModelConfig, seed: int = 0) -> Weights:
     return weights
 
 
-@lru_cache(maxsize=1)
-def tiny_tokenizer_metadata() -> dict[str, Any]:
-    """GGUF `tokenizer.ggml.*` metadata of a ~400-token byte-level BPE (SmolLM2-style pre-tokenizer)."""
+@lru_cache(maxsize=4)
+def tiny_tokenizer_metadata(pre: str = "smollm") -> dict[str, Any]:
+    """GGUF `tokenizer.ggml.*` metadata of a ~400-token byte-level BPE.
+
+    The vocabulary is trained with SmolLM2's pre-tokenizer; `pre` names the one the tokenizer
+    declares ("qwen2" for Qwen models: transformers imposes Qwen's own on them).
+    """
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models, pre_tokenizers, trainers
 
@@ -79,7 +83,7 @@ def tiny_tokenizer_metadata() -> dict[str, Any]:
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     return {
         "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "smollm",
+        "tokenizer.ggml.pre": pre,
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": [3 if t in SPECIAL_TOKENS else 1 for t in tokens],
         "tokenizer.ggml.merges": merges,
@@ -90,8 +94,13 @@ def tiny_tokenizer_metadata() -> dict[str, Any]:
     }
 
 
-def tiny_tokenizer() -> Tokenizer:
-    return tokenizer_from_gguf(tiny_tokenizer_metadata(), source="tiny tokenizer")
+def tiny_tokenizer(pre: str = "smollm") -> Tokenizer:
+    return tokenizer_from_gguf(tiny_tokenizer_metadata(pre), source="tiny tokenizer")
+
+
+def default_pre(config: ModelConfig) -> str:
+    """The pre-tokenizer a real model of this family uses."""
+    return "qwen2" if config.architecture in ("qwen2", "qwen3") else "smollm"
 
 
 def write_hf_model(folder: str | Path, config: ModelConfig, weights: Weights | None = None,
@@ -102,7 +111,7 @@ def write_hf_model(folder: str | Path, config: ModelConfig, weights: Weights | N
     folder.mkdir(parents=True, exist_ok=True)
     weights = random_weights(config) if weights is None else weights
     (folder / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
-    (tokenizer or tiny_tokenizer()).save(folder, chat_template=chat_template)
+    (tokenizer or tiny_tokenizer(default_pre(config))).save(folder, chat_template=chat_template)
     if shards == 1:
         save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
         return folder
@@ -133,7 +142,7 @@ def write_gguf_model(path: str | Path, config: ModelConfig, weights: Weights | N
     weights = random_weights(config) if weights is None else weights
     arch = config.architecture if config.architecture != "mistral" else "llama"
     writer = gguf.GGUFWriter(str(path), arch)
-    metadata = _gguf_metadata(config, arch, tokenizer_metadata or tiny_tokenizer_metadata())
+    metadata = _gguf_metadata(config, arch, tokenizer_metadata or tiny_tokenizer_metadata(default_pre(config)))
     metadata["general.file_type"] = {"F32": 0, "F16": 1, "Q8_0": 7}[qtype]
     for key, value in metadata.items():
         _add(writer, key, value)
