@@ -9,7 +9,9 @@ Three things differ from an HF folder and are undone here:
 
 from __future__ import annotations
 
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -127,20 +129,27 @@ class GGUFCheckpoint:
             by_hf[hf_name(name) or f"<gguf tensor {name}>"] = name
         names = select_names(by_hf, config, source=str(self.path))
         expected = expected_shapes(config)
+        for name in names:  # every shape is checked before any tensor is dequantized
+            info = self.tensors[by_hf[name]]
+            check_shape(name, info.torch_shape, expected, f"{self.path} (GGUF tensor {info.name})")
         weights: Weights = {}
-        with progress_bar(len(names), f"loading {self.path.name}", progress) as bar:
-            for name in names:
-                info = self.tensors[by_hf[name]]
-                shape = info.torch_shape
-                check_shape(name, shape, expected, f"{self.path} (GGUF tensor {info.name})")
-                w = self._dequantize(info, shape).to(dtype)
-                if config.architecture == "llama" and ".self_attn.q_proj." in name:
-                    w = _unpermute_rows(w, config.num_attention_heads)
-                elif config.architecture == "llama" and ".self_attn.k_proj." in name:
-                    w = _unpermute_rows(w, config.num_key_value_heads)
-                weights[name] = w
+        # NOTE: numpy releases the GIL inside dequantization, so threads use every core.
+        with progress_bar(len(names), f"loading {self.path.name}", progress) as bar, \
+                ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            futures = {pool.submit(self._load_one, name, by_hf[name], config, dtype): name for name in names}
+            for future in as_completed(futures):
+                weights[futures[future]] = future.result()
                 bar.update()
-        return weights
+        return {name: weights[name] for name in names}
+
+    def _load_one(self, name: str, gguf_name: str, config: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
+        info = self.tensors[gguf_name]
+        w = self._dequantize(info, info.torch_shape).to(dtype)
+        if config.architecture == "llama" and ".self_attn.q_proj." in name:
+            return _unpermute_rows(w, config.num_attention_heads)
+        if config.architecture == "llama" and ".self_attn.k_proj." in name:
+            return _unpermute_rows(w, config.num_key_value_heads)
+        return w
 
     # ------------------------------------------------------------------ internal helpers
 
