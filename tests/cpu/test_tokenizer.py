@@ -3,12 +3,15 @@ incremental detokenization."""
 
 from __future__ import annotations
 
+import functools
+import unicodedata
+
 import pytest
 import regex
 
 from kog.errors import ModelLoadError
 from kog.loader import GGUFCheckpoint, IncrementalDetokenizer, Tokenizer, resolve_model, tokenizer_from_gguf
-from kog.testing.tiny_models import tiny_tokenizer, tiny_tokenizer_metadata
+from kog.testing.tiny_models import tiny_tokenizer_metadata
 
 TRICKY = [
     "Hello world",
@@ -62,33 +65,55 @@ def _byte_to_unicode() -> dict[int, str]:
     return table
 
 
-_GPT2_RE = regex.compile(r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Llama 3 and Qwen2: case-insensitive contractions, one optional non-letter glued to a word,
+# numbers in runs of at most 3 (Llama 3) or single digits (Qwen2), newlines kept with punctuation.
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
+def _words(text: str, pre: str) -> list[str]:
+    """Pre-tokenization as llama.cpp describes each `tokenizer.ggml.pre`."""
+    if pre == "smollm":  # each digit alone, then GPT-2's split
+        return [w for piece in regex.split(r"(\p{N})", text) for w in regex.findall(_GPT2, piece)]
+    if pre == "qwen2":
+        return regex.findall(_QWEN2, unicodedata.normalize("NFC", text))
+    return regex.findall({"gpt-2": _GPT2, "llama-bpe": _LLAMA3}[pre], text)
+
+
+@functools.lru_cache(maxsize=8)
+def _tables(merges: tuple[str, ...]) -> dict[tuple[str, str], int]:
+    return {tuple(m.split(" ")): r for r, m in enumerate(merges)}
 
 
 def reference_encode(text: str, metadata: dict) -> list[int]:
-    """llama.cpp's algorithm for the `smollm` pre-tokenizer, written plainly: split out control
-    tokens, isolate each digit, apply GPT-2's regex, map bytes, merge the lowest-ranked pair first."""
+    """llama.cpp's BPE, written plainly: split out control tokens, pre-tokenize, map bytes to
+    GPT-2's printable characters, merge the lowest-ranked pair first (Llama 3 first looks the
+    whole word up), prepend BOS when the vocabulary asks for it."""
     tokens, types = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.token_type"]
+    pre = metadata["tokenizer.ggml.pre"]
     vocab = {t: i for i, t in enumerate(tokens)}
-    ranks = {tuple(m.split(" ")): r for r, m in enumerate(metadata["tokenizer.ggml.merges"])}
+    ranks = _tables(tuple(metadata["tokenizer.ggml.merges"]))
     specials = [t for t, k in zip(tokens, types) if k == 3]
     byte_map = _byte_to_unicode()
-    ids: list[int] = []
+    ids: list[int] = [metadata["tokenizer.ggml.bos_token_id"]] if metadata.get("tokenizer.ggml.add_bos_token") else []
     pattern = "(" + "|".join(regex.escape(s) for s in sorted(specials, key=len, reverse=True)) + ")"
     for chunk in regex.split(pattern, text):
-        if chunk in vocab and chunk in specials:
+        if chunk in specials:
             ids.append(vocab[chunk])
             continue
-        for piece in regex.split(r"(\p{N})", chunk):
-            for word in _GPT2_RE.findall(piece):
-                symbols = [byte_map[b] for b in word.encode("utf-8")]
-                while len(symbols) > 1:
-                    pairs = [(ranks.get((a, b), 1 << 30), i) for i, (a, b) in enumerate(zip(symbols, symbols[1:]))]
-                    rank, i = min(pairs)
-                    if rank == 1 << 30:
-                        break
-                    symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
-                ids += [vocab[s] for s in symbols]
+        for word in _words(chunk, pre):
+            symbols = [byte_map[b] for b in word.encode("utf-8")]
+            if pre == "llama-bpe" and "".join(symbols) in vocab:
+                ids.append(vocab["".join(symbols)])
+                continue
+            while len(symbols) > 1:
+                rank, i = min((ranks.get(pair, 1 << 30), i) for i, pair in enumerate(zip(symbols, symbols[1:])))
+                if rank == 1 << 30:
+                    break
+                symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
+            ids += [vocab[s] for s in symbols]
     return ids
 
 
@@ -119,10 +144,12 @@ def test_smollm2_special_tokens(smollm2_tokenizer):
     assert tok.encode("hi", add_special_tokens=True) == tok.encode("hi", add_special_tokens=False)  # no BOS
 
 
-def test_tiny_tokenizer_matches_reference():
-    tok, md = tiny_tokenizer(), tiny_tokenizer_metadata()
+@pytest.mark.parametrize("pre", ["smollm", "gpt-2", "llama-bpe", "qwen2"])
+def test_tiny_tokenizer_matches_reference(pre):
+    md = dict(tiny_tokenizer_metadata(), **{"tokenizer.ggml.pre": pre, "tokenizer.ggml.add_bos_token": pre == "llama-bpe"})
+    tok = tokenizer_from_gguf(md)
     assert len(md["tokenizer.ggml.merges"]) > 100  # the trained vocabulary really merges
-    for text in TRICKY:
+    for text in TRICKY + ["Ünïcödé ＡＢＣ e\u0301 1234567 x\r\n\r\ny", "   \n\n   \t"]:
         assert tok.encode(text) == reference_encode(text, md), text
 
 
