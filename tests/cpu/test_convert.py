@@ -118,3 +118,15 @@ def test_smollm2_gguf_equals_transformers_gguf_loader():
     kog = load_model(path, progress=False)
     model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     _assert_same_weights(kog.weights, model.state_dict(), tied=True)
+
+
+@pytest.mark.slow
+def test_load_default_model_end_to_end(smollm2):
+    """load_model() with no argument: SmolLM2 in bf16, tokens, template and stop ids ready to run."""
+    model = load_model(dtype="bfloat16", progress=False)
+    assert model.path == smollm2[0] and model.dtype == torch.bfloat16
+    assert model.lm_head is model.weights["model.embed_tokens.weight"]
+    assert model.lm_head.shape == (49152, 576) and model.lm_head.dtype == torch.bfloat16
+    assert model.stop_token_ids == (2,) and model.tokenizer.decode([2]) == "<|im_end|>"
+    prompt = model.chat_template.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")

@@ -37,6 +37,11 @@ class LoadedModel:
     chat_template: ChatTemplate | None
     stop_token_ids: tuple[int, ...]  # end of turn: config eos ids, generation_config eos ids, tokenizer eos
 
+    @property
+    def lm_head(self) -> torch.Tensor:
+        """[vocab, hidden] output projection: the embedding itself when the two are tied."""
+        return self.weights["model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"]
+
 
 def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.dtype | str | None = None,
                progress: bool | None = None) -> LoadedModel:

@@ -8,6 +8,7 @@ read, and each tensor is materialized once (plus one cast when the run dtype dif
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import torch
@@ -93,8 +94,23 @@ class _open:
         try:
             self.f = safe_open(str(self.path), framework="pt")
         except Exception as e:
-            raise ModelLoadError(f"{self.path}: not a readable safetensors file: {e}") from None
+            raise ModelLoadError(f"{self.path}: not a readable safetensors file{_beyond_end(self.path)}: {e}") from None
         return self.f.__enter__()
 
     def __exit__(self, *exc):
         return self.f.__exit__(*exc)
+
+
+def _beyond_end(path: Path) -> str:
+    """For a truncated file, names the first tensor whose bytes lie past the end ("" otherwise)."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        size = path.stat().st_size - 8 - n
+    except (OSError, ValueError, struct.error):
+        return ""
+    tensors = [(v["data_offsets"][1], k) for k, v in header.items() if k != "__metadata__"]
+    past = sorted((end, name) for end, name in tensors if end > size)
+    return f" (truncated: tensor {past[0][1]!r} ends at data byte {past[0][0]}, the data has {size})" if past else ""
+
