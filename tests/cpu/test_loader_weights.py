@@ -177,3 +177,26 @@ def test_ignores_rotary_inv_freq_and_tied_lm_head(tmp_path):
     folder = write_hf_model(tmp_path, config, weights)
     save_file(weights | extra, str(folder / "model.safetensors"), metadata={"format": "pt"})
     assert load_model(folder).weights.keys() == weights.keys()
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+], ids=lambda s: s["rope_type"])
+def test_gguf_rope_scaling_round_trip(tmp_path, scaling):
+    """Llama 3.x GGUFs keep only `rope_freqs`; the HF scaling parameters are recovered from them."""
+    config = tiny_config("llama", head_dim=64, num_attention_heads=1, num_key_value_heads=1,
+                         rope_theta=500000.0, rope_scaling=scaling)
+    ckpt = GGUFCheckpoint(write_gguf_model(tmp_path / "m.gguf", config))
+    assert ckpt.config.rope_scaling == scaling
+    assert ckpt.load_weights(ckpt.config, torch.float32, progress=False).keys() == random_weights(config).keys()
+
+
+def test_chat_template_jinja_file(tmp_path):
+    """transformers >= 4.50 saves the template next to tokenizer_config.json."""
+    folder = write_hf_model(tmp_path, tiny_config("llama"), chat_template=None)
+    assert load_model(folder).chat_template is None
+    (folder / "chat_template.jinja").write_text("{{ messages[0]['content'] | upper }}")
+    assert load_model(folder).chat_template.render([{"role": "user", "content": "hi"}]) == "HI"

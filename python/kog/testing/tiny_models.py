@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from kog.config import ModelConfig
 from kog.loader.gguf import hf_name as _gguf_to_hf
+from kog.loader.gguf import llama3_rope_factors
 from kog.loader.tokenizer import Tokenizer, tokenizer_from_gguf
 from kog.loader.weights import Weights, expected_shapes
 
@@ -149,6 +150,10 @@ def write_gguf_model(path: str | Path, config: ModelConfig, weights: Weights | N
     if chat_template is not None:
         writer.add_string("tokenizer.chat_template", chat_template)
     to_gguf = {hf: g for g in _gguf_names(config) if (hf := _gguf_to_hf(g))}
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") == "llama3":  # llama.cpp stores the per-frequency factors instead
+        factors = llama3_rope_factors(config.rope_theta, config.head_dim, scaling)
+        writer.add_tensor("rope_freqs.weight", factors.numpy())
     for hf_name, w in weights.items():
         array = _permute_for_llama_cpp(hf_name, w.float(), config, arch).numpy()
         if array.ndim == 1 or qtype == "F32":
@@ -184,6 +189,12 @@ def _gguf_metadata(config: ModelConfig, arch: str, tok: dict[str, Any]) -> dict[
         f"{arch}.attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
         f"{arch}.vocab_size": config.vocab_size,
     }
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") in ("linear", "yarn"):
+        md[f"{arch}.rope.scaling.type"] = scaling["rope_type"]
+        md[f"{arch}.rope.scaling.factor"] = float(scaling["factor"])
+        if "original_max_position_embeddings" in scaling:
+            md[f"{arch}.rope.scaling.original_context_length"] = scaling["original_max_position_embeddings"]
     return md | tok
 
 
