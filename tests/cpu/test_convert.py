@@ -130,3 +130,21 @@ def test_load_default_model_end_to_end(smollm2):
     assert model.stop_token_ids == (2,) and model.tokenizer.decode([2]) == "<|im_end|>"
     prompt = model.chat_template.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_transformers_saved_folder_loads(tmp_path, family):
+    """The other direction: a folder transformers writes (its config layout, sharding) loads in Kog."""
+    config = tiny_config(family)
+    hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict())
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    write_tokenizer = transformers.AutoTokenizer.from_pretrained(
+        convert_gguf(write_gguf_model(tmp_path / "t.gguf", config), tmp_path / "tok", progress=False))
+    write_tokenizer.save_pretrained(tmp_path)
+    kog = load_model(tmp_path, progress=False)
+    assert kog.config == config
+    _assert_same_weights(kog.weights, model.state_dict(), config.tie_word_embeddings)
+    assert kog.tokenizer.encode("héllo 123") == write_tokenizer("héllo 123")["input_ids"]
