@@ -21,8 +21,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from kog.loader.hub import resolve_model
 
     try:
-        out = convert_gguf(resolve_model(args.model), args.out_dir, dtype=args.dtype,
-                           progress=False if args.no_progress else None)
+        path = resolve_model(args.model)
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path}: already an HF folder; convert takes a .gguf file")
+        out = convert_gguf(path, args.out_dir, dtype=args.dtype, progress=False if args.no_progress else None)
     except ModelLoadError as e:
         print(f"kog convert: {e}", file=sys.stderr)
         return 1
