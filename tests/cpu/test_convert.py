@@ -14,7 +14,7 @@ from kog.cli import main
 from kog.errors import ModelLoadError
 from kog.loader import GGUFCheckpoint, load_model, resolve_model, tokenizer_from_gguf
 from kog.loader.convert import convert_gguf
-from kog.testing.tiny_models import random_weights, tiny_config, write_gguf_model
+from kog.testing.tiny_models import TRICKY_STRINGS, random_weights, tiny_config, write_gguf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -103,11 +103,9 @@ def test_smollm2_state_dict_equals_transformers(smollm2):
 @pytest.mark.slow
 def test_smollm2_tokenizer_equals_transformers(smollm2):
     gguf_path, out = smollm2
-    from test_tokenizer import TRICKY
-
     ours = tokenizer_from_gguf(GGUFCheckpoint(gguf_path).metadata)
     theirs = transformers.AutoTokenizer.from_pretrained(out)
-    for text in TRICKY:
+    for text in TRICKY_STRINGS:
         assert theirs(text)["input_ids"] == ours.encode(text), text
 
 

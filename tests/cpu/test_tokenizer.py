@@ -11,29 +11,9 @@ import regex
 
 from kog.errors import ModelLoadError
 from kog.loader import GGUFCheckpoint, IncrementalDetokenizer, Tokenizer, resolve_model, tokenizer_from_gguf
-from kog.testing.tiny_models import tiny_tokenizer_metadata
+from kog.testing.tiny_models import TRICKY_STRINGS, tiny_tokenizer_metadata
 
-TRICKY = [
-    "Hello world",
-    " leading space and trailing space ",
-    "multiple   spaces\t\ttabs\n\n\nnewlines  \n ",
-    "naïve café résumé über Straße",
-    "東京は日本の首都です。中文测试",
-    "emoji 😀👍🏽 family 👨‍👩‍👧‍👦 flags 🇫🇷🇯🇵",
-    "numbers 1234567890 3.14159 -42 1e-5 ٣٤٥",
-    "def f(x):\n    return {'a': [1, 2]}  # comment\n",
-    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
-    "I'm you're they've we'll she'd it's DON'T",
-    "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n",
-    "mixing<|im_end|>special<|endoftext|>tokens",
-    "zero\u200bwidth and \u00a0nbsp and \r\n crlf",
-    "Привет мир! Γειά σου κόσμε! مرحبا بالعالم",
-    "https://example.com/path?q=1&r=two#frag",
-    "    indented code block\n\tif (a && b || !c) { x += 1; }",
-    "",
-    "a",
-    "🙂",
-]
+TRICKY = TRICKY_STRINGS
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,29 @@ _CORPUS = """The quick brown fox jumps over the lazy dog. Kog serves agents: too
 def add(a, b):\n    return a + b  # 1234567890\n{"name": "get_weather", "arguments": {"city": "Paris"}}
 Héllo wörld! naïve café — 東京 北京 中文 日本語 😀 🚀 ✓ \t tabs\tand   spaces\n\n"""
 
+# Strings that break careless tokenizers: unicode, emoji sequences, whitespace runs, code, markers.
+TRICKY_STRINGS = [
+    "Hello world",
+    " leading space and trailing space ",
+    "multiple   spaces\t\ttabs\n\n\nnewlines  \n ",
+    "naïve café résumé über Straße",
+    "東京は日本の首都です。中文测试",
+    "emoji 😀👍🏽 family 👨‍👩‍👧‍👦 flags 🇫🇷🇯🇵",
+    "numbers 1234567890 3.14159 -42 1e-5 ٣٤٥",
+    "def f(x):\n    return {'a': [1, 2]}  # comment\n",
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
+    "I'm you're they've we'll she'd it's DON'T",
+    "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n",
+    "mixing<|im_end|>special<|endoftext|>tokens",
+    "zero\u200bwidth and \u00a0nbsp and \r\n crlf",
+    "Привет мир! Γειά σου κόσμε! مرحبا بالعالم",
+    "https://example.com/path?q=1&r=two#frag",
+    "    indented code block\n\tif (a && b || !c) { x += 1; }",
+    "",
+    "a",
+    "🙂",
+]
+
 
 def tiny_config(architecture: str = "llama", vocab_size: int | None = None, **overrides: Any) -> ModelConfig:
     """A Llama-family config with hidden 64, 2 layers, 4 query heads over 2 KV heads (head_dim 16)."""
