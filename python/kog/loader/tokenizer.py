@@ -165,23 +165,20 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: str = "GGUF") -> Token
         ModelLoadError: a tokenizer model or pre-tokenizer Kog cannot reproduce exactly.
     """
     model = metadata.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ModelLoadError(f"{source}: tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')")
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     types: list[int] = metadata.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
-    pre = metadata.get("tokenizer.ggml.pre", "default")
+    if model == "gpt2":
+        hf = _byte_level_bpe(metadata, source)
+    elif model == "llama":
+        from kog.loader.spm import sentencepiece_bpe
 
-    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                     ignore_merges=pre in _LLAMA3_PRE, fuse_unk=False, byte_fallback=False)
-    hf = HFTokenizer(bpe)
-    hf.pre_tokenizer = _pre_tokenizer(pre, source)
-    if pre in _QWEN2_PRE:
-        hf.normalizer = normalizers.NFC()
-    hf.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>) are matched whole before pre-tokenization, as in HF.
+        hf = sentencepiece_bpe(metadata)
+    else:
+        raise ModelLoadError(f"{source}: tokenizer model {model!r} is not supported "
+                             "(byte-level BPE 'gpt2' and SentencePiece 'llama' are)")
+    # Control tokens (<|im_start|>, <s>) are matched whole before normalization, as in HF.
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                           for t, k in zip(tokens, types) if k == _CONTROL])
+                           for t, k in zip(tokens, types) if k in (_CONTROL, _UNKNOWN)])
     hf.add_tokens([AddedToken(t, special=False, normalized=False)
                    for t, k in zip(tokens, types) if k == _USER_DEFINED])
 
@@ -189,17 +186,32 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: str = "GGUF") -> Token
         i = metadata.get(f"tokenizer.ggml.{key}_token_id")
         return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
-    bos, add_bos = token("bos"), bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+    # llama.cpp's default: SentencePiece vocabularies start with BOS unless told otherwise.
+    bos, add_bos = token("bos"), bool(metadata.get("tokenizer.ggml.add_bos_token", model == "llama"))
     if add_bos and bos is not None:
         hf.post_processor = processors.TemplateProcessing(
             single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, tokens.index(bos))])
-    else:
+    elif model == "gpt2":
         hf.post_processor = processors.ByteLevel(trim_offsets=False)
     return Tokenizer(hf, bos_token=bos, eos_token=token("eos"), pad_token=token("padding"),
                      unk_token=token("unknown"), add_bos_token=add_bos)
 
 
 # ---------------------------------------------------------------------- internal helpers
+
+
+def _byte_level_bpe(metadata: dict[str, Any], source: str) -> HFTokenizer:
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                     ignore_merges=pre in _LLAMA3_PRE, fuse_unk=False, byte_fallback=False)
+    hf = HFTokenizer(bpe)
+    hf.pre_tokenizer = _pre_tokenizer(pre, source)
+    if pre in _QWEN2_PRE:
+        hf.normalizer = normalizers.NFC()
+    hf.decoder = decoders.ByteLevel()
+    return hf
 
 
 def _pre_tokenizer(pre: str, source: str) -> pre_tokenizers.PreTokenizer:

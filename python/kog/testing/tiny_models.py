@@ -118,6 +118,36 @@ def tiny_tokenizer_metadata(pre: str = "smollm") -> dict[str, Any]:
     }
 
 
+@lru_cache(maxsize=1)
+def tiny_spm_metadata() -> dict[str, Any]:
+    """GGUF metadata of a ~300-piece SentencePiece vocabulary (Llama 2 / Mistral style): <unk>,
+    <s>, </s>, [INST], [/INST], 256 byte tokens, then pieces scored by merge order."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    hf.train_from_iterator([_CORPUS] * 4, trainer=trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    model = json.loads(hf.to_str())["model"]
+    merged = ["".join(m) if isinstance(m, list) else m.replace(" ", "") for m in model["merges"]]
+    chars = [t for t in sorted(model["vocab"], key=model["vocab"].get) if len(t) == 1]
+    specials = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + chars + list(dict.fromkeys(merged))
+    n_fixed = len(specials) + 256 + len(chars)
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [0.0] * (len(specials) + 256) + [-1e4 - i for i in range(len(chars))]
+        + [-float(i) for i in range(len(tokens) - n_fixed)],
+        "tokenizer.ggml.token_type": [2, 3, 3, 3, 3] + [6] * 256 + [1] * (len(tokens) - len(specials) - 256),
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_space_prefix": True,
+    }
+
+
 def tiny_tokenizer(pre: str = "smollm") -> Tokenizer:
     return tokenizer_from_gguf(tiny_tokenizer_metadata(pre), source="tiny tokenizer")
 
