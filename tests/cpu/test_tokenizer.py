@@ -141,7 +141,7 @@ def test_add_bos_token_prepends_bos():
 
 
 @pytest.mark.parametrize("key,value,match", [
-    ("tokenizer.ggml.model", "llama", "tokenizer model 'llama'"),
+    ("tokenizer.ggml.model", "t5", "tokenizer model 't5'"),
     ("tokenizer.ggml.pre", "no-such-pre", "pre-tokenizer 'no-such-pre'"),
 ])
 def test_unsupported_tokenizer_raises(key, value, match):
