@@ -15,12 +15,36 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from kog.errors import ModelLoadError
+    from kog.loader.convert import convert_gguf
+    from kog.loader.hub import resolve_model
+
+    try:
+        path = resolve_model(args.model)
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path}: already an HF folder; convert takes a .gguf file")
+        out = convert_gguf(path, args.out_dir, dtype=args.dtype, progress=False if args.no_progress else None)
+    except ModelLoadError as e:
+        print(f"kog convert: {e}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kog", description="Kog: LLM inference for AI agents")
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="show the native backend, devices and versions")
     p_info.add_argument("--json", action="store_true", help="print JSON instead of text")
     p_info.set_defaults(func=_cmd_info)
+    p_conv = sub.add_parser("convert", help="write a GGUF model as a Hugging Face folder (safetensors)")
+    p_conv.add_argument("model", help="a .gguf file, or SmolLM2-135M-Instruct for the default model")
+    p_conv.add_argument("out_dir", help="folder to write config.json, model.safetensors, tokenizer files into")
+    p_conv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="dtype of the written weights (default: the file's; float32 for quantized files)")
+    p_conv.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p_conv.set_defaults(func=_cmd_convert)
     return parser
 
 

@@ -1,0 +1,209 @@
+"""Model configuration: one dataclass for every Llama-family model Kog runs.
+
+Built from a Hugging Face `config.json` (transformers 4 or 5 layout) or, through
+`kog.loader.gguf`, from GGUF metadata. The runner reads only this object; it never looks at
+the raw JSON again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kog.errors import ModelLoadError
+
+# HF `model_type` -> (family, HF architecture class). Families differ only in switches below:
+# Qwen2 has a bias on q/k/v, Qwen3 an RMSNorm on each head of q and k; the rest is Llama.
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_FAMILY_OF_CLASS = {cls: family for family, cls in ARCHITECTURES.items()}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder.
+
+    `rope_scaling` is None for plain RoPE, else a dict with at least `rope_type`
+    (e.g. {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}).
+    """
+
+    architecture: str  # family: "llama" | "mistral" | "qwen2" | "qwen3"
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"  # dtype the checkpoint was published in
+
+    @property
+    def hf_architecture(self) -> str:
+        return ARCHITECTURES[self.architecture]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPES[self.torch_dtype]
+
+    @property
+    def num_kv_groups(self) -> int:
+        """Query heads sharing one KV head (GQA); 1 for plain multi-head attention."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ModelLoadError(f"unknown architecture {self.architecture!r}; Kog knows {sorted(ARCHITECTURES)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelLoadError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.torch_dtype not in _DTYPES:
+            raise ModelLoadError(f"unsupported torch_dtype {self.torch_dtype!r}")
+        self.eos_token_ids = tuple(int(i) for i in self.eos_token_ids)
+
+    # ------------------------------------------------------------------ HF config.json
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Builds a config from the dict of a Hugging Face `config.json`.
+
+        Args:
+            d: the parsed JSON.
+            source: file name quoted in errors.
+        Returns:
+            The config.
+        Raises:
+            ModelLoadError: unknown architecture, or a required key is missing.
+        """
+        family = _family_from_hf(d, source)
+        try:
+            hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+            theta, scaling = _rope_from_hf(d)
+            eos = d.get("eos_token_id")
+            return cls(
+                architecture=family,
+                hidden_size=hidden,
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                intermediate_size=int(d["intermediate_size"]),
+                vocab_size=int(d["vocab_size"]),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=bool(d.get("attention_bias", family == "qwen2")),
+                qk_norm=family == "qwen3",
+                sliding_window=_sliding_window(d),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+                torch_dtype=_dtype_name(d.get("dtype") or d.get("torch_dtype") or "float32"),
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"{source}: missing key {e.args[0]!r}") from None
+
+    @classmethod
+    def from_hf_file(cls, path: str | Path) -> ModelConfig:
+        """Reads `config.json` (or the `config.json` inside a folder)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{path}: cannot read config: {e}") from None
+        return cls.from_hf_dict(d, source=str(path))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The `config.json` dict transformers reads back into the same model."""
+        d: dict[str, Any] = {
+            "architectures": [self.hf_architecture],
+            "model_type": self.architecture,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else
+            (self.eos_token_ids[0] if self.eos_token_ids else None),
+            "torch_dtype": self.torch_dtype,
+        }
+        if self.architecture == "llama":
+            d |= {"attention_bias": self.attention_bias, "mlp_bias": False}
+        if self.architecture in ("mistral", "qwen2", "qwen3"):
+            d["sliding_window"] = self.sliding_window
+        if self.architecture == "qwen3":
+            d["attention_bias"] = False
+        return d
+
+
+# ---------------------------------------------------------------------- internal helpers
+
+
+def _family_from_hf(d: dict[str, Any], source: str) -> str:
+    model_type = d.get("model_type")
+    if model_type in ARCHITECTURES:
+        return model_type
+    for cls in d.get("architectures") or []:
+        if cls in _FAMILY_OF_CLASS:
+            return _FAMILY_OF_CLASS[cls]
+    name = model_type or (d.get("architectures") or ["<none>"])[0]
+    raise ModelLoadError(f"{source}: unknown architecture {name!r}; Kog knows {sorted(ARCHITECTURES)}")
+
+
+def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from transformers 4 keys or the 5.x `rope_parameters`."""
+    params = dict(d.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", d.get("rope_theta", 10000.0)))
+    scaling = dict(d.get("rope_scaling") or params or {})
+    if "type" in scaling and "rope_type" not in scaling:  # older spelling
+        scaling["rope_type"] = scaling.pop("type")
+    scaling.pop("rope_theta", None)
+    if scaling.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, scaling
+
+
+def _sliding_window(d: dict[str, Any]) -> int | None:
+    if d.get("use_sliding_window") is False:
+        return None
+    sw = d.get("sliding_window")
+    return int(sw) if sw else None
+
+
+def _dtype_name(name: str) -> str:
+    name = str(name).removeprefix("torch.")
+    return {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp16": "float16"}.get(name, name)

@@ -1,0 +1,124 @@
+"""Model loading: config, weights, tokenizer and chat template from an HF folder or a GGUF file.
+
+    model = kog.loader.load_model()            # the default SmolLM2-135M-Instruct
+    model.config, model.weights                # ModelConfig, {HF name: tensor}
+    model.tokenizer.encode(model.chat_template.render(messages, add_generation_prompt=True),
+                           add_special_tokens=False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from kog.config import ModelConfig
+from kog.errors import ModelLoadError
+from kog.loader.chat_template import ChatTemplate, TemplateError
+from kog.loader.gguf import GGUFCheckpoint
+from kog.loader.hub import DEFAULT_MODEL, cache_dir, resolve_model
+from kog.loader.safetensors import load_safetensors
+from kog.loader.tokenizer import IncrementalDetokenizer, Tokenizer, read_tokenizer_config, tokenizer_from_gguf
+from kog.loader.weights import Weights, expected_shapes, run_dtype
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """Everything the engine needs from a checkpoint."""
+
+    path: Path  # the .gguf file or the HF folder
+    config: ModelConfig
+    weights: Weights  # HF names -> tensors in `dtype`; no lm_head.weight when embeddings are tied
+    dtype: torch.dtype
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+    stop_token_ids: tuple[int, ...]  # end of turn: config eos ids, generation_config eos ids, tokenizer eos
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        """[vocab, hidden] output projection: the embedding itself when the two are tied."""
+        return self.weights["model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"]
+
+
+def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.dtype | str | None = None,
+               progress: bool | None = None) -> LoadedModel:
+    """Loads a model.
+
+    Args:
+        name_or_path: see `resolve_model` (None: the default SmolLM2-135M-Instruct).
+        dtype: run dtype (float32 or bfloat16; None: bf16 for bf16 checkpoints, else f32).
+        progress: progress bar while loading weights (None: only when stderr is a TTY).
+    Raises:
+        ModelLoadError: anything wrong with the checkpoint, naming the file and tensor.
+    """
+    path = resolve_model(name_or_path)
+    if path.suffix == ".gguf":
+        ckpt = GGUFCheckpoint(path)
+        config = ckpt.config
+        dt = run_dtype(dtype, config)
+        weights = ckpt.load_weights(config, dt, progress)
+        tokenizer = tokenizer_from_gguf(ckpt.metadata, source=str(path))
+        source = ckpt.get("tokenizer.chat_template")
+        extra_stops: list[int] = []
+    else:
+        config = ModelConfig.from_hf_file(path)
+        dt = run_dtype(dtype, config)
+        weights = load_safetensors(path, config, dt, progress)
+        tokenizer = Tokenizer.from_folder(path)
+        source = read_tokenizer_config(path).get("chat_template")
+        extra_stops = _generation_config_eos(path)
+    template = _chat_template(source, tokenizer)
+    stops = [*config.eos_token_ids, *extra_stops, tokenizer.eos_token_id]
+    return LoadedModel(path, config, weights, dt, tokenizer, template,
+                       tuple(dict.fromkeys(i for i in stops if i is not None)))
+
+
+def load_config(name_or_path: str | os.PathLike[str] | None = None) -> ModelConfig:
+    """Only the config of a model (cheap: no tensor is read)."""
+    path = resolve_model(name_or_path)
+    return GGUFCheckpoint(path).config if path.suffix == ".gguf" else ModelConfig.from_hf_file(path)
+
+
+def _chat_template(source: str | list | None, tokenizer: Tokenizer) -> ChatTemplate | None:
+    if isinstance(source, list):  # several named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in source}
+        source = named.get("default") or next(iter(named.values()), None)
+    if not source:
+        return None
+    return ChatTemplate(source, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
+                        special_tokens={"pad_token": tokenizer.pad_token or "", "unk_token": tokenizer.unk_token or ""})
+
+
+def _generation_config_eos(folder: Path) -> list[int]:
+    path = folder / "generation_config.json"
+    if not path.exists():
+        return []
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: cannot read: {e}") from None
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "ChatTemplate",
+    "GGUFCheckpoint",
+    "IncrementalDetokenizer",
+    "LoadedModel",
+    "ModelConfig",
+    "TemplateError",
+    "Tokenizer",
+    "Weights",
+    "cache_dir",
+    "expected_shapes",
+    "load_config",
+    "load_model",
+    "load_safetensors",
+    "resolve_model",
+    "run_dtype",
+    "tokenizer_from_gguf",
+]

@@ -1,0 +1,232 @@
+"""GGUF checkpoints (llama.cpp's format): metadata -> ModelConfig, tensors -> HF-named weights.
+
+Three things differ from an HF folder and are undone here:
+- names: `blk.3.attn_q.weight` is HF's `model.layers.3.self_attn.q_proj.weight`;
+- quantization: blocks are dequantized with `gguf.quants.dequantize`;
+- for the `llama` architecture, llama.cpp's converter reorders the rows of q and k inside each
+  head (it interleaves the two RoPE halves); `_unpermute_rows` restores HF's order.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kog.config import ModelConfig
+from kog.errors import ModelLoadError
+from kog.loader.gguf_file import GGUFFile, TensorInfo
+from kog.loader.weights import Weights, check_shape, expected_shapes, progress_bar, select_names
+
+# GGUF `general.architecture` -> Kog family. Mistral GGUFs are written with the llama architecture.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE factors, folded into config.rope_scaling
+
+_FILE_TYPE_DTYPE = {0: "float32", 1: "float16", 32: "bfloat16"}  # quantized files -> float32
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """HF name of a GGUF tensor name, None when the name is not one Kog knows."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+class GGUFCheckpoint:
+    """One GGUF file, memory-mapped: its metadata, config, weights and tokenizer fields."""
+
+    def __init__(self, path: str | Path):
+        self.file = GGUFFile(path)
+        self.path = self.file.path
+        self.metadata: dict[str, Any] = self.file.metadata
+        self.tensors: dict[str, TensorInfo] = self.file.tensors
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    @cached_property
+    def config(self) -> ModelConfig:
+        """The ModelConfig the metadata describes."""
+        arch = self.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ModelLoadError(f"{self.path}: unknown architecture {arch!r}; Kog knows {sorted(GGUF_ARCHITECTURES)}")
+
+        def key(name: str, default: Any = None) -> Any:
+            value = self.get(f"{arch}.{name}", default)
+            if value is None:
+                raise ModelLoadError(f"{self.path}: missing metadata key {arch}.{name}")
+            return value
+
+        hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+        head_dim = int(key("attention.key_length", hidden // heads))
+        rope_dim = int(key("rope.dimension_count", head_dim))
+        if rope_dim != head_dim:
+            raise ModelLoadError(f"{self.path}: partial RoPE ({rope_dim} of {head_dim} dims) is not supported")
+        tokens = self.get("tokenizer.ggml.tokens") or []
+        eos = [self.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        family = GGUF_ARCHITECTURES[arch]
+        return ModelConfig(
+            architecture=family,
+            hidden_size=hidden,
+            num_hidden_layers=int(key("block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(key("attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            intermediate_size=int(key("feed_forward_length")),
+            vocab_size=int(key("vocab_size", len(tokens) or None)),
+            rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon")),
+            rope_theta=_f32(key("rope.freq_base", 10000.0)),
+            rope_scaling=self._rope_scaling(arch, head_dim),
+            max_position_embeddings=int(key("context_length")),
+            tie_word_embeddings="output.weight" not in self.tensors,
+            attention_bias="blk.0.attn_q.bias" in self.tensors,
+            qk_norm=family == "qwen3",
+            bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+            torch_dtype=_FILE_TYPE_DTYPE.get(self.get("general.file_type"), "float32"),
+        )
+
+    def load_weights(self, config: ModelConfig, dtype: torch.dtype, progress: bool | None = None) -> Weights:
+        """Dequantizes every tensor into the run dtype, under HF names, in HF's layout.
+
+        Raises:
+            ModelLoadError: naming the file and tensor that is missing, misshapen, of an
+                unsupported quantization, or unknown.
+        """
+        by_hf = {}
+        for name in self.tensors:
+            if name == _ROPE_FREQS:
+                continue
+            by_hf[hf_name(name) or f"<gguf tensor {name}>"] = name
+        names = select_names(by_hf, config, source=str(self.path))
+        expected = expected_shapes(config)
+        for name in names:  # every shape is checked before any tensor is dequantized
+            info = self.tensors[by_hf[name]]
+            check_shape(name, info.torch_shape, expected, f"{self.path} (GGUF tensor {info.name})")
+        weights: Weights = {}
+        # NOTE: numpy releases the GIL inside dequantization, so threads use every core.
+        with progress_bar(len(names), f"loading {self.path.name}", progress) as bar, \
+                ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            futures = {pool.submit(self._load_one, name, by_hf[name], config, dtype): name for name in names}
+            for future in as_completed(futures):
+                weights[futures[future]] = future.result()
+                bar.update()
+        return {name: weights[name] for name in names}
+
+    def _load_one(self, name: str, gguf_name: str, config: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
+        info = self.tensors[gguf_name]
+        w = self._dequantize(info, info.torch_shape).to(dtype)
+        if config.architecture == "llama" and ".self_attn.q_proj." in name:
+            return _unpermute_rows(w, config.num_attention_heads)
+        if config.architecture == "llama" and ".self_attn.k_proj." in name:
+            return _unpermute_rows(w, config.num_key_value_heads)
+        return w
+
+    # ------------------------------------------------------------------ internal helpers
+
+    def _dequantize(self, info: TensorInfo, shape: tuple[int, ...]) -> torch.Tensor:
+        import gguf
+
+        raw = self.file.data(info)  # uint8 [nbytes], read-only view of the file
+        qtype = info.qtype
+        try:
+            if qtype == gguf.GGMLQuantizationType.F32:
+                array = raw.view(np.float32).copy()  # copy: the mapping is read-only
+            elif qtype == gguf.GGMLQuantizationType.F16:
+                array = raw.view(np.float16).copy()
+            elif qtype == gguf.GGMLQuantizationType.BF16:
+                return torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16).reshape(shape)
+            else:
+                rows = int(np.prod(shape[:-1], dtype=np.int64))
+                array = gguf.quants.dequantize(raw.reshape(rows, -1), qtype)
+            return torch.from_numpy(array).reshape(shape)
+        except NotImplementedError:
+            raise ModelLoadError(f"{self.path}: tensor {info.name!r} uses unsupported type {qtype.name}") from None
+        except (ValueError, RuntimeError) as e:
+            raise ModelLoadError(f"{self.path}: tensor {info.name!r} is corrupt: {e}") from None
+
+    def _rope_scaling(self, arch: str, head_dim: int) -> dict[str, Any] | None:
+        kind = self.get(f"{arch}.rope.scaling.type")
+        if kind in ("linear", "yarn"):
+            scaling: dict[str, Any] = {"rope_type": kind, "factor": float(self.get(f"{arch}.rope.scaling.factor"))}
+            original = self.get(f"{arch}.rope.scaling.original_context_length")
+            if original:
+                scaling["original_max_position_embeddings"] = int(original)
+            return scaling
+        if _ROPE_FREQS in self.tensors:
+            return _llama3_scaling_from_factors(
+                self._dequantize(self.tensors[_ROPE_FREQS], self.tensors[_ROPE_FREQS].torch_shape).float(),
+                float(self.get(f"{arch}.rope.freq_base", 10000.0)), head_dim, self.path,
+            )
+        if kind not in (None, "none"):
+            raise ModelLoadError(f"{self.path}: unsupported RoPE scaling {kind!r}")
+        return None
+
+
+def _f32(value: float) -> float:
+    """GGUF stores floats as f32: 1e-5 reads back as 9.99999974e-06; keep the shortest decimal."""
+    return float(str(np.float32(value)))
+
+
+def _unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's q/k permutation.
+
+    llama.cpp stores head rows as (head_dim/2, 2) pairs (x0, x_half, x1, x_half+1, ...); HF keeps
+    (2, head_dim/2) halves. w: [n_heads * head_dim, ...] (weight) or [n_heads * head_dim] (bias).
+    """
+    rows, rest = w.shape[0], w.shape[1:]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def llama3_rope_factors(theta: float, head_dim: int, scaling: dict[str, Any]) -> torch.Tensor:
+    """Per-frequency divisors llama3 RoPE scaling applies (what llama.cpp stores as rope_freqs)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    wavelen = 2 * torch.pi / inv_freq
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    mid = 1.0 / ((1 - smooth) / factor + smooth)
+    out = torch.where(wavelen > old_ctx / low, torch.full_like(wavelen, factor), mid)
+    return torch.where(wavelen < old_ctx / high, torch.ones_like(wavelen), out).float()
+
+
+def _llama3_scaling_from_factors(freqs: torch.Tensor, theta: float, head_dim: int, path: Path) -> dict[str, Any]:
+    """GGUF keeps only the factors of llama3 RoPE scaling; recovers the HF parameters.
+
+    NOTE: every released Llama 3.x uses low=1, high=4, original context 8192; only `factor`
+    varies (8 for 3.1, 32 for 3.2), so those are tried and checked against the stored factors.
+    """
+    candidate = {"rope_type": "llama3", "factor": float(freqs.max()), "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    if torch.allclose(llama3_rope_factors(theta, head_dim, candidate), freqs, rtol=1e-4):
+        return candidate
+    raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' matches no known llama3 RoPE scaling")

@@ -1,0 +1,116 @@
+"""Weights from a Hugging Face folder: `model.safetensors`, or shards listed in
+`model.safetensors.index.json`.
+
+`safe_open` memory-maps each file; shapes are checked from the header before any tensor is
+read, and each tensor is materialized once (plus one cast when the run dtype differs).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kog.config import ModelConfig
+from kog.errors import ModelLoadError
+from kog.loader.weights import Weights, check_shape, expected_shapes, progress_bar, select_names
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def weight_files(folder: str | Path) -> dict[str, Path]:
+    """Maps each tensor name of an HF folder to the safetensors file that holds it.
+
+    Raises:
+        ModelLoadError: no safetensors file, an unreadable index, or a shard the index names is absent.
+    """
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"{index}: unreadable shard index: {e!r}") from None
+        files = {name: folder / shard for name, shard in weight_map.items()}
+        for name, path in files.items():
+            if not path.exists():
+                raise ModelLoadError(f"{index}: shard {path.name} (holding tensor {name!r}) is missing")
+        return files
+    single = folder / SINGLE_FILE
+    if not single.exists():
+        raise ModelLoadError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
+    with _open(single) as f:
+        return {name: single for name in f.keys()}
+
+
+def load_safetensors(
+    folder: str | Path, config: ModelConfig, dtype: torch.dtype, progress: bool | None = None
+) -> Weights:
+    """Loads and validates every weight of an HF folder.
+
+    Args:
+        folder: the model folder.
+        config: the model's config; tensor names and shapes are checked against it.
+        dtype: run dtype, every tensor is cast to it.
+        progress: show a progress bar (None: only when stderr is a TTY).
+    Returns:
+        {HF tensor name: tensor}, without `lm_head.weight` when embeddings are tied.
+    Raises:
+        ModelLoadError: naming the file and tensor that is missing, misshapen or unreadable.
+    """
+    files = weight_files(folder)
+    names = select_names(files, config, source=str(folder))
+    expected = expected_shapes(config)
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(files[name], []).append(name)
+
+    weights: Weights = {}
+    with progress_bar(len(names), f"loading {Path(folder).name}", progress) as bar:
+        for path, file_names in by_file.items():
+            with _open(path) as f:
+                for name in file_names:
+                    check_shape(name, f.get_slice(name).get_shape(), expected, str(path))
+                    try:
+                        tensor = f.get_tensor(name)
+                    except Exception as e:  # safetensors raises its own error types
+                        raise ModelLoadError(f"{path}: cannot read tensor {name!r}: {e}") from None
+                    weights[name] = tensor.to(dtype)
+                    bar.update()
+    return weights
+
+
+class _open:
+    """safe_open with errors turned into ModelLoadError naming the file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        try:
+            self.f = safe_open(str(self.path), framework="pt")
+        except Exception as e:
+            raise ModelLoadError(f"{self.path}: not a readable safetensors file{_beyond_end(self.path)}: {e}") from None
+        return self.f.__enter__()
+
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+
+def _beyond_end(path: Path) -> str:
+    """For a truncated file, names the first tensor whose bytes lie past the end ("" otherwise)."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        size = path.stat().st_size - 8 - n
+    except (OSError, ValueError, struct.error):
+        return ""
+    tensors = [(v["data_offsets"][1], k) for k, v in header.items() if k != "__metadata__"]
+    past = sorted((end, name) for end, name in tensors if end > size)
+    return f" (truncated: tensor {past[0][1]!r} ends at data byte {past[0][0]}, the data has {size})" if past else ""
+
