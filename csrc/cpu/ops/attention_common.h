@@ -217,6 +217,18 @@ void attend(const PagedAttentionParams& p, const int32_t* block_row, int64_t kv_
     const int64_t n = min_i(kKeyChunk, min_i(bs - off, k_end - t0));
     const T* k = cache + (int64_t(block_row[t0 / bs]) * 2 * p.n_kv_heads + kv_head) * head_elems + off * D;
     const T* v = k + p.n_kv_heads * head_elems;
+    if (t0 + n < k_end) {
+      // The next chunk's block is anywhere in the cache, out of the hardware prefetcher's reach.
+      const int64_t t1 = t0 + n, off1 = t1 % bs;
+      const int64_t n1 = min_i(kKeyChunk, min_i(bs - off1, k_end - t1));
+      const char* k1 = reinterpret_cast<const char*>(
+          cache + (int64_t(block_row[t1 / bs]) * 2 * p.n_kv_heads + kv_head) * head_elems + off1 * D);
+      const char* v1 = k1 + p.n_kv_heads * head_elems * int64_t(sizeof(T));
+      for (int64_t b = 0; b < n1 * D * int64_t(sizeof(T)); b += 64) {
+        __builtin_prefetch(k1 + b);
+        __builtin_prefetch(v1 + b);
+      }
+    }
     const float* kf = as_f32(k, n * D, r.kbuf);
     const float* vf = as_f32(v, n * D, r.vbuf);
     for (int64_t i0 = 0; i0 < r.n; i0 += kMaxRowBlock) {
