@@ -176,29 +176,59 @@ static inline void pv_rows(float* acc, const float* p, const float* alpha, const
   if (d0 < D) pv_block<RB, 1>(acc, p, alpha, v, n, D, d0);
 }
 
+typedef int32_t vint __attribute__((vector_size(kVec * sizeof(int32_t))));
+
+// fast_exp on a whole vector (the vectorizer does not see through the scalar one's bit casts).
+static inline vfloat fast_exp_v(vfloat x) {
+  const vfloat lo = vfloat{} - 87.f, hi = vfloat{} + 88.f, magic = vfloat{} + 12582912.f;
+  vfloat xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const vfloat shifted = xc * 1.44269504f + magic;
+  const vfloat n = shifted - magic;
+  const vfloat r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  vfloat poly = vfloat{} + 1.f / 720.f;
+  poly = poly * r + 1.f / 120.f;
+  poly = poly * r + 1.f / 24.f;
+  poly = poly * r + 1.f / 6.f;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.f;
+  poly = poly * r + 1.f;
+  vint bits;
+  __builtin_memcpy(&bits, &shifted, sizeof bits);
+  bits = (bits - 0x4B400000 + 127) << 23;
+  vfloat two_n;
+  __builtin_memcpy(&two_n, &bits, sizeof two_n);
+  return x < lo ? vfloat{} : poly * two_n;
+}
+
 // Online-softmax step of row i over its n scores: masks keys past the row's limit, turns the
 // scores into probabilities against the new running max and returns the factor that rescales
 // the row's earlier acc and l (1 when the row sees none of these keys: all p are then 0).
 static inline float softmax_step(Rows& r, int64_t i, int64_t t0, int64_t n) {
   float* s = r.s + i * kKeyChunk;
   const int64_t visible = min_i(n, r.limit[i] - t0 + 1);  // keys j < visible are unmasked
+  const int64_t padded = (n + kVec - 1) / kVec * kVec;     // <= kKeyChunk
   if (visible <= 0) {
     for (int64_t j = 0; j < n; ++j) s[j] = 0.f;
     return 1.f;
   }
-  float mx = -__builtin_inff();
-  for (int64_t j = 0; j < visible; ++j) mx = max_f(mx, s[j]);
+  for (int64_t j = visible; j < padded; ++j) s[j] = -__builtin_inff();
+  vfloat vmax = load_v(s);
+  for (int64_t j = kVec; j < padded; j += kVec) {
+    const vfloat x = load_v(s + j);
+    vmax = x > vmax ? x : vmax;
+  }
+  float mx = vmax[0];
+  for (int l = 1; l < kVec; ++l) mx = max_f(mx, vmax[l]);
   const float m_new = max_f(r.m[i], mx);
   const float alpha = fast_exp(r.m[i] - m_new);  // 0 for the first keys (m = -inf)
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < visible; ++j) {
-    const float e = fast_exp(s[j] - m_new);
-    s[j] = e;
-    sum += e;
+  vfloat vsum = vfloat{};
+  for (int64_t j = 0; j < padded; j += kVec) {
+    const vfloat e = fast_exp_v(load_v(s + j) - m_new);
+    store_v(s + j, e);
+    vsum += e;
   }
-  for (int64_t j = visible; j < n; ++j) s[j] = 0.f;
-  r.l[i] = r.l[i] * alpha + sum;
+  r.l[i] = r.l[i] * alpha + hsum(vsum);
   r.m[i] = m_new;
   return alpha;
 }
