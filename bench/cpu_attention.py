@@ -6,7 +6,7 @@ Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128), block_si
 The torch baseline gets a dense [1, H, L, D] K/V (its gather is not timed), so it is the bar to
 beat rather than an equal-footing paged implementation.
 
-Usage: PYTHONPATH=python python bench/cpu_attention.py [--dtypes bfloat16,float32] [--iters N]
+Usage: PYTHONPATH=python python bench/cpu_attention.py [--dtypes bfloat16,float32] [--iters N] [--threads N]
 """
 
 from __future__ import annotations
@@ -83,10 +83,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=0, help="threads for Kog and torch alike (0 = default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)  # one OpenMP runtime: Kog's kernels follow it
     default_isa = _C.build_info()["cpu_isa"]  # the best this CPU supports
     isas = _C.cpu_isas_supported()
-    print(f"threads={torch.get_num_threads()} kog_threads={_C.build_info()['cpu_threads']} isas={isas} torch={torch.__version__}")
+    print(f"threads={torch.get_num_threads()} isas={isas} torch={torch.__version__}")
     print(f"Hq={HQ} Hkv={HK} D={D} block_size={BS}; best of {args.iters} interleaved calls; "
           "rate = GB/s of K/V read (decode) or GFLOP/s (prefill), for the default ISA")
     cols = "".join(f"{'kog ' + i + ' us':>16}" for i in isas)
