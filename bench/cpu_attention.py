@@ -96,8 +96,9 @@ def main() -> None:
     print(f"{'case':<22}{cols}{'rate':>10}{'torch us':>12}{'torch/kog':>11}")
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
-        cases = [(f"decode b1 {L // 1024}k {name[:4]}", lambda L=L: bench_decode(L, dtype, args.iters)) for L in (1024, 4096, 16384)]
-        cases.append((f"prefill 512 {name[:4]}", lambda: bench_prefill(512, dtype, max(3, args.iters // 3))))
+        short = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}[name]
+        cases = [(f"decode b1 {L // 1024}k {short}", lambda L=L: bench_decode(L, dtype, args.iters)) for L in (1024, 4096, 16384)]
+        cases.append((f"prefill 512 {short}", lambda: bench_prefill(512, dtype, max(3, args.iters // 3))))
         for label, run in cases:
             row = run()
             best = row[default_isa]
