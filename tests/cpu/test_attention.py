@@ -133,6 +133,19 @@ def test_batched_chunks_equal_separate_calls(gen):
         assert_close(both[a:b], alone, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("d", [16, 80, 256])
+def test_unusual_head_dims(cpu_isa, gen, d):
+    # Row widths that leave a tail after the two-vector column blocks of the PV micro-kernel.
+    cache, table, lens = make_cache(gen, [700, 45], 1, d, 16, torch.float32)
+    q = randn(gen, 2, 2, d, dtype=torch.float32)
+    out = ops.paged_attention_decode(q, cache, table, lens)
+    torch.testing.assert_close(out, ref.paged_attention(q, cache, table, lens), **TOL[torch.float32])
+    qsl = torch.tensor([0, 20, 65], dtype=torch.int32)
+    q = randn(gen, 65, 2, d, dtype=torch.float32)
+    out = ops.paged_attention_prefill(q, cache, table, lens, qsl)
+    torch.testing.assert_close(out, ref.paged_attention(q, cache, table, lens, qsl), **TOL[torch.float32])
+
+
 # ---- kv_append -----------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kv_append_matches_reference(cpu_isa, gen, dtype):
