@@ -146,6 +146,21 @@ def test_unusual_head_dims(cpu_isa, gen, d):
     torch.testing.assert_close(out, ref.paged_attention(q, cache, table, lens, qsl), **TOL[torch.float32])
 
 
+def test_out_may_alias_q(cpu_isa, gen):
+    # Each work item reads its own q rows before writing them; split decode writes out only
+    # when merging, after every partition has read q.
+    cache, table, lens = make_cache(gen, [1500, 3], 2, 64, 16, torch.float32)
+    q = randn(gen, 2, 8, 64, dtype=torch.float32)
+    want = ref.paged_attention(q, cache, table, lens)
+    assert ops.paged_attention_decode(q, cache, table, lens, out=q) is q
+    torch.testing.assert_close(q, want, **TOL[torch.float32])
+    qsl = torch.tensor([0, 100, 103], dtype=torch.int32)
+    q = randn(gen, 103, 8, 64, dtype=torch.float32)
+    want = ref.paged_attention(q, cache, table, lens, qsl)
+    ops.paged_attention_prefill(q, cache, table, lens, qsl, out=q)
+    torch.testing.assert_close(q, want, **TOL[torch.float32])
+
+
 # ---- kv_append -----------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kv_append_matches_reference(cpu_isa, gen, dtype):
