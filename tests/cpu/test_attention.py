@@ -81,9 +81,10 @@ def test_reference_matches_sdpa(gen):
 
 # ---- prefill -------------------------------------------------------------------------------
 # (q_len, seq_len): single token, a whole first block, a chunk after a cached prefix, a prompt
-# longer than a query tile, an empty chunk, and a short verification over a long context.
+# longer than a query tile, an empty chunk, and short verifications over long contexts (the
+# split-context path; in the last one the first rows see nothing of the last partition).
 def prefill_batch(bs):
-    return [(1, 1), (bs, bs), (37, 100), (130, 130), (0, 20), (5, 2100)]
+    return [(1, 1), (bs, bs), (37, 100), (130, 130), (0, 20), (5, 2100), (8, 1030)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

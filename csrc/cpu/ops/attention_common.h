@@ -13,6 +13,11 @@ constexpr int kLanes = 16;
 constexpr int64_t kMaxHeadDim = 256;
 // Keys scored together: one chunk never crosses a KV block.
 constexpr int64_t kKeyChunk = 32;
+// Tokens per context partition of the split kernel: kAttentionPartitionTokens in whole blocks.
+static inline int64_t partition_tokens(int64_t block_size) {
+  const int64_t blocks = kAttentionPartitionTokens / block_size;
+  return (blocks > 0 ? blocks : 1) * block_size;
+}
 // Query rows that share one pass over a K/V chunk in registers.
 constexpr int kMaxRowBlock = 4;
 
@@ -292,4 +297,9 @@ static inline void store_row(const Rows& r, int64_t i, T* out, int64_t head_dim)
 }
 
 }  // namespace attn
+
+// Split-context attention (attention_decode.cpp) over the sequences seqs[0 .. n_seqs): for
+// decode, and for prefill sequences with few query tokens and a long context.
+void paged_attention_split(const PagedAttentionParams& p, const int64_t* seqs, int64_t n_seqs);
+
 }  // namespace kog::cpu::KOG_ISA_NS
