@@ -1,7 +1,8 @@
 """CPU paged attention: Kog's kernels vs torch SDPA over the same K/V already gathered dense.
 
 Question: how fast is decode attention at batch 1 over long contexts (memory bound: the KV read
-rate is the figure of merit), and a 512-token prompt prefill, against torch's own CPU attention?
+rate is the figure of merit), a 512-token prompt prefill, and the verification of 8 speculated
+tokens at the end of a 16k context, against torch's own CPU attention?
 Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128), block_size 16, one layer.
 The torch baseline gets a dense [1, H, L, D] K/V (its gather is not timed), so it is the bar to
 beat rather than an equal-footing paged implementation.
@@ -65,17 +66,21 @@ def bench_decode(seq_len: int, dtype: torch.dtype, iters: int) -> dict:
     return row
 
 
-def bench_prefill(n: int, dtype: torch.dtype, iters: int) -> dict:
-    cache, table, lens, k, v = make_case(n, dtype)
+def bench_prefill(n: int, dtype: torch.dtype, iters: int, context: int = 0) -> dict:
+    """n query tokens at the end of a context of max(n, context) tokens, causal."""
+    seq_len = max(n, context)
+    cache, table, lens, k, v = make_case(seq_len, dtype)
     q = torch.randn(n, HQ, D).to(dtype)
     qsl = torch.tensor([0, n], dtype=torch.int32)
     out = torch.empty_like(q)
     fns = {isa: lambda: ops.paged_attention_prefill(q, cache, table, lens, qsl, out=out, validate_indices=False)
            for isa in _C.cpu_isas_supported()}
     q4 = q.transpose(0, 1)[None]  # [1, HQ, n, D]
-    fns["torch"] = lambda: F.scaled_dot_product_attention(q4, k, v, is_causal=True, enable_gqa=True)
+    # Bottom-right causal mask (SDPA's is_causal aligns top-left when q is shorter than k).
+    mask = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - n, seq_len)[:, None]
+    fns["torch"] = lambda: F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, enable_gqa=True)
     row = timeit(fns, iters)
-    row["rate"] = 4 * HQ * D * n * (n + 1) / 2 / 1e9  # GFLOP of the causal QK^T and PV
+    row["rate"] = 4 * HQ * D * n * (seq_len - (n - 1) / 2) / 1e9  # GFLOP of the causal QK^T and PV
     return row
 
 
@@ -91,7 +96,7 @@ def main() -> None:
     isas = _C.cpu_isas_supported()
     print(f"threads={torch.get_num_threads()} isas={isas} torch={torch.__version__}")
     print(f"Hq={HQ} Hkv={HK} D={D} block_size={BS}; best of {args.iters} interleaved calls; "
-          "rate = GB/s of K/V read (decode) or GFLOP/s (prefill), for the default ISA")
+          "rate = GB/s of K/V read (decode) or GFLOP/s (prefill, verify), for the default ISA")
     cols = "".join(f"{'kog ' + i + ' us':>16}" for i in isas)
     print(f"{'case':<22}{cols}{'rate':>10}{'torch us':>12}{'torch/kog':>11}")
     for name in args.dtypes.split(","):
@@ -99,6 +104,7 @@ def main() -> None:
         short = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}[name]
         cases = [(f"decode b1 {L // 1024}k {short}", lambda L=L: bench_decode(L, dtype, args.iters)) for L in (1024, 4096, 16384)]
         cases.append((f"prefill 512 {short}", lambda: bench_prefill(512, dtype, max(3, args.iters // 3))))
+        cases.append((f"verify 8 @16k {short}", lambda: bench_prefill(8, dtype, args.iters, context=16384)))
         for label, run in cases:
             row = run()
             best = row[default_isa]
