@@ -10,7 +10,6 @@ namespace attn {
 
 // head_dim is a multiple of kLanes, so a row is a whole number of vectors in every ISA build.
 constexpr int kLanes = 16;
-constexpr int64_t kMaxHeadDim = 256;
 // Keys scored together: one chunk never crosses a KV block.
 constexpr int64_t kKeyChunk = 32;
 // Tokens per context partition of the split kernel: kAttentionPartitionTokens in whole blocks.
@@ -21,7 +20,7 @@ static inline int64_t partition_tokens(int64_t block_size) {
 // Query rows that share one pass over a K/V chunk in registers.
 constexpr int kMaxRowBlock = 4;
 
-// exp(x) to ~2 ulp, written so that loops over it vectorize (libm's expf does not):
+// exp(x) to ~2 ulp with no libm call (fast_exp_v below is the same on a vector):
 // exp(x) = 2^n exp(r), n = round(x / ln2), |r| <= ln2/2, exp(r) by its degree-6 Taylor
 // polynomial. Returns 0 below -87 (incl. -inf, the masked scores).
 static inline float fast_exp(float x) {
@@ -67,7 +66,7 @@ struct Rows {
   float* vbuf = nullptr;     // [kKeyChunk, head_dim] V chunk as fp32
 };
 
-// Floats of scratch a Rows of max_rows rows needs (Rows::bind carves them).
+// Floats of scratch a Rows of max_rows rows needs (bind_rows carves them).
 static inline int64_t rows_scratch(int64_t max_rows, int64_t head_dim) {
   return max_rows * (2 * head_dim + 2 + kKeyChunk) + 2 * kKeyChunk * head_dim;
 }
