@@ -15,7 +15,8 @@
 namespace kog {
 
 struct PagedAttentionParams {
-  void* out;                       // [n_tokens, n_q_heads, head_dim] dtype, token stride out_stride, heads contiguous
+  void* out;                       // [n_tokens, n_q_heads, head_dim] dtype, token stride out_stride, heads
+                                   //   contiguous; may alias q
   const void* q;                   // [n_tokens, n_q_heads, head_dim] dtype, token stride q_stride, heads contiguous
   const void* kv_cache;            // [num_blocks, 2, n_kv_heads, block_size, head_dim] dtype, contiguous:
                                    //   one layer (index 0 of dim 1 = K, 1 = V)

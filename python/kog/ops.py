@@ -380,7 +380,7 @@ def paged_attention_decode(
             last block are ignored).
         seq_lens: [n_seqs] int32 tokens in the cache incl. the new one, in [1, max_blocks * block_size].
         scale: softmax scale, head_dim ** -0.5 when None.
-        out: optional [n_seqs, n_q_heads, head_dim] like q.
+        out: optional [n_seqs, n_q_heads, head_dim] like q; may be q itself.
         validate_indices: check seq_lens and block ids (reads them; pass False for later layers
             of a step whose metadata was checked once).
 
@@ -403,7 +403,8 @@ def paged_attention_prefill(
 
     Args:
         q: [n_tokens, n_q_heads, head_dim], heads contiguous.
-        kv_cache, block_tables, scale, out, validate_indices: as for paged_attention_decode.
+        kv_cache, block_tables, scale, out, validate_indices: as for paged_attention_decode
+            (out [n_tokens, n_q_heads, head_dim], may be q itself).
         seq_lens: [n_seqs] int32 cached tokens per sequence incl. this chunk, >= q_len.
         query_start_loc: [n_seqs + 1] int32, non-decreasing, first 0, last n_tokens.
 

@@ -81,9 +81,10 @@ def test_reference_matches_sdpa(gen):
 
 # ---- prefill -------------------------------------------------------------------------------
 # (q_len, seq_len): single token, a whole first block, a chunk after a cached prefix, a prompt
-# longer than a query tile, an empty chunk, and a short verification over a long context.
+# longer than a query tile, an empty chunk, and short verifications over long contexts (the
+# split-context path; in the last one the first rows see nothing of the last partition).
 def prefill_batch(bs):
-    return [(1, 1), (bs, bs), (37, 100), (130, 130), (0, 20), (5, 2100)]
+    return [(1, 1), (bs, bs), (37, 100), (130, 130), (0, 20), (5, 2100), (8, 1030)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -131,6 +132,34 @@ def test_batched_chunks_equal_separate_calls(gen):
         alone = ops.paged_attention_prefill(q[a:b], cache, table[s : s + 1], lens[s : s + 1],
                                             torch.tensor([0, q_lens[s]], dtype=torch.int32))
         assert_close(both[a:b], alone, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("d", [16, 80, 256])
+def test_unusual_head_dims(cpu_isa, gen, d):
+    # Row widths that leave a tail after the two-vector column blocks of the PV micro-kernel.
+    cache, table, lens = make_cache(gen, [700, 45], 1, d, 16, torch.float32)
+    q = randn(gen, 2, 2, d, dtype=torch.float32)
+    out = ops.paged_attention_decode(q, cache, table, lens)
+    torch.testing.assert_close(out, ref.paged_attention(q, cache, table, lens), **TOL[torch.float32])
+    qsl = torch.tensor([0, 20, 65], dtype=torch.int32)
+    q = randn(gen, 65, 2, d, dtype=torch.float32)
+    out = ops.paged_attention_prefill(q, cache, table, lens, qsl)
+    torch.testing.assert_close(out, ref.paged_attention(q, cache, table, lens, qsl), **TOL[torch.float32])
+
+
+def test_out_may_alias_q(cpu_isa, gen):
+    # Each work item reads its own q rows before writing them; split decode writes out only
+    # when merging, after every partition has read q.
+    cache, table, lens = make_cache(gen, [1500, 3], 2, 64, 16, torch.float32)
+    q = randn(gen, 2, 8, 64, dtype=torch.float32)
+    want = ref.paged_attention(q, cache, table, lens)
+    assert ops.paged_attention_decode(q, cache, table, lens, out=q) is q
+    torch.testing.assert_close(q, want, **TOL[torch.float32])
+    qsl = torch.tensor([0, 100, 103], dtype=torch.int32)
+    q = randn(gen, 103, 8, 64, dtype=torch.float32)
+    want = ref.paged_attention(q, cache, table, lens, qsl)
+    ops.paged_attention_prefill(q, cache, table, lens, qsl, out=q)
+    torch.testing.assert_close(q, want, **TOL[torch.float32])
 
 
 # ---- kv_append -----------------------------------------------------------------------------

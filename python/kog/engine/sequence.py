@@ -1,0 +1,65 @@
+"""One generated sequence: its tokens, how many of them have KV, and its output so far."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kog.loader.tokenizer import IncrementalDetokenizer
+from kog.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"      # no KV yet (new, or preempted and to be recomputed)
+    RUNNING = "running"      # resident in the KV cache, scheduled every step
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A sequence to compute: tokens all_ids[num_computed:] still need a forward pass.
+
+    NOTE: the last sampled token has no KV until the next step feeds it, so a decoding
+    sequence has exactly one token to compute; more than one means it is (re)prefilling.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int                                  # which of the request's n completions
+    prompt_ids: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer | None
+    generator: torch.Generator | None = None
+    priority: int = 0                           # lower runs first (vLLM's convention)
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0                       # leading tokens whose KV is in the cache
+    num_cached_tokens: int = 0                  # prompt tokens served by the prefix cache
+    num_prefill_computed: int = 0               # tokens computed by prefill chunks (recomputation visible)
+    status: SeqStatus = SeqStatus.WAITING
+    text: str = ""                              # output text (a matched stop string cut off)
+    num_text_emitted: int = 0                   # characters of text already streamed
+    finish_reason: str | None = None            # "stop", "length" or "abort"
+    stop_reason: int | str | None = None        # the stop token id or stop string that matched
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
