@@ -1,0 +1,226 @@
+"""LLMEngine: requests in, one continuous-batching step at a time, outputs out.
+
+A step = schedule (KV allocation, copies applied) -> one batched decode call + one batched
+prefill call on the runner -> sample -> detokenize and check stop conditions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Protocol, Sequence as Seq
+
+import numpy as np
+import torch
+
+from kog.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
+from kog.engine.scheduler import Scheduler
+from kog.engine.sequence import Sequence
+from kog.engine.stop import apply_stop_strings, check_stop_token, streamable_text
+from kog.errors import InvalidRequest
+from kog.kvcache import KVCacheManager
+from kog.loader.tokenizer import Tokenizer
+from kog.sampler import SampleRow, make_generator, sample
+from kog.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None   # None: the model's context, capped by the KV capacity
+    num_host_blocks: int = 0
+    namespace: str = ""                # seeds the prefix-cache hashes (the model id)
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's chunk for runner.prefill: token_ids go at positions start_pos.."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: np.ndarray  # [>= ceil((start_pos + len(token_ids)) / block_size)] int32
+    slots: np.ndarray        # [len(token_ids)] int64
+
+
+class Runner(Protocol):
+    kv: object          # KVCacheStorage: .kv [layers, blocks, 2, heads, block_size, dim], .layout, .apply(moves)
+    block_size: int
+    vocab_size: int
+
+    def prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor: ...
+    def decode(self, tokens, positions, block_tables, seq_lens, slots) -> torch.Tensor: ...
+
+
+class LLMEngine:
+    """Args:
+        runner: the model (prefill/decode over the paged KV tensors it owns).
+        tokenizer: for incremental detokenization and stop strings.
+        eos_token_ids: end-of-turn ids (ignored by requests with ignore_eos).
+        model_max_len: the model's context length.
+        config: batching and memory limits.
+    """
+
+    def __init__(self, runner: Runner, tokenizer: Tokenizer, eos_token_ids: Seq[int], model_max_len: int,
+                 config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        num_blocks = runner.kv.kv.shape[1]
+        self.kv = KVCacheManager(num_blocks, runner.block_size, self.config.num_host_blocks,
+                                 self.config.namespace, runner.kv.layout.bytes_per_block)
+        self.kv_capacity_tokens = num_blocks * runner.block_size
+        self.max_model_len = min(self.config.max_model_len or model_max_len, model_max_len, self.kv_capacity_tokens)
+        self.scheduler = Scheduler(self.kv, runner.kv.apply, self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens)
+        self._requests: dict[str, list[Sequence]] = {}
+        self._prompts: dict[str, str | None] = {}
+        self._seq_ids = itertools.count()
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+                    prompt: str | None = None, priority: int = 0) -> None:
+        """Queues a request. Raises InvalidRequest for an empty or too long prompt or bad ids."""
+        if request_id in self._requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.runner.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {len(ids)} tokens but the context length is {self.max_model_len} "
+                f"(prompt plus at least one generated token must fit)")
+        params.validate()
+        seq = self._new_sequence(request_id, 0, ids, params, priority)
+        self._requests[request_id] = [seq]
+        self._prompts[request_id] = prompt
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request at once and frees its KV (unknown ids are ignored)."""
+        for seq in self._requests.get(request_id, []):
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def get_output(self, request_id: str) -> RequestOutput:
+        seqs = self._requests[request_id]
+        parent = seqs[0]
+        n = parent.params.n
+        done = len(seqs) == n and all(s.is_finished for s in seqs) or parent.finish_reason == "abort"
+        outs = [CompletionOutput(s.index, s.text, list(s.output_ids),
+                                 s.cumulative_logprob if s.params.logprobs is not None else None,
+                                 list(s.logprobs) if s.params.logprobs is not None else None,
+                                 s.finish_reason, s.stop_reason) for s in seqs]
+        metrics = {"arrival_time": parent.arrival_time}
+        if parent.first_token_time is not None:
+            metrics["first_token_time"] = parent.first_token_time
+        return RequestOutput(request_id, self._prompts[request_id], list(parent.prompt_ids), outs, done,
+                             parent.num_cached_tokens, sum(s.num_prefill_computed for s in seqs), metrics)
+
+    def release(self, request_id: str) -> None:
+        """Forgets a finished request's bookkeeping."""
+        self.abort(request_id)
+        self._requests.pop(request_id, None)
+        self._prompts.pop(request_id, None)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self) -> list[StreamDelta]:
+        """Runs one engine step; returns what each sequence produced in it."""
+        work = self.scheduler.schedule()
+        if work.empty:
+            return []
+        rows: list[tuple[int, Sequence]] = []  # (row of the stacked logits, sequence to sample)
+        parts: list[torch.Tensor] = []
+        if work.decode:
+            parts.append(self._run_decode(work.decode, work.decode_slots))
+            for i, seq in enumerate(work.decode):
+                seq.num_computed += 1
+                rows.append((i, seq))
+        if work.prefill:
+            base = len(work.decode)
+            chunks = [PrefillChunk(w.seq.all_ids[w.start : w.start + w.n], w.start,
+                                   self.kv.block_table(w.seq.seq_id), w.slots) for w in work.prefill]
+            parts.append(self.runner.prefill(chunks))
+            for i, w in enumerate(work.prefill):
+                w.seq.num_computed += w.n
+                w.seq.num_prefill_computed += w.n
+                if w.seq.num_to_compute == 0:
+                    rows.append((base + i, w.seq))
+                    rows.extend((base + i, child) for child in self._fork_children(w.seq))
+        if not rows:
+            return []
+        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
+        result = sample(logits[[r for r, _ in rows]], [self._sample_row(s) for _, s in rows])
+        now = time.monotonic()
+        deltas = []
+        for k, (_, seq) in enumerate(rows):
+            deltas.append(self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k], now))
+        return deltas
+
+    # ---- internal helpers ---------------------------------------------------------------------
+    def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
+                      priority: int) -> Sequence:
+        seed = None if params.seed is None else params.seed + index
+        return Sequence(next(self._seq_ids), request_id, index, list(ids), params,
+                        self.tokenizer.detokenizer(params.skip_special_tokens), make_generator(seed),
+                        priority=priority)
+
+    def _fork_children(self, parent: Sequence) -> list[Sequence]:
+        """The n - 1 siblings of a request, forked (KV shared copy-on-write) when its prompt is done."""
+        seqs = self._requests[parent.request_id]
+        if parent.index != 0 or parent.output_ids or len(seqs) == parent.params.n:
+            return []
+        children = []
+        for index in range(1, parent.params.n):
+            child = self._new_sequence(parent.request_id, index, parent.prompt_ids, parent.params, parent.priority)
+            self.kv.fork(parent.seq_id, child.seq_id)
+            child.num_computed = parent.num_computed
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.scheduler.add_running(child)
+            seqs.append(child)
+            children.append(child)
+        return children
+
+    def _run_decode(self, seqs: list[Sequence], slots: list[int]) -> torch.Tensor:
+        tables = [self.kv.block_table(s.seq_id) for s in seqs]
+        width = max(len(t) for t in tables)
+        block_tables = np.zeros((len(seqs), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, : len(t)] = t
+        positions = np.array([s.num_computed for s in seqs], dtype=np.int64)
+        tokens = np.array([s.all_ids[-1] for s in seqs], dtype=np.int64)
+        return self.runner.decode(tokens, positions, block_tables, (positions + 1).astype(np.int32),
+                                  np.asarray(slots, dtype=np.int64))
+
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        return SampleRow(seq.params, seq.prompt_ids, seq.output_ids, self.eos_token_ids, seq.generator)
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float | None,
+                      top: list[tuple[int, float]] | None, now: float) -> StreamDelta:
+        seq.output_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if logprob is not None:
+            entry = {token: logprob}
+            entry.update({t: lp for t, lp in (top or []) if t != token})
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += logprob
+        delta = seq.detok.step(token) if seq.detok is not None else ""
+        check_stop_token(seq, token, self.eos_token_ids, self.max_model_len)
+        if seq.finish_reason == "stop" and seq.stop_reason == token:
+            delta = ""  # a stop token ends the text; its id stays in token_ids
+        apply_stop_strings(seq, delta)
+        if seq.finish_reason is not None and not isinstance(seq.stop_reason, str) and seq.detok is not None:
+            apply_stop_strings(seq, seq.detok.flush())
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+        return StreamDelta(seq.request_id, seq.index, streamable_text(seq), [token], seq.finish_reason)

@@ -1,0 +1,42 @@
+"""What the engine returns: vLLM-shaped request outputs, plus Kog's recomputation counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None  # per token: {token id: logprob}, sampled token first
+    finish_reason: str | None = None          # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0          # prompt tokens whose KV came from the prefix cache
+    prefill_tokens_computed: int = 0    # tokens prefilled for this request, recomputation included
+    metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished (monotonic s)
+
+
+@dataclass
+class StreamDelta:
+    """New output of one sequence after a step (for streaming)."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
