@@ -12,6 +12,7 @@ from kog.errors import (
     UnknownSequence,
 )
 from kog.info import backend_info
+from kog.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,17 @@ __all__ = [
     "KogError",
     "ModelLoadError",
     "UnknownSequence",
+    "LLM",
+    "SamplingParams",
     "__version__",
     "backend_info",
 ]
+
+
+def __getattr__(name: str):
+    # kog.LLM imports the loaders and the runner: only when asked for.
+    if name == "LLM":
+        from kog.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'kog' has no attribute {name!r}")

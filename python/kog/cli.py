@@ -32,6 +32,12 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kog.generate_cli import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kog", description="Kog: LLM inference for AI agents")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -45,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="dtype of the written weights (default: the file's; float32 for quantized files)")
     p_conv.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_conv.set_defaults(func=_cmd_convert)
+    p_gen = sub.add_parser("generate", help="stream a completion from a model, then report TTFT and tok/s")
+    from kog.generate_cli import add_arguments
+
+    add_arguments(p_gen)
+    p_gen.set_defaults(func=_cmd_generate)
     return parser
 
 

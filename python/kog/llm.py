@@ -1,0 +1,154 @@
+"""kog.LLM: the offline Python API, shaped like vLLM's.
+
+    llm = kog.LLM()                                   # SmolLM2-135M-Instruct on the CPU
+    out = llm.generate(["The capital of France is"], kog.SamplingParams(max_tokens=16))
+    print(out[0].outputs[0].text)
+    llm.chat([{"role": "user", "content": "Hi!"}])
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from kog.engine import EngineConfig, LLMEngine, RequestOutput, StreamDelta
+from kog.errors import InvalidRequest
+from kog.loader import ChatTemplate, Tokenizer, load_model
+from kog.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+# KV cache size when none is given: enough for every sequence at full length, at most this much.
+DEFAULT_KV_CACHE_GIB = 1.0
+
+
+class LLM:
+    """A model ready to generate.
+
+    Args:
+        model: an HF folder, a .gguf file, or None for the default SmolLM2-135M-Instruct.
+        dtype: "float32", "bfloat16" or None (bf16 checkpoints run in bf16, others in fp32).
+        max_model_len: context length limit (default: the model's).
+        max_num_seqs: most sequences decoded together.
+        max_num_batched_tokens: token budget of one engine step (chunked prefill size).
+        kv_cache_gib: memory for the paged KV cache.
+        block_size: tokens per KV block.
+        progress: progress bar while loading (None: when stderr is a TTY).
+    """
+
+    def __init__(self, model: str | os.PathLike[str] | None = None, dtype: str | torch.dtype | None = None, *,
+                 max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
+                 kv_cache_gib: float | None = None, block_size: int = 16, progress: bool | None = None) -> None:
+        from kog.kvcache import KVLayout
+        from kog.models.runner import ModelRunner
+
+        loaded = load_model(model, dtype, progress)
+        cfg = loaded.config
+        context = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, loaded.dtype)
+        wanted = max_num_seqs * -(-context // block_size)
+        budget = int((kv_cache_gib or DEFAULT_KV_CACHE_GIB) * 2**30) // layout.bytes_per_block
+        num_blocks = max(2, budget if kv_cache_gib else min(wanted, budget))
+        runner = ModelRunner(loaded, num_kv_blocks=num_blocks, block_size=block_size)
+        engine = LLMEngine(runner, loaded.tokenizer, loaded.stop_token_ids, context,
+                           EngineConfig(max_num_seqs, max_num_batched_tokens, context, 0, str(loaded.path)))
+        self._init(engine, loaded.tokenizer, loaded.chat_template)
+        self.model = loaded
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine, tokenizer: Tokenizer, chat_template: ChatTemplate | None = None) -> LLM:
+        """Wraps an existing engine (tests, custom runners)."""
+        llm = cls.__new__(cls)
+        llm._init(engine, tokenizer, chat_template)
+        llm.model = None
+        return llm
+
+    def _init(self, engine: LLMEngine, tokenizer: Tokenizer, chat_template: ChatTemplate | None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generates for every prompt, batched; returns one RequestOutput per prompt, in order.
+
+        A prompt is a string or {"prompt_token_ids": [...]} (or {"prompt": "..."}).
+        """
+        items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = self._params_list(sampling_params, len(items))
+        ids = [self._add(item, p) for item, p in zip(items, params)]
+        return self._run(ids)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Renders each conversation with the model's chat template, then generates."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.encode_chat(c, tools, add_generation_prompt, chat_template_kwargs)}
+                   for c in convs]
+        return self.generate(prompts, sampling_params)
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yields the request's deltas as the engine produces them."""
+        rid = self._add(prompt, sampling_params or SamplingParams())
+        try:
+            while not self.engine.get_output(rid).finished:
+                for d in self.engine.step():
+                    if d.request_id == rid:
+                        yield d
+        finally:
+            self.engine.release(rid)
+
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        if self.chat_template is None:
+            raise InvalidRequest("this model has no chat template; use generate() with a plain prompt")
+        text = self.chat_template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                         **(chat_template_kwargs or {}))
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ---- internal helpers ---------------------------------------------------------------------
+    @staticmethod
+    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise InvalidRequest(f"got {len(params)} sampling params for {n} prompts")
+        return params
+
+    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+        text: str | None = None
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = list(prompt["prompt_token_ids"])
+            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+                raise InvalidRequest("prompt_token_ids must be a list of integers")
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            text, ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        else:
+            raise InvalidRequest(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        rid = str(next(self._ids))
+        self.engine.add_request(rid, ids, params, prompt=text)
+        return rid
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        try:
+            while any(not self.engine.get_output(r).finished for r in request_ids):
+                self.engine.step()
+            return [self.engine.get_output(r) for r in request_ids]
+        finally:
+            for r in request_ids:
+                self.engine.release(r)
