@@ -58,7 +58,7 @@ namespace kog::gpu {
 constexpr int kMaxWarpSize = 64;
 constexpr int kMaxBlockThreads = 1024;
 
-// ---- fp32 <-> storage type (one rounding per stored value) -----------------------------------
+// ---- fp32 <-> storage type (one rounding per stored value) -------------------------------
 template <typename T>
 __device__ __forceinline__ float load_f32(const T* p) { return gpu_to_float(*p); }
 template <typename T>
@@ -116,7 +116,7 @@ __device__ __forceinline__ float block_reduce_sum(float v) {
   return total;
 }
 
-// ---- host helpers --------------------------------------------------------------------------------
+// ---- host helpers ------------------------------------------------------------------------
 // Calls f(T{}) with T the storage type of a float DType.
 template <typename F>
 void dispatch_float(DType t, F&& f) {
@@ -124,7 +124,9 @@ void dispatch_float(DType t, F&& f) {
     case DType::kF32: return f(float{});
     case DType::kF16: return f(gpu_f16{});
     case DType::kBF16: return f(gpu_bf16{});
-    default: throw_error(ErrorKind::kInvalidArgument, "GPU kernels take float32/float16/bfloat16, not ", dtype_name(t));
+    default:
+      throw_error(ErrorKind::kInvalidArgument, "GPU kernels take float32/float16/bfloat16, not ",
+                  dtype_name(t));
   }
 }
 

@@ -15,7 +15,7 @@ void silu_and_mul(const SiluAndMulParams& p, void* stream) {
     const bool vec = p.d % kV == 0 && p.x_stride % kV == 0 && p.out_stride % kV == 0 &&
                      aligned_to(p.x, align) && aligned_to(p.out, align);
     const int64_t n_chunks = p.d / (vec ? kV : 1);
-    const int threads = block_threads_for(n_chunks, 256);
+    const int threads = block_threads_for(n_chunks, kSiluMaxThreads);
     const dim3 grid(static_cast<unsigned>(p.n_rows),
                     static_cast<unsigned>((n_chunks + threads - 1) / threads));
     KOG_CHECK(grid.y <= 65535, "silu_and_mul: d = ", p.d, " is too wide for one launch");

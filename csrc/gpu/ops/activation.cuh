@@ -8,9 +8,11 @@ namespace kog::gpu {
 // x: [n_rows = gridDim.x, 2 * d] (gate half, then up half); out: [n_rows, d].
 // Block (row, blockIdx.y) handles the N-element chunks blockIdx.y * blockDim.x + threadIdx.x.
 // With N > 1 rows start 16-byte aligned and d % N == 0 (the launcher checks).
+constexpr int kSiluMaxThreads = 256;
+
 template <typename T, int N>
-__global__ void silu_and_mul_kernel(T* out, const T* x, int64_t d, int64_t x_stride,
-                                    int64_t out_stride) {
+__global__ void __launch_bounds__(kSiluMaxThreads)
+silu_and_mul_kernel(T* out, const T* x, int64_t d, int64_t x_stride, int64_t out_stride) {
   using V = Vec<T, N>;
   const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (c >= d / N) return;

@@ -18,7 +18,7 @@ void rmsnorm(const RMSNormParams& p, void* stream) {
                      (p.residual == nullptr ||
                       (p.residual_stride % kV == 0 && aligned_to(p.residual, align)));
     const int n = vec ? kV : 1;
-    const int threads = block_threads_for(p.hidden / n, kMaxBlockThreads);
+    const int threads = block_threads_for(p.hidden / n, kRmsnormMaxThreads);
     auto* kernel = vec ? &rmsnorm_kernel<T, kV> : &rmsnorm_kernel<T, 1>;
     kernel<<<static_cast<unsigned>(p.n_rows), threads, 0, as_stream(stream)>>>(
         static_cast<T*>(p.out), static_cast<const T*>(p.x), static_cast<T*>(p.residual),

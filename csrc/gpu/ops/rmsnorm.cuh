@@ -10,10 +10,13 @@ namespace kog::gpu {
 // Thread t owns the N-element chunks t, t + blockDim.x, ... of its row in both passes, so the
 // residual it stores in pass 1 is re-read by the same thread in pass 2. With N > 1 every row
 // start is 16-byte aligned and hidden % N == 0 (the launcher checks). out may alias x.
+// Largest block the launcher uses (one thread per N-element chunk, up to this many).
+constexpr int kRmsnormMaxThreads = kMaxBlockThreads;
+
 template <typename T, int N>
-__global__ void rmsnorm_kernel(T* out, const T* x, T* residual, const T* weight, int64_t hidden,
-                               int64_t x_stride, int64_t out_stride, int64_t residual_stride,
-                               float eps) {
+__global__ void __launch_bounds__(kRmsnormMaxThreads)
+rmsnorm_kernel(T* out, const T* x, T* residual, const T* weight, int64_t hidden,
+               int64_t x_stride, int64_t out_stride, int64_t residual_stride, float eps) {
   using V = Vec<T, N>;
   const int64_t row = blockIdx.x;
   const int64_t n_chunks = hidden / N;
@@ -45,7 +48,8 @@ __global__ void rmsnorm_kernel(T* out, const T* x, T* residual, const T* weight,
     const V s = src[c], w = wv[c];
     V o;
 #pragma unroll
-    for (int j = 0; j < N; ++j) gpu_from_float(gpu_to_float(s.v[j]) * inv_rms * gpu_to_float(w.v[j]), o.v[j]);
+    for (int j = 0; j < N; ++j)
+      gpu_from_float(gpu_to_float(s.v[j]) * inv_rms * gpu_to_float(w.v[j]), o.v[j]);
     ov[c] = o;
   }
 }

@@ -13,7 +13,7 @@ void rope(const RopeParams& p, void* stream) {
             2 * kRopeMaxHalf);
   KOG_CHECK(p.n_tokens <= INT_MAX && all_pairs <= INT_MAX && p.head_dim <= INT_MAX,
             "rope: shape exceeds one launch");
-  const int threads = block_threads_for(all_pairs, 512);
+  const int threads = block_threads_for(all_pairs, kRopeMaxThreads);
   dispatch_float(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     auto launch = [&](const auto* positions) {

@@ -8,15 +8,16 @@ namespace kog::gpu {
 
 // Largest rotary_dim / 2 (the bindings cap rotary_dim at 512).
 constexpr int kRopeMaxHalf = 256;
+constexpr int kRopeMaxThreads = 512;
 
 // q: [n_tokens = gridDim.x, n_q_heads, head_dim] at token stride q_stride; k likewise or null;
 // positions: [n_tokens]; inv_freq: [half]. Pair i of a head is (i, i + half) when is_neox,
 // else (2i, 2i + 1); dimensions >= 2 * half are untouched.
 template <typename T, typename Pos>
-__global__ void rope_kernel(T* q, T* k, const Pos* positions, const float* inv_freq,
-                            int n_q_heads, int n_kv_heads, int head_dim, int half,
-                            int64_t q_stride, int64_t k_stride, float attention_scaling,
-                            bool is_neox) {
+__global__ void __launch_bounds__(kRopeMaxThreads)
+rope_kernel(T* q, T* k, const Pos* positions, const float* inv_freq, int n_q_heads,
+            int n_kv_heads, int head_dim, int half, int64_t q_stride, int64_t k_stride,
+            float attention_scaling, bool is_neox) {
   __shared__ float cos_s[kRopeMaxHalf], sin_s[kRopeMaxHalf];
   const int64_t t = blockIdx.x;
   const float pos = static_cast<float>(positions[t]);
