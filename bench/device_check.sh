@@ -29,7 +29,8 @@ step() {
     return
   fi
   echo "== $name (limit ${limit}s)"
-  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  # bash -c: CMD may be one of the exported functions below.
+  timeout --kill-after=10 "$limit" bash -c '"$@"' "$name" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
   case $rc in
     0) status=ok ;;
@@ -57,6 +58,7 @@ else
   backend=none
 fi
 archs=${KOG_GPU_ARCHS:-${default_arch:-}}
+export OUT PY backend archs
 
 env_info() {
   echo "date: $(date -u +%FT%TZ)  host: $(hostname)  cores: $(nproc)  backend: $backend  archs: $archs"
@@ -66,6 +68,7 @@ env_info() {
   cmake --version 2>/dev/null | head -1
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'hip', torch.version.hip, 'available', torch.cuda.is_available(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])"
 }
+export -f env_info
 step env 30 env_info
 
 # ---- build -----------------------------------------------------------------------------------
@@ -81,6 +84,8 @@ build() {
     rm -f "$stage"/kog/_C*.so && cp build/device/_C*.so "$stage/kog/" || return 1
   PYTHONPATH="$stage" "$PY" -m kog info
 }
+export stage
+export -f build
 if [[ $backend == none ]]; then
   note build "failed (neither nvcc nor hipcc found)"
   overall=1
@@ -92,6 +97,7 @@ grep -q $'^build\tok' "$OUT/steps.tsv" && compgen -G "$stage/kog/_C*.so" >/dev/n
 
 # ---- tests -------------------------------------------------------------------------------------
 pytest_run() { PYTHONPATH="$stage" "$PY" -m pytest -q -p no:cacheprovider "$@"; }
+export -f pytest_run
 if ((built)); then
   step gpu_tests 150 pytest_run tests/gpu -rs --junitxml="$OUT/gpu_tests.xml"
   step cpu_tests_on_gpu_build 90 pytest_run tests/cpu -x
@@ -99,10 +105,12 @@ if ((built)); then
   if [[ $backend == cuda && -n $sanitizer ]]; then
     # A subset that touches every kernel on its vector and scalar paths: under the sanitizer
     # each launch is slow. Only kog's kernels are checked (torch's own are filtered out).
-    subset="strided or extremes or small_positions or stream or (reference and (7-4-2-128-128 or 3-7 or 5-129))"
-    step memcheck 90 "$sanitizer" --tool memcheck --error-exitcode 99 --kernel-name kns=kog \
+    subset="strided or extremes or small_positions or stream"
+    subset+=" or (reference and (7-4-2-128-128 or 3-7 or 5-129))"
+    sanitize=(env PYTHONPATH="$stage" "$sanitizer" --error-exitcode 99 --kernel-name kns=kog)
+    step memcheck 150 "${sanitize[@]}" --tool memcheck \
       "$PY" -m pytest -q -p no:cacheprovider -x tests/gpu -k "$subset"
-    step racecheck 60 "$sanitizer" --tool racecheck --error-exitcode 99 --kernel-name kns=kog \
+    step racecheck 90 "${sanitize[@]}" --tool racecheck \
       "$PY" -m pytest -q -p no:cacheprovider -x tests/gpu -k "rmsnorm_in_place or rope_small"
   else
     note sanitizer "not run (no compute-sanitizer for backend $backend)"
