@@ -4,6 +4,8 @@ Shapes cover both code paths of each launcher: 16-byte vector accesses (aligned 
 multiple of the vector) and the scalar fallback (odd widths, unaligned starts, odd strides).
 """
 
+import os
+
 import pytest
 import torch
 
@@ -24,6 +26,9 @@ def _skip_reason() -> str | None:
 
 
 _SKIP = _skip_reason()
+if _SKIP is not None and os.environ.get("KOG_REQUIRE_GPU") == "1":
+    # bench/device_check.sh sets this: on a GPU machine, all-skipped must not read as a pass.
+    raise RuntimeError(f"KOG_REQUIRE_GPU=1 but the GPU tests cannot run: {_SKIP}")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
