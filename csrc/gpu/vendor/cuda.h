@@ -1,0 +1,57 @@
+// NVIDIA side of the vendor-neutral GPU API (the HIP twin is hip.h; only these two files and
+// compat.cuh know which vendor is compiling). Names follow the CUDA runtime with a `gpu`
+// prefix so kernel code reads like CUDA.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <string>
+
+#define KOG_GPU_VENDOR "CUDA"
+
+using gpuError_t = cudaError_t;
+using gpuStream_t = cudaStream_t;
+using gpuDeviceProp_t = cudaDeviceProp;
+
+constexpr gpuError_t gpuSuccess = cudaSuccess;
+
+#define gpuGetLastError cudaGetLastError
+#define gpuGetErrorString cudaGetErrorString
+#define gpuGetDeviceCount cudaGetDeviceCount
+#define gpuGetDeviceProperties cudaGetDeviceProperties
+#define gpuGetDevice cudaGetDevice
+#define gpuSetDevice cudaSetDevice
+#define gpuMemcpyAsync cudaMemcpyAsync
+#define gpuMemcpyHostToDevice cudaMemcpyHostToDevice
+#define gpuMemcpyDeviceToHost cudaMemcpyDeviceToHost
+#define gpuMemcpyDeviceToDevice cudaMemcpyDeviceToDevice
+#define gpuStreamSynchronize cudaStreamSynchronize
+#define gpuFuncGetAttributes cudaFuncGetAttributes
+#define gpuFuncAttributes cudaFuncAttributes
+
+// Runtime the module was compiled against, e.g. "CUDA 13.0".
+inline std::string gpu_runtime_version() {
+  return "CUDA " + std::to_string(CUDART_VERSION / 1000) + "." +
+         std::to_string(CUDART_VERSION % 1000 / 10);
+}
+
+// "sm_90" style name of a device.
+inline std::string gpu_arch_name(const gpuDeviceProp_t& p) {
+  return "sm_" + std::to_string(p.major) + std::to_string(p.minor);
+}
+
+// ---- 16-bit float storage types and their conversions (round to nearest even) ---------------
+using gpu_f16 = __half;
+using gpu_bf16 = __nv_bfloat16;
+
+__device__ __forceinline__ float gpu_to_float(gpu_f16 v) { return __half2float(v); }
+__device__ __forceinline__ float gpu_to_float(gpu_bf16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ void gpu_from_float(float v, gpu_f16& out) { out = __float2half_rn(v); }
+__device__ __forceinline__ void gpu_from_float(float v, gpu_bf16& out) { out = __float2bfloat16_rn(v); }
+
+// ---- warp primitives ---------------------------------------------------------------------------
+// Every lane of the warp takes part (the reductions in compat.cuh are called warp-uniformly).
+__device__ __forceinline__ float gpu_shfl_xor(float v, int lane_mask) {
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+}

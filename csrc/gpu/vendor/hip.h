@@ -1,0 +1,70 @@
+// AMD side of the vendor-neutral GPU API (the CUDA twin is cuda.h; only these two files and
+// compat.cuh know which vendor is compiling). Maps the `gpu` names onto HIP.
+#pragma once
+#include <hip/hip_fp16.h>
+#include <hip/hip_runtime.h>
+#include <hip/hip_version.h>
+// ROCm >= 5.7 has CUDA-like __hip_bfloat16; older ROCm (Debian's 5.2) only hip_bfloat16.
+#if __has_include(<hip/hip_bf16.h>)
+#include <hip/hip_bf16.h>
+#define KOG_HIP_HAS_BF16_H 1
+#else
+#include <hip/hip_bfloat16.h>
+#endif
+
+#include <string>
+
+#define KOG_GPU_VENDOR "HIP"
+
+using gpuError_t = hipError_t;
+using gpuStream_t = hipStream_t;
+using gpuDeviceProp_t = hipDeviceProp_t;
+
+constexpr gpuError_t gpuSuccess = hipSuccess;
+
+#define gpuGetLastError hipGetLastError
+#define gpuGetErrorString hipGetErrorString
+#define gpuGetDeviceCount hipGetDeviceCount
+#define gpuGetDeviceProperties hipGetDeviceProperties
+#define gpuGetDevice hipGetDevice
+#define gpuSetDevice hipSetDevice
+#define gpuMemcpyAsync hipMemcpyAsync
+#define gpuMemcpyHostToDevice hipMemcpyHostToDevice
+#define gpuMemcpyDeviceToHost hipMemcpyDeviceToHost
+#define gpuMemcpyDeviceToDevice hipMemcpyDeviceToDevice
+#define gpuStreamSynchronize hipStreamSynchronize
+#define gpuFuncGetAttributes hipFuncGetAttributes
+#define gpuFuncAttributes hipFuncAttributes
+
+// Runtime the module was compiled against, e.g. "HIP 6.2".
+inline std::string gpu_runtime_version() {
+  return "HIP " + std::to_string(HIP_VERSION_MAJOR) + "." + std::to_string(HIP_VERSION_MINOR);
+}
+
+// "gfx942" style name of a device (gcnArchName also carries feature flags: "gfx942:sramecc+:xnack-").
+inline std::string gpu_arch_name(const gpuDeviceProp_t& p) {
+  const std::string full = p.gcnArchName;
+  return full.substr(0, full.find(':'));
+}
+
+// ---- 16-bit float storage types and their conversions (round to nearest even) ---------------
+using gpu_f16 = __half;
+__device__ __forceinline__ float gpu_to_float(gpu_f16 v) { return __half2float(v); }
+__device__ __forceinline__ void gpu_from_float(float v, gpu_f16& out) { out = __float2half_rn(v); }
+
+#ifdef KOG_HIP_HAS_BF16_H
+using gpu_bf16 = __hip_bfloat16;
+__device__ __forceinline__ float gpu_to_float(gpu_bf16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ void gpu_from_float(float v, gpu_bf16& out) { out = __float2bfloat16(v); }
+#else
+using gpu_bf16 = hip_bfloat16;
+__device__ __forceinline__ float gpu_to_float(gpu_bf16 v) { return float(v); }
+// The float constructor rounds to nearest even (hip_bfloat16::float_to_bfloat16).
+__device__ __forceinline__ void gpu_from_float(float v, gpu_bf16& out) { out = gpu_bf16(v); }
+#endif
+
+// ---- warp primitives ---------------------------------------------------------------------------
+// HIP's __shfl_xor covers the whole wavefront (32 or 64 lanes) without a mask.
+__device__ __forceinline__ float gpu_shfl_xor(float v, int lane_mask) {
+  return __shfl_xor(v, lane_mask);
+}
