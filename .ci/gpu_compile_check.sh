@@ -67,7 +67,7 @@ print('import ok:', info['backend'], info['gpu_runtime'], 'archs', info['gpu_arc
 ") || fail "$1 module does not import cleanly"
 }
 
-KERNELS=(rmsnorm_kernel rope_kernel silu_and_mul_kernel)
+KERNELS=(rmsnorm_kernel rope_kernel silu_and_mul_kernel kv_copy_blocks_kernel)
 
 # ---- CUDA -------------------------------------------------------------------------------------
 build_wheel cuda KOG_BACKEND=cuda KOG_GPU_ARCHS=90a

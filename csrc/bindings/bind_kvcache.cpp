@@ -8,6 +8,7 @@
 
 #include "common/errors.h"
 #include "kvcache/allocator.h"
+#include "gpu/launch.h"
 #include "kvcache/kv_copy.h"
 
 namespace py = pybind11;
@@ -98,6 +99,25 @@ void copy_blocks(uintptr_t dst, int64_t dst_num_blocks, uintptr_t src, int64_t s
   copy_blocks_cpu(prm);
 }
 
+// The GPU twin: pairs (host, validated) and pairs_device (the same on the device) both given.
+void copy_blocks_gpu(uintptr_t dst, int64_t dst_num_blocks, bool dst_is_host, uintptr_t src,
+                     int64_t src_num_blocks, bool src_is_host, int64_t num_layers,
+                     int64_t slab_bytes, const I32& pairs, uintptr_t pairs_device,
+                     uintptr_t stream) {
+  KOG_CHECK(pairs.size() == 0 || (pairs.ndim() == 2 && pairs.shape(1) == 2),
+            "copy_blocks: pairs must be [n, 2]");
+  BlockCopyParams prm{reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
+                      num_layers, dst_num_blocks, src_num_blocks, slab_bytes,
+                      pairs.size() ? pairs.data() : nullptr, pairs.size() / 2};
+#ifdef KOG_WITH_GPU
+  py::gil_scoped_release nogil;
+  kog::gpu::copy_blocks(prm, reinterpret_cast<const int32_t*>(pairs_device), dst_is_host,
+                        src_is_host, reinterpret_cast<void*>(stream));
+#else
+  kog::throw_error(kog::ErrorKind::kBackend, "kv_copy_blocks_gpu: this kog build has no GPU backend");
+#endif
+}
+
 }  // namespace
 
 void bind_kvcache(py::module_& m) {
@@ -179,4 +199,8 @@ void bind_kvcache(py::module_& m) {
   m.def("kv_copy_blocks", &copy_blocks, py::arg("dst"), py::arg("dst_num_blocks"), py::arg("src"),
         py::arg("src_num_blocks"), py::arg("num_layers"), py::arg("slab_bytes"), py::arg("pairs"),
         "Copies (layer, block) slabs between KV tensors on the CPU (GIL released).");
+  m.def("kv_copy_blocks_gpu", &copy_blocks_gpu, py::arg("dst"), py::arg("dst_num_blocks"),
+        py::arg("dst_is_host"), py::arg("src"), py::arg("src_num_blocks"), py::arg("src_is_host"),
+        py::arg("num_layers"), py::arg("slab_bytes"), py::arg("pairs"), py::arg("pairs_device"),
+        py::arg("stream"), "Enqueues (layer, block) slab copies on a GPU stream (GIL released).");
 }

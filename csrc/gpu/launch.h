@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "kvcache/kv_copy.h"
 #include "ops/activation.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
@@ -31,5 +32,9 @@ std::string runtime_version();
 void rmsnorm(const RMSNormParams& p, void* stream);
 void rope(const RopeParams& p, void* stream);
 void silu_and_mul(const SiluAndMulParams& p, void* stream);
+// KV slab copies (CoW, swap) on `stream`; p.pairs is the host copy (validated here),
+// pairs_device the same [n_pairs, 2] on the device; a *_is_host pool is pinned host memory.
+void copy_blocks(const kv::BlockCopyParams& p, const int32_t* pairs_device, bool dst_is_host,
+                 bool src_is_host, void* stream);
 
 }  // namespace kog::gpu

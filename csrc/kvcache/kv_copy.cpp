@@ -7,7 +7,7 @@
 
 namespace kog::kv {
 
-void copy_blocks_cpu(const BlockCopyParams& p) {
+void validate_block_copy(const BlockCopyParams& p) {
   KOG_CHECK(p.num_layers > 0 && p.slab_bytes > 0 && p.n_pairs >= 0, "copy_blocks: bad shape");
   KOG_CHECK(p.n_pairs == 0 || (p.dst && p.src && p.pairs), "copy_blocks: null pointer");
   const bool same = p.dst == p.src;
@@ -26,6 +26,10 @@ void copy_blocks_cpu(const BlockCopyParams& p) {
       KOG_CHECK(!written[p.pairs[2 * i]], "copy_blocks: block ", p.pairs[2 * i],
                 " is both a source and a destination");
   }
+}
+
+void copy_blocks_cpu(const BlockCopyParams& p) {
+  validate_block_copy(p);
   auto* dst = static_cast<uint8_t*>(p.dst);
   const auto* src = static_cast<const uint8_t*>(p.src);
   const int64_t total = p.num_layers * p.n_pairs;

@@ -21,9 +21,11 @@ struct BlockCopyParams {
   int64_t n_pairs;
 };
 
-// Validates every block id and that no destination is written twice or also read, then copies
-// all (layer, pair) slabs in parallel (OpenMP). Throws kog::Error(kInvalidArgument) before any
-// byte moves if a check fails.
+// Checks every block id is in range and that no destination is written twice or, for an
+// in-place copy, also read. Throws kog::Error(kInvalidArgument); `pairs` must be host memory.
+void validate_block_copy(const BlockCopyParams& p);
+
+// validate_block_copy, then copies all (layer, pair) slabs in parallel (OpenMP).
 void copy_blocks_cpu(const BlockCopyParams& p);
 
 }  // namespace kog::kv

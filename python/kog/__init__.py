@@ -37,4 +37,8 @@ def __getattr__(name: str):
         from kog.llm import LLM
 
         return LLM
+    if name == "_C":
+        import importlib
+
+        return importlib.import_module("kog._C")
     raise AttributeError(f"module 'kog' has no attribute {name!r}")

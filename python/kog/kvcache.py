@@ -241,10 +241,16 @@ class KVCacheStorage:
             _C.kv_copy_blocks(dst.data_ptr(), dst.shape[1], src.data_ptr(), src.shape[1],
                               self.layout.num_layers, self.layout.slab_bytes, pairs)
             return
-        # GPU: torch indexing per batch (a dedicated copy kernel is future work).
-        idx = torch.as_tensor(pairs, dtype=torch.int64)
-        s, d = idx[:, 0].to(src.device), idx[:, 1].to(dst.device)
-        dst[:, d] = src[:, s].to(dst.device, non_blocking=True)
-
+        # GPU: one kernel launch on the current stream; the host pool is pinned, read and
+        # written through its mapped device address.
+        device = dst.device if dst.device.type == "cuda" else src.device
+        pairs = np.ascontiguousarray(pairs, dtype=np.int32)
+        pairs_device = torch.from_numpy(pairs).to(device, non_blocking=False)
+        stream = torch.cuda.current_stream(device)
+        _C.kv_copy_blocks_gpu(dst.data_ptr(), dst.shape[1], dst.device.type == "cpu",
+                              src.data_ptr(), src.shape[1], src.device.type == "cpu",
+                              self.layout.num_layers, self.layout.slab_bytes, pairs,
+                              pairs_device.data_ptr(), stream.cuda_stream)
+        pairs_device.record_stream(stream)
 
 __all__ = ["KVCacheManager", "KVCacheStorage", "KVLayout", "KVMoves", "Pin"]

@@ -4,32 +4,17 @@ Shapes cover both code paths of each launcher: 16-byte vector accesses (aligned 
 multiple of the vector) and the scalar fallback (odd widths, unaligned starts, odd strides).
 """
 
-import os
-
 import pytest
 import torch
 
 from kog import _C, ops
 from kog.testing import reference as ref
+from kog.testing.gpu import gpu_test_marks
 from kog.testing.tolerances import assert_close
 
 
 
-def _skip_reason() -> str | None:
-    """Why the GPU tests cannot run here, or None when they can."""
-    if not _C.has_gpu_backend:
-        backend = _C.build_info()["backend"]
-        return f"kog._C was built with KOG_BACKEND={backend}; rebuild with KOG_BACKEND=cuda or rocm"
-    if not torch.cuda.is_available():
-        return "no GPU visible to torch (torch.cuda.is_available() is False)"
-    return None
-
-
-_SKIP = _skip_reason()
-if _SKIP is not None and os.environ.get("KOG_REQUIRE_GPU") == "1":
-    # bench/device_check.sh sets this: on a GPU machine, all-skipped must not read as a pass.
-    raise RuntimeError(f"KOG_REQUIRE_GPU=1 but the GPU tests cannot run: {_SKIP}")
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+pytestmark = gpu_test_marks()
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 LLAMA3_SCALING = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,

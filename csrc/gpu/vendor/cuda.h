@@ -23,6 +23,7 @@ constexpr gpuError_t gpuSuccess = cudaSuccess;
 #define gpuGetDevice cudaGetDevice
 #define gpuSetDevice cudaSetDevice
 #define gpuMemcpyAsync cudaMemcpyAsync
+#define gpuHostGetDevicePointer cudaHostGetDevicePointer
 #define gpuMemcpyHostToDevice cudaMemcpyHostToDevice
 #define gpuMemcpyDeviceToHost cudaMemcpyDeviceToHost
 #define gpuMemcpyDeviceToDevice cudaMemcpyDeviceToDevice

@@ -29,6 +29,7 @@ constexpr gpuError_t gpuSuccess = hipSuccess;
 #define gpuGetDevice hipGetDevice
 #define gpuSetDevice hipSetDevice
 #define gpuMemcpyAsync hipMemcpyAsync
+#define gpuHostGetDevicePointer hipHostGetDevicePointer
 #define gpuMemcpyHostToDevice hipMemcpyHostToDevice
 #define gpuMemcpyDeviceToHost hipMemcpyDeviceToHost
 #define gpuMemcpyDeviceToDevice hipMemcpyDeviceToDevice
