@@ -57,9 +57,15 @@ def greedy(runner: ModelRunner, prompt: list[int], n_new: int, seq: int = 0) -> 
 
 
 def hf_greedy(hf, prompt: list[int], n_new: int) -> list[int]:
-    ids = hf.generate(torch.tensor([prompt]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                      pad_token_id=0)
-    return ids[0, len(prompt):].tolist()
+    """transformers' own forward with its KV cache, argmax each step, never stopping at EOS."""
+    out, past, ids = [], None, torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n_new):
+            res = hf(ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            out.append(int(res.logits[0, -1].argmax()))
+            ids = torch.tensor([[out[-1]]])
+    return out
 
 
 def tiny_pair(tmp_path_factory, name: str, dtype=torch.float32):

@@ -173,7 +173,7 @@ class ModelRunner:
                 x = ops.rmsnorm(residual, w[p + "input_layernorm.weight"], eps)
             else:
                 x = ops.rmsnorm(hidden, w[p + "input_layernorm.weight"], eps, residual=residual)
-            qkv = F.linear(x, w[p + "self_attn.qkv_proj.weight"], w.get(p + "self_attn.qkv_proj.bias"))  # [T, q+2kv]
+            qkv = _mm(x, w[p + "self_attn.qkv_proj.weight"], w.get(p + "self_attn.qkv_proj.bias"))  # [T, q+2kv]
             q = qkv[:, :q_w].view(T, c.num_attention_heads, hd)
             k = qkv[:, q_w:q_w + kv_w].view(T, c.num_key_value_heads, hd)
             v = qkv[:, q_w + kv_w:].view(T, c.num_key_value_heads, hd)
@@ -184,13 +184,25 @@ class ModelRunner:
             ops.kv_append(k, v, kv, b["slots"], validate_indices=n == 0)
             attn = ops.paged_attention_prefill(q, kv, b["tables"], b["seq_lens"], b["qsl"],
                                                validate_indices=n == 0)  # [T, n_q_heads, hd]
-            hidden = F.linear(attn.view(T, q_w), w[p + "self_attn.o_proj.weight"])
+            hidden = _mm(attn.view(T, q_w), w[p + "self_attn.o_proj.weight"])
             x = ops.rmsnorm(hidden, w[p + "post_attention_layernorm.weight"], eps, residual=residual)
-            act = ops.silu_and_mul(F.linear(x, w[p + "mlp.gate_up_proj.weight"]))
-            hidden = F.linear(act, w[p + "mlp.down_proj.weight"])
+            act = ops.silu_and_mul(_mm(x, w[p + "mlp.gate_up_proj.weight"]))
+            hidden = _mm(act, w[p + "mlp.down_proj.weight"])
         return hidden, residual
 
     def _head(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         x = ops.rmsnorm(hidden.contiguous(), self.weights["model.norm.weight"], self.config.rms_norm_eps,
                         residual=residual.contiguous())
-        return F.linear(x, self.lm_head).float()
+        return _mm(x, self.lm_head).float()
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias): fp32 math, one rounding to x's dtype (the kernels' contract).
+
+    NOTE: half-precision GEMMs of many rows run in fp32 on upcast copies: on CPUs without
+    native bf16 matmul units torch's bf16 GEMM is several times slower than converting the
+    weight and running the fp32 one (measured 4x on AVX2).
+    """
+    if x.dtype == torch.float32 or x.shape[0] < 16:
+        return F.linear(x, w, bias)
+    return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
