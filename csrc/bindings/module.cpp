@@ -10,6 +10,7 @@ void bind_ops(py::module_& m);
 void bind_linear(py::module_& m);
 void bind_schedule(py::module_& m);
 void bind_attention(py::module_& m);
+void bind_engine(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "Kog native core: CPU/GPU kernels and the paged KV allocator";
@@ -20,4 +21,5 @@ PYBIND11_MODULE(_C, m) {
   bind_linear(m);
   bind_schedule(m);
   bind_attention(m);
+  bind_engine(m);
 }

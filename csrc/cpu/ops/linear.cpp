@@ -73,6 +73,11 @@ void tile_dot(const T* const* w, const float* const* x, int nr, int nc, int64_t 
         a[r][1] = vfma(wv, x1, a[r][1]);
       }
     }
+  } else if (nr == kRows && nc == 1) {  // batch 1 (and odd batches' last row): fixed trip counts too
+    for (; i < kv; i += kLanes) {
+      const vec_t x0 = vload(x[0] + i);
+      for (int r = 0; r < kRows; ++r) a[r][0] = vfma(vload(w[r] + i), x0, a[r][0]);
+    }
   } else {
     for (; i < kv; i += kLanes) {
       for (int r = 0; r < nr; ++r) {

@@ -1,0 +1,140 @@
+"""How fast is Kog's CPU decode next to transformers (and llama.cpp), and how close to the
+memory bandwidth of this machine, measured in the same run?
+
+    PYTHONPATH=python python bench/cpu_decode.py [--new-tokens 128] [--repeats 3]
+
+SmolLM2-135M, batch 1: decode tok/s (new tokens after a 32-token prompt) and the time of a
+512-token prefill, best of N (the machine may be shared). Bandwidth: a STREAM-style triad
+(a = b + s*c over 3 x 128 MB arrays, 3 arrays counted). Achieved bandwidth of an engine =
+bytes of weights one decode step reads (every matrix once, the LM head included, the
+embedding gather not) x tok/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from kog.loader import load_model
+from kog.loader.convert import convert_gguf
+from kog.models import ModelRunner, PrefillChunk
+
+
+def triad_gbs(n: int = 32_000_000, repeats: int = 5) -> float:
+    a, b, c = torch.empty(n), torch.randn(n), torch.randn(n)
+    best = min(_timed(lambda: torch.add(b, c, alpha=3.0, out=a)) for _ in range(repeats))
+    return 3 * 4 * n / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def weight_bytes_per_token(model) -> int:
+    c = model.config
+    n = sum(t.numel() for name, t in model.weights.items() if name != "model.embed_tokens.weight")
+    n += c.vocab_size * c.hidden_size  # LM head (the embedding itself when tied)
+    return n * torch.finfo(model.dtype).bits // 8
+
+
+def kog_engine(model, prompt: list[int], new: int, repeats: int) -> tuple[float, float]:
+    bs = 16
+    runner = ModelRunner(model, num_kv_blocks=40, block_size=bs)
+    table = np.arange(40, dtype=np.int32)
+    slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
+
+    def decode_run() -> float:
+        runner.prefill([PrefillChunk(prompt, 0, table, slot(np.arange(len(prompt))))])
+        tok, start = np.array([1]), time.perf_counter()
+        for i in range(new):
+            p = len(prompt) + i
+            runner.decode(tok, [p], table[None], [p + 1], [slot(p)], sampled=tok)
+        return new / (time.perf_counter() - start)
+
+    long = (prompt * 64)[:512]
+    prefill = lambda: runner.prefill([PrefillChunk(long, 0, table, slot(np.arange(512)))])  # noqa: E731
+    return max(decode_run() for _ in range(repeats)), min(_timed(prefill) for _ in range(repeats))
+
+
+def hf_engine(folder, dtype, prompt: list[int], new: int, repeats: int) -> tuple[float, float]:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+    @torch.no_grad()
+    def decode_run() -> float:
+        res = hf(torch.tensor([prompt]), use_cache=True)
+        past, tok, start = res.past_key_values, res.logits[:, -1:].argmax(-1), time.perf_counter()
+        for _ in range(new):
+            res = hf(tok, past_key_values=past, use_cache=True)
+            past, tok = res.past_key_values, res.logits[:, -1:].argmax(-1)
+        return new / (time.perf_counter() - start)
+
+    long = torch.tensor([(prompt * 64)[:512]])
+    prefill = torch.no_grad()(lambda: hf(long))
+    return max(decode_run() for _ in range(repeats)), min(_timed(prefill) for _ in range(repeats))
+
+
+def llama_cpp_engine(gguf, prompt: list[int], new: int, repeats: int) -> tuple[float, float] | None:
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=1024, verbose=False, n_threads=torch.get_num_threads())
+
+    def decode_run() -> float:
+        llm.reset()
+        llm.eval(prompt)
+        start = time.perf_counter()
+        for _ in range(new):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        return new / (time.perf_counter() - start)
+
+    def prefill():
+        llm.reset()
+        llm.eval((prompt * 64)[:512])
+
+    return max(decode_run() for _ in range(repeats)), min(_timed(prefill) for _ in range(repeats))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hf-repeats", type=int, default=1)
+    args = ap.parse_args()
+    f32 = load_model(dtype=torch.float32)
+    prompt = f32.tokenizer.encode("The history of the city begins in the Middle Ages, when a small " * 4)[:32]
+    bw = triad_gbs()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = convert_gguf(f32.path, tmp)
+        for dtype in (torch.float32, torch.bfloat16):
+            model = f32 if dtype == torch.float32 else load_model(dtype=dtype)
+            nbytes = weight_bytes_per_token(model)
+            rows.append(("kog", dtype, nbytes, *kog_engine(model, prompt, args.new_tokens, args.repeats)))
+            rows.append(("transformers", dtype, nbytes,
+                         *hf_engine(folder, dtype, prompt, args.new_tokens, args.hf_repeats)))
+        lcpp = llama_cpp_engine(f32.path, prompt, args.new_tokens, args.repeats)
+    bw = max(bw, triad_gbs())  # best of the triads before and after
+    print(f"SmolLM2-135M, batch 1, {torch.get_num_threads()} threads; triad bandwidth {bw:.1f} GB/s (best of runs)")
+    print(f"{'engine':<14}{'dtype':<10}{'decode tok/s':>13}{'x HF':>7}{'prefill 512':>13}{'x HF':>7}{'GB/s':>7}{'% triad':>9}")
+    hf = {r[1]: r for r in rows if r[0] == "transformers"}
+    for name, dtype, nbytes, tps, pre in rows:
+        gbs = nbytes * tps / 1e9
+        print(f"{name:<14}{str(dtype).split('.')[-1]:<10}{tps:>13.1f}{tps / hf[dtype][3]:>7.2f}"
+              f"{pre:>12.2f}s{hf[dtype][4] / pre:>7.2f}{gbs:>7.1f}{100 * gbs / bw:>8.0f}%")
+    if lcpp is None:
+        print("llama.cpp: llama-cpp-python not importable, not measured")
+    else:
+        print(f"llama.cpp (Q4_1 file as shipped): decode {lcpp[0]:.1f} tok/s, prefill 512 {lcpp[1]:.2f}s")
+
+
+if __name__ == "__main__":
+    main()

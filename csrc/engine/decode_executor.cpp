@@ -1,0 +1,258 @@
+// CPU decode executor. Contract: decode_executor.h.
+#include "engine/decode_executor.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "common/errors.h"
+#include "cpu/kernels.h"
+
+namespace kog::engine {
+namespace {
+
+float load_f32(const void* p, int64_t i, DType t) {
+  if (t == DType::kF32) return static_cast<const float*>(p)[i];
+  uint32_t bits;
+  if (t == DType::kBF16) {
+    bits = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
+  } else {
+    // f16 -> f32 by hand (this file is built for the baseline ISA, no F16C).
+    const uint16_t h = static_cast<const uint16_t*>(p)[i];
+    const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (exp == 0x1f) {
+      bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+      bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else {
+      float f = float(man) * (1.0f / 16777216.0f);  // subnormal: man * 2^-24
+      std::memcpy(&bits, &f, 4);
+      bits |= sign;
+    }
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+}  // namespace
+
+DecodeExecutor::DecodeExecutor(const ModelDims& dims, const KVCacheDesc& kv,
+                               std::vector<float> inv_freq, std::vector<Instruction> program)
+    : d_(dims), kv_(kv), inv_freq_(std::move(inv_freq)), program_(std::move(program)) {
+  KOG_CHECK(is_float_dtype(d_.dtype), "decode executor: run dtype must be a float type");
+  KOG_CHECK(d_.n_layers > 0 && d_.hidden > 0 && d_.n_kv_heads > 0 && d_.head_dim > 0 &&
+                d_.intermediate > 0 && d_.vocab > 0 && d_.n_q_heads % d_.n_kv_heads == 0,
+            "decode executor: bad model dims");
+  KOG_CHECK(int64_t(inv_freq_.size()) * 2 == d_.rotary_dim && d_.rotary_dim > 0 &&
+                d_.rotary_dim <= d_.head_dim,
+            "decode executor: rotary_dim ", d_.rotary_dim, " != 2 x len(inv_freq) ", inv_freq_.size());
+  KOG_CHECK(kv_.base != nullptr && kv_.num_blocks > 0 && kv_.block_size > 0, "decode executor: bad KV cache");
+  for (size_t i = 0; i < program_.size(); ++i) {
+    const Instruction& ins = program_[i];
+    KOG_CHECK(int(ins.op) >= 0 && ins.op < Opcode::kNumOpcodes, "instruction ", i, ": bad opcode ", int(ins.op));
+    KOG_CHECK(ins.layer >= -1 && ins.layer < d_.n_layers, "instruction ", i, ": bad layer ", ins.layer);
+    for (int32_t b : {ins.in, ins.residual, ins.out})
+      KOG_CHECK(b >= -1 && b < int32_t(Buffer::kNumBuffers), "instruction ", i, ": bad buffer ", b);
+    const bool needs_layer = ins.op == Opcode::kKvAppend || ins.op == Opcode::kAttnDecode;
+    KOG_CHECK(!needs_layer || ins.layer >= 0, "instruction ", i, ": needs a layer");
+    const bool needs_w = ins.op == Opcode::kEmbed || ins.op == Opcode::kRmsNorm ||
+                         ins.op == Opcode::kLinear || ins.op == Opcode::kQkNorm;
+    KOG_CHECK(!needs_w || ins.w0 != nullptr, "instruction ", i, ": missing weight");
+    KOG_CHECK(ins.op != Opcode::kQkNorm || ins.w1 != nullptr, "instruction ", i, ": missing k_norm");
+  }
+  elem_ = dtype_size(d_.dtype);
+  qkv_width_ = (d_.n_q_heads + 2 * d_.n_kv_heads) * d_.head_dim;
+  layer_stride_ = kv_.num_blocks * 2 * d_.n_kv_heads * kv_.block_size * d_.head_dim;
+}
+
+int64_t DecodeExecutor::width(Buffer b) const {
+  switch (b) {
+    case Buffer::kTokens: return 1;
+    case Buffer::kHidden:
+    case Buffer::kResidual:
+    case Buffer::kNormed: return d_.hidden;
+    case Buffer::kQkv: return qkv_width_;
+    case Buffer::kAttn: return d_.n_q_heads * d_.head_dim;
+    case Buffer::kGateUp: return 2 * d_.intermediate;
+    case Buffer::kAct: return d_.intermediate;
+    case Buffer::kLogits: return d_.vocab;
+    default: return 0;
+  }
+}
+
+void DecodeExecutor::reserve(int64_t batch) {
+  if (batch <= capacity_) return;
+  // Each buffer starts on a 64-byte line; TOKENS holds int32 ids, the rest the run dtype.
+  int64_t offsets[int(Buffer::kNumBuffers)], total = 0, max_k = 0;
+  for (int b = 0; b < int(Buffer::kNumBuffers); ++b) {
+    offsets[b] = total;
+    const int64_t esize = b == int(Buffer::kTokens) ? 4 : elem_;
+    total += (batch * width(Buffer(b)) * esize + 63) / 64 * 64;
+    if (b != int(Buffer::kTokens) && b != int(Buffer::kLogits)) max_k = std::max(max_k, width(Buffer(b)));
+  }
+  arena_.assign(size_t(total + 64), 0);
+  char* aligned = arena_.data() + (64 - reinterpret_cast<uintptr_t>(arena_.data()) % 64) % 64;
+  for (int b = 0; b < int(Buffer::kNumBuffers); ++b) base_[b] = aligned + offsets[b];
+  scratch_.assign(size_t(batch * max_k), 0.f);
+  capacity_ = batch;
+}
+
+void DecodeExecutor::validate(const DecodeStep& s) const {
+  KOG_CHECK(s.batch >= 1, "decode: batch must be >= 1, got ", s.batch);
+  KOG_CHECK(s.tokens && s.positions && s.block_tables && s.seq_lens && s.slots && s.logits,
+            "decode: null input");
+  KOG_CHECK(s.max_blocks >= 1, "decode: block_tables has no column");
+  const int64_t bs = kv_.block_size;
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t tok = s.tokens[b], pos = s.positions[b], len = s.seq_lens[b];
+    KOG_CHECK(tok >= 0 && tok < d_.vocab, "decode: tokens[", b, "] = ", tok, " is outside the vocabulary of ", d_.vocab);
+    KOG_CHECK(pos >= 0 && len == pos + 1, "decode: seq_lens[", b, "] = ", len, " must be positions[", b, "] + 1 = ", pos + 1);
+    KOG_CHECK(len <= s.max_blocks * bs, "decode: sequence ", b, " has ", len,
+              " tokens but its block table holds ", s.max_blocks * bs);
+    const int32_t* row = s.block_tables + b * s.max_blocks;
+    for (int64_t i = 0; i < (len + bs - 1) / bs; ++i)
+      KOG_CHECK(row[i] >= 0 && row[i] < kv_.num_blocks, "decode: block_tables[", b, ", ", i, "] = ",
+                row[i], " is not a block of the cache (", kv_.num_blocks, " blocks)");
+    const int64_t want = int64_t(row[pos / bs]) * bs + pos % bs;
+    KOG_CHECK(s.slots[b] == want, "decode: slots[", b, "] = ", s.slots[b],
+              " is not the slot of position ", pos, " in its block table (", want, ")");
+  }
+}
+
+void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
+  std::lock_guard<std::mutex> lock(mu_);
+  validate(s);
+  reserve(s.batch);
+  batch_ = s.batch;
+  max_seq_len_ = 0;
+  for (int64_t b = 0; b < s.batch; ++b) max_seq_len_ = std::max<int64_t>(max_seq_len_, s.seq_lens[b]);
+  int32_t* tokens = reinterpret_cast<int32_t*>(buf(int(Buffer::kTokens)));
+  for (int64_t b = 0; b < s.batch; ++b) tokens[b] = int32_t(s.tokens[b]);
+  const int64_t n = stop_after < 0 ? int64_t(program_.size()) : std::min<int64_t>(stop_after, program_.size());
+  for (int64_t i = 0; i < n; ++i) exec(program_[i], s);
+}
+
+void DecodeExecutor::exec(const Instruction& ins, const DecodeStep& s) {
+  const cpu::KernelTable& k = cpu::kernels();
+  const int64_t B = s.batch, hd = d_.head_dim, q_w = d_.n_q_heads * hd, kv_w = d_.n_kv_heads * hd;
+  char* qkv = buf(int(Buffer::kQkv));
+  switch (ins.op) {
+    case Opcode::kEmbed: embed(ins, s); break;
+    case Opcode::kRmsNorm: rmsnorm(ins, B); break;
+    case Opcode::kLinear: linear(ins, B); break;
+    case Opcode::kQkNorm: qk_norm(ins, B); break;
+    case Opcode::kRope: {
+      RopeParams p{qkv, qkv + q_w * elem_, s.positions, inv_freq_.data(), B, d_.n_q_heads,
+                   d_.n_kv_heads, hd, d_.rotary_dim, qkv_width_, qkv_width_, 1.0f, d_.rope_neox,
+                   d_.dtype, DType::kI64};
+      k.rope(p);
+      break;
+    }
+    case Opcode::kKvAppend: {
+      KVAppendParams p{static_cast<char*>(kv_.base) + ins.layer * layer_stride_ * elem_,
+                       qkv + q_w * elem_, qkv + (q_w + kv_w) * elem_, s.slots, B, d_.n_kv_heads,
+                       hd, kv_.block_size, kv_.num_blocks, qkv_width_, qkv_width_, d_.dtype};
+      k.kv_append(p);
+      break;
+    }
+    case Opcode::kAttnDecode: attention(ins, s); break;
+    case Opcode::kSiluMul: {
+      SiluAndMulParams p{buf(ins.out), buf(ins.in), B, d_.intermediate, 2 * d_.intermediate,
+                         d_.intermediate, d_.dtype};
+      k.silu_and_mul(p);
+      break;
+    }
+    case Opcode::kSample: sample(s); break;
+    default: break;
+  }
+}
+
+void DecodeExecutor::embed(const Instruction& ins, const DecodeStep& s) {
+  const int64_t row = d_.hidden * elem_;
+  const int32_t* tokens = reinterpret_cast<const int32_t*>(buf(int(Buffer::kTokens)));
+  for (int64_t b = 0; b < s.batch; ++b)
+    std::memcpy(buf(ins.out) + b * row, static_cast<const char*>(ins.w0) + tokens[b] * row, size_t(row));
+}
+
+void DecodeExecutor::rmsnorm(const Instruction& ins, int64_t batch) {
+  const int64_t w = width(Buffer(ins.out));
+  RMSNormParams p{buf(ins.out), buf(ins.in), ins.residual >= 0 ? buf(ins.residual) : nullptr, ins.w0,
+                  batch, w, w, w, w, d_.rms_eps, d_.dtype};
+  cpu::kernels().rmsnorm(p);
+}
+
+void DecodeExecutor::qk_norm(const Instruction& ins, int64_t batch) {
+  // Per token: q heads are [n_q_heads, head_dim] rows, k heads follow them in the qkv row.
+  const int64_t hd = d_.head_dim;
+  for (int64_t b = 0; b < batch; ++b) {
+    char* q = buf(ins.out) + b * qkv_width_ * elem_;
+    char* kk = q + d_.n_q_heads * hd * elem_;
+    RMSNormParams pq{q, q, nullptr, ins.w0, d_.n_q_heads, hd, hd, hd, 0, d_.rms_eps, d_.dtype};
+    RMSNormParams pk{kk, kk, nullptr, ins.w1, d_.n_kv_heads, hd, hd, hd, 0, d_.rms_eps, d_.dtype};
+    cpu::kernels().rmsnorm(pq);
+    cpu::kernels().rmsnorm(pk);
+  }
+}
+
+void DecodeExecutor::linear(const Instruction& ins, int64_t batch) {
+  const int64_t n = width(Buffer(ins.out)), kdim = width(Buffer(ins.in));
+  LinearParams p{buf(ins.out), buf(ins.in), ins.w0, ins.w1, batch, n, kdim, kdim, n, d_.dtype};
+  cpu::kernels().linear(p, scratch_.data());
+}
+
+void DecodeExecutor::attention(const Instruction& ins, const DecodeStep& s) {
+  const int64_t hd = d_.head_dim;
+  PagedAttentionParams p{};
+  p.out = buf(ins.out);
+  p.q = buf(ins.in);
+  p.kv_cache = static_cast<const char*>(kv_.base) + ins.layer * layer_stride_ * elem_;
+  p.block_tables = s.block_tables;
+  p.seq_lens = s.seq_lens;
+  p.query_start_loc = nullptr;
+  p.n_seqs = s.batch;
+  p.n_tokens = s.batch;
+  p.n_q_heads = d_.n_q_heads;
+  p.n_kv_heads = d_.n_kv_heads;
+  p.head_dim = hd;
+  p.block_size = kv_.block_size;
+  p.num_blocks = kv_.num_blocks;
+  p.max_blocks_per_seq = s.max_blocks;
+  p.block_tables_stride = s.max_blocks;
+  p.q_stride = qkv_width_;
+  p.out_stride = d_.n_q_heads * hd;
+  p.max_seq_len = max_seq_len_;
+  p.max_q_len = 1;
+  p.scale = d_.attn_scale;
+  p.dtype = d_.dtype;
+  cpu::kernels().paged_attention_decode(p);
+}
+
+void DecodeExecutor::sample(const DecodeStep& s) {
+  // Logits leave the run dtype here: [B, vocab] f32 out, greedy ids into TOKENS.
+  const char* logits = buf(int(Buffer::kLogits));
+  int32_t* tokens = reinterpret_cast<int32_t*>(buf(int(Buffer::kTokens)));
+  for (int64_t b = 0; b < s.batch; ++b) {
+    float* out = s.logits + b * d_.vocab;
+    const void* row = logits + b * d_.vocab * elem_;
+    float best = -std::numeric_limits<float>::infinity();
+    int64_t arg = 0;
+    for (int64_t v = 0; v < d_.vocab; ++v) {
+      const float x = load_f32(row, v, d_.dtype);
+      out[v] = x;
+      if (x > best) best = x, arg = v;
+    }
+    tokens[b] = int32_t(arg);
+    if (s.sampled != nullptr) s.sampled[b] = arg;
+  }
+}
+
+void DecodeExecutor::read_buffer(Buffer b, void* dst, int64_t nbytes) const {
+  KOG_CHECK(int(b) >= 0 && b < Buffer::kNumBuffers, "read_buffer: bad buffer ", int(b));
+  const int64_t esize = b == Buffer::kTokens ? 4 : elem_;
+  KOG_CHECK(nbytes == batch_ * width(b) * esize, "read_buffer: ", nbytes, " bytes asked, buffer holds ",
+            batch_ * width(b) * esize);
+  std::memcpy(dst, buf(int(b)), size_t(nbytes));
+}
+
+}  // namespace kog::engine

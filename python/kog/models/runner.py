@@ -1,0 +1,208 @@
+"""ModelRunner: the forward pass of a Llama-family model over Kog's paged KV cache.
+
+Prefill runs layer by layer in Python (torch matmuls for the projections, Kog's kernels for
+everything else), over a batch of chunks of different sequences. Decode runs the whole step --
+every layer, the final norm and the LM head -- in one native call (kog._C.DecodeExecutor,
+built once from kog.schedule). Both write K/V into the same cache, so they mix freely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kog import ops
+from kog.config import ModelConfig
+from kog.errors import InvalidRequest
+from kog.kvcache import KVCacheStorage, KVLayout
+from kog.loader import LoadedModel
+from kog.models.decode import build_executor
+from kog.models.weights import prepare_weights
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's chunk of prompt (or of appended / forced / draft tokens)."""
+
+    token_ids: Sequence[int]
+    start_pos: int            # tokens already in the cache before this chunk
+    block_table: np.ndarray   # int32, covers start_pos + len(token_ids) tokens
+    slots: np.ndarray         # int64 [len(token_ids)] cache slots of the new tokens
+
+
+class ModelRunner:
+    """Runs one model on the CPU over a paged KV cache it owns.
+
+    Args:
+        model: a loaded checkpoint; its weights are fused and converted once here.
+        num_kv_blocks: device KV blocks (give the KVCacheManager the same number).
+        block_size: tokens per KV block.
+        num_host_blocks: host swap-pool blocks.
+    """
+
+    def __init__(self, model: LoadedModel, num_kv_blocks: int, block_size: int = 16,
+                 num_host_blocks: int = 0) -> None:
+        c = self.config = model.config
+        self.dtype = model.dtype
+        self.block_size = block_size
+        self.vocab_size = c.vocab_size
+        # A sliding window is not implemented: cap sequences at it so results stay exact.
+        self.max_model_len = min(c.max_position_embeddings, c.sliding_window or c.max_position_embeddings)
+        self.weights = prepare_weights(c, model.weights, self.dtype)
+        layout = KVLayout(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, self.dtype)
+        self.kv = KVCacheStorage(layout, num_kv_blocks, num_host_blocks)
+        self.inv_freq = ops.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)  # [head_dim / 2]
+        self.lm_head = self.weights["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"]
+        self._executor = build_executor(c, self.weights, self.kv.kv, block_size, self.inv_freq)
+
+    # ------------------------------------------------------------------ public API
+
+    def prefill(self, chunks: list[PrefillChunk], all_logits: bool = False) -> torch.Tensor | list[torch.Tensor]:
+        """Runs chunks of several sequences in one batch, writing their K/V into the cache.
+
+        Args:
+            chunks: one per sequence; each attends to its own cached tokens and causally to itself.
+            all_logits: also return logits for every token (speculative verification).
+
+        Returns:
+            [len(chunks), vocab] f32 logits of each chunk's last token; with all_logits, a list
+            of [len(chunk.token_ids), vocab] f32 tensors instead.
+        """
+        if not chunks:
+            return [] if all_logits else torch.empty(0, self.vocab_size)
+        b = self._prefill_batch(chunks)
+        hidden, residual = self._layers(b)
+        rows = slice(None) if all_logits else b["last"]
+        logits = self._head(hidden[rows], residual[rows])  # [rows, vocab]
+        if not all_logits:
+            return logits
+        return list(torch.split(logits, [len(ch.token_ids) for ch in chunks]))
+
+    def verify(self, chunks: list[PrefillChunk]) -> list[torch.Tensor]:
+        """Logits of every position of each chunk (draft tokens in, target distributions out)."""
+        return self.prefill(chunks, all_logits=True)
+
+    def decode(self, tokens, positions, block_tables, seq_lens, slots, sampled: np.ndarray | None = None) -> torch.Tensor:
+        """One decode step for a batch of sequences, in a single native call.
+
+        Args:
+            tokens: [B] int, the newest token of each sequence.
+            positions: [B] int, tokens already cached (the new token's position).
+            block_tables: [B, max_blocks] int32, padded.
+            seq_lens: [B] int32, positions + 1.
+            slots: [B] int64, the new tokens' cache slots.
+            sampled: optional int64 [B] array that receives the greedy (argmax) tokens.
+
+        Returns:
+            [B, vocab] f32 logits.
+        """
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        tables = np.ascontiguousarray(block_tables, dtype=np.int32)
+        seq_lens = np.ascontiguousarray(seq_lens, dtype=np.int32)
+        slots = np.ascontiguousarray(slots, dtype=np.int64)
+        n = tokens.shape[0]
+        if tables.ndim != 2 or tables.shape[0] != n or any(a.shape != (n,) for a in (positions, seq_lens, slots)):
+            raise InvalidRequest(f"decode: tokens {tokens.shape}, positions {positions.shape}, block_tables "
+                                 f"{tables.shape}, seq_lens {seq_lens.shape}, slots {slots.shape} disagree on the batch")
+        if n == 0:
+            return torch.empty(0, self.vocab_size)
+        if int(positions.max()) + 1 > self.max_model_len:
+            raise InvalidRequest(f"decode: position {int(positions.max())} + 1 tokens exceeds the model's "
+                                 f"max_position_embeddings {self.max_model_len}")
+        if np.unique(slots).shape[0] != n:
+            raise InvalidRequest("decode: two sequences write the same cache slot")
+        if sampled is not None and (sampled.dtype != np.int64 or sampled.shape != (n,) or not sampled.flags.c_contiguous):
+            raise InvalidRequest(f"decode: sampled must be a contiguous int64 array of shape ({n},)")
+        logits = torch.empty(n, self.vocab_size, dtype=torch.float32)
+        self._executor.run(n, tokens.ctypes.data, positions.ctypes.data, tables.ctypes.data, tables.shape[1],
+                           seq_lens.ctypes.data, slots.ctypes.data, logits.data_ptr(),
+                           0 if sampled is None else sampled.ctypes.data)
+        return logits
+
+    # ------------------------------------------------------------------ internal helpers
+
+    def _prefill_batch(self, chunks: list[PrefillChunk]) -> dict[str, torch.Tensor]:
+        """Flattens chunks into one token batch plus attention metadata."""
+        bs, lens = self.block_size, [len(ch.token_ids) for ch in chunks]
+        for i, ch in enumerate(chunks):
+            end = ch.start_pos + lens[i]
+            if lens[i] == 0 or ch.start_pos < 0:
+                raise InvalidRequest(f"chunk {i}: needs >= 1 token and start_pos >= 0, got {lens[i]} at {ch.start_pos}")
+            if end > self.max_model_len:
+                raise InvalidRequest(f"chunk {i}: ends at position {end}, beyond the model's "
+                                     f"max_position_embeddings {self.max_model_len}")
+            if end > len(ch.block_table) * bs:
+                raise InvalidRequest(f"chunk {i}: ends at position {end} but its block table covers "
+                                     f"{len(ch.block_table) * bs} tokens ({len(ch.block_table)} blocks of {bs})")
+            if len(ch.slots) != lens[i]:
+                raise InvalidRequest(f"chunk {i}: {len(ch.slots)} slots for {lens[i]} tokens")
+        ids = torch.tensor([t for ch in chunks for t in ch.token_ids], dtype=torch.int64)  # [T]
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise InvalidRequest(f"token ids must be in [0, {self.vocab_size}), got {int(ids.min())}..{int(ids.max())}")
+        tables = np.zeros((len(chunks), max(len(ch.block_table) for ch in chunks)), dtype=np.int32)
+        for i, ch in enumerate(chunks):
+            tables[i, :len(ch.block_table)] = ch.block_table
+        qsl = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)  # [n + 1]
+        return dict(
+            ids=ids,
+            positions=torch.cat([torch.arange(ch.start_pos, ch.start_pos + n) for ch, n in zip(chunks, lens)]),
+            slots=torch.from_numpy(np.concatenate([np.asarray(ch.slots, dtype=np.int64) for ch in chunks])),
+            tables=torch.from_numpy(tables),
+            seq_lens=torch.tensor([ch.start_pos + n for ch, n in zip(chunks, lens)], dtype=torch.int32),
+            qsl=qsl,
+            last=(qsl[1:] - 1).long(),
+        )
+
+    def _layers(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """All decoder layers over the flattened batch; returns (last block output, residual)."""
+        c, w = self.config, self.weights
+        T, hd = b["ids"].shape[0], c.head_dim
+        q_w, kv_w = c.num_attention_heads * hd, c.num_key_value_heads * hd
+        eps = c.rms_norm_eps
+        residual = w["model.embed_tokens.weight"][b["ids"]]  # [T, hidden]
+        hidden = None
+        for n in range(c.num_hidden_layers):
+            p = f"model.layers.{n}."
+            kv = self.kv.kv[n]  # [num_blocks, 2, n_kv_heads, block_size, head_dim]
+            if hidden is None:
+                x = ops.rmsnorm(residual, w[p + "input_layernorm.weight"], eps)
+            else:
+                x = ops.rmsnorm(hidden, w[p + "input_layernorm.weight"], eps, residual=residual)
+            qkv = _mm(x, w[p + "self_attn.qkv_proj.weight"], w.get(p + "self_attn.qkv_proj.bias"))  # [T, q+2kv]
+            q = qkv[:, :q_w].view(T, c.num_attention_heads, hd)
+            k = qkv[:, q_w:q_w + kv_w].view(T, c.num_key_value_heads, hd)
+            v = qkv[:, q_w + kv_w:].view(T, c.num_key_value_heads, hd)
+            if c.qk_norm:
+                q = ops.rmsnorm(q.contiguous(), w[p + "self_attn.q_norm.weight"], eps)
+                k = ops.rmsnorm(k.contiguous(), w[p + "self_attn.k_norm.weight"], eps)
+            ops.rope(q, k, b["positions"], self.inv_freq)
+            ops.kv_append(k, v, kv, b["slots"], validate_indices=n == 0)
+            attn = ops.paged_attention_prefill(q, kv, b["tables"], b["seq_lens"], b["qsl"],
+                                               validate_indices=n == 0)  # [T, n_q_heads, hd]
+            hidden = _mm(attn.view(T, q_w), w[p + "self_attn.o_proj.weight"])
+            x = ops.rmsnorm(hidden, w[p + "post_attention_layernorm.weight"], eps, residual=residual)
+            act = ops.silu_and_mul(_mm(x, w[p + "mlp.gate_up_proj.weight"]))
+            hidden = _mm(act, w[p + "mlp.down_proj.weight"])
+        return hidden, residual
+
+    def _head(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        x = ops.rmsnorm(hidden.contiguous(), self.weights["model.norm.weight"], self.config.rms_norm_eps,
+                        residual=residual.contiguous())
+        return _mm(x, self.lm_head).float()
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias): fp32 math, one rounding to x's dtype (the kernels' contract).
+
+    NOTE: half-precision GEMMs of many rows run in fp32 on upcast copies: on CPUs without
+    native bf16 matmul units torch's bf16 GEMM is several times slower than converting the
+    weight and running the fp32 one (measured 4x on AVX2).
+    """
+    if x.dtype == torch.float32 or x.shape[0] < 16:
+        return F.linear(x, w, bias)
+    return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)

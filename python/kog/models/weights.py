@@ -1,0 +1,57 @@
+"""Weights laid out for the runner: fused projections, contiguous, in the run dtype.
+
+The loader hands HF names; the runner wants one GEMV per stage of a layer, so q/k/v become
+`qkv_proj` ([q; k; v] rows) and gate/up become `gate_up_proj` ([gate; up] rows) -- the names the
+decode schedule (kog.schedule) refers to.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kog.config import ModelConfig
+from kog.errors import ModelLoadError
+
+
+def prepare_weights(config: ModelConfig, weights: dict[str, torch.Tensor],
+                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Fuses and converts a checkpoint's weights once, at load.
+
+    Args:
+        config: the model's config.
+        weights: HF names -> tensors (kog.loader.LoadedModel.weights).
+        dtype: run dtype (float32, bfloat16 or float16).
+
+    Returns:
+        A new dict: `model.embed_tokens.weight`, `model.norm.weight`, `lm_head.weight` (absent
+        when tied), and per layer `input_layernorm.weight`, `post_attention_layernorm.weight`,
+        `self_attn.qkv_proj.weight` [(n_q + 2 n_kv) head_dim, hidden] (+ `.bias` with
+        attention_bias), `self_attn.o_proj.weight`, `mlp.gate_up_proj.weight`
+        [2 intermediate, hidden], `mlp.down_proj.weight`, and with qk_norm
+        `self_attn.q_norm.weight` / `self_attn.k_norm.weight`. All contiguous.
+    """
+
+    def get(name: str) -> torch.Tensor:
+        if name not in weights:
+            raise ModelLoadError(f"weight {name!r} is missing")
+        return weights[name].to(dtype)
+
+    out = {"model.embed_tokens.weight": get("model.embed_tokens.weight").contiguous(),
+           "model.norm.weight": get("model.norm.weight").contiguous()}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = get("lm_head.weight").contiguous()
+    for n in range(config.num_hidden_layers):
+        p = f"model.layers.{n}."
+        a, m = p + "self_attn.", p + "mlp."
+        out[a + "qkv_proj.weight"] = torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"]).contiguous()
+        if config.attention_bias:
+            out[a + "qkv_proj.bias"] = torch.cat([get(a + f"{x}_proj.bias") for x in "qkv"]).contiguous()
+        if config.qk_norm:
+            out[a + "q_norm.weight"] = get(a + "q_norm.weight").contiguous()
+            out[a + "k_norm.weight"] = get(a + "k_norm.weight").contiguous()
+        out[a + "o_proj.weight"] = get(a + "o_proj.weight").contiguous()
+        out[m + "gate_up_proj.weight"] = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]).contiguous()
+        out[m + "down_proj.weight"] = get(m + "down_proj.weight").contiguous()
+        for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            out[p + norm] = get(p + norm).contiguous()
+    return out
