@@ -21,6 +21,7 @@ from kog.engine.stop import apply_stop_strings, check_stop_token, streamable_tex
 from kog.errors import InvalidRequest
 from kog.kvcache import KVCacheManager
 from kog.loader.tokenizer import Tokenizer
+from kog.models.runner import PrefillChunk
 from kog.sampler import SampleRow, make_generator, sample
 from kog.sampling_params import SamplingParams
 
@@ -32,16 +33,6 @@ class EngineConfig:
     max_model_len: int | None = None   # None: the model's context, capped by the KV capacity
     num_host_blocks: int = 0
     namespace: str = ""                # seeds the prefix-cache hashes (the model id)
-
-
-@dataclass
-class PrefillChunk:
-    """One sequence's chunk for runner.prefill: token_ids go at positions start_pos.."""
-
-    token_ids: list[int]
-    start_pos: int
-    block_table: np.ndarray  # [>= ceil((start_pos + len(token_ids)) / block_size)] int32
-    slots: np.ndarray        # [len(token_ids)] int64
 
 
 class Runner(Protocol):

@@ -1,0 +1,71 @@
+"""kog.LLM and `kog generate` end to end on the real SmolLM2-135M-Instruct (fp32)."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kog
+from kog.loader import load_model
+from kog.models import ModelRunner, PrefillChunk
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", '{"name": "get_weather", "arguments": {',
+           "Once upon a time, in a land far away,"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return kog.LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=16)
+
+
+def greedy_alone(runner: ModelRunner, ids: list[int], n_new: int) -> list[int]:
+    """Greedy tokens of one sequence with nothing else in the batch, straight on the runner."""
+    bs = runner.block_size
+    table = np.arange(-(-(len(ids) + n_new) // bs), dtype=np.int32)  # blocks 0.. of a fresh cache
+
+    def slot(p: int) -> int:
+        return int(table[p // bs]) * bs + p % bs
+
+    logits = runner.prefill([PrefillChunk(ids, 0, table, np.array([slot(p) for p in range(len(ids))]))])
+    out = [int(logits[0].argmax())]
+    while len(out) < n_new:
+        p = len(ids) + len(out) - 1
+        logits = runner.decode(np.array([out[-1]]), np.array([p]), table[None], np.array([p + 1], np.int32),
+                               np.array([slot(p)]))
+        out.append(int(logits[0].argmax()))
+    return out
+
+
+def test_continuous_batching_equals_each_request_alone(llm):
+    params = kog.SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params)  # 4 requests, 16-token budget: chunked prefill mixed with decodes
+    alone = ModelRunner(load_model(dtype="float32", progress=False), num_kv_blocks=32)
+    for o in outs:
+        assert o.outputs[0].token_ids == greedy_alone(alone, o.prompt_token_ids, 20), o.prompt
+
+
+def test_chat_answers_and_repeated_system_prompt_hits_the_prefix_cache(llm):
+    system = {"role": "system", "content": "You are a helpful assistant. Answer in one short sentence. " * 4}
+    first = llm.chat([system, {"role": "user", "content": "What is the capital of France?"}],
+                     kog.SamplingParams(temperature=0, max_tokens=16))[0]
+    assert "Paris" in first.outputs[0].text and first.outputs[0].finish_reason == "stop"
+    second = llm.chat([system, {"role": "user", "content": "And of Italy?"}], kog.SamplingParams(temperature=0, max_tokens=8))[0]
+    assert second.num_cached_tokens >= 48
+    assert second.prefill_tokens_computed == len(second.prompt_token_ids) - second.num_cached_tokens
+
+
+def test_prompt_longer_than_the_context_names_both_numbers():
+    small = kog.LLM(dtype="float32", max_model_len=64, max_num_seqs=1)
+    with pytest.raises(kog.InvalidRequest, match=r"has 100 tokens but the context length is 64"):
+        small.generate({"prompt_token_ids": [1] * 100})
+
+
+def test_kog_generate_cli_streams_an_answer():
+    out = subprocess.run([sys.executable, "-m", "kog", "generate", "--max-tokens", "12", "What is 2+2?"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
+    assert "TTFT" in out.stderr and "tok/s" in out.stderr
