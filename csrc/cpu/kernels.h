@@ -19,6 +19,9 @@ struct KernelTable {
   void (*rope)(const RopeParams&);
   void (*silu_and_mul)(const SiluAndMulParams&);
   void (*linear)(const LinearParams&, float* scratch);  // scratch: m * k floats
+  // One of n_parts balanced slices of linear's output rows, no threads of its own: for a
+  // caller already inside a parallel region (the decode executor). scratch: m * k floats.
+  void (*linear_part)(const LinearParams&, float* scratch, int part, int n_parts);
   void (*kv_append)(const KVAppendParams&);
   void (*paged_attention_decode)(const PagedAttentionParams&);
   void (*paged_attention_prefill)(const PagedAttentionParams&);

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <limits>
 
+#include <omp.h>
+
 #include "common/errors.h"
 #include "cpu/kernels.h"
 
@@ -94,7 +96,8 @@ void DecodeExecutor::reserve(int64_t batch) {
   arena_.assign(size_t(total + 64), 0);
   char* aligned = arena_.data() + (64 - reinterpret_cast<uintptr_t>(arena_.data()) % 64) % 64;
   for (int b = 0; b < int(Buffer::kNumBuffers); ++b) base_[b] = aligned + offsets[b];
-  scratch_.assign(size_t(batch * max_k), 0.f);
+  scratch_stride_ = batch * max_k;
+  scratch_.assign(size_t(omp_get_max_threads() * scratch_stride_), 0.f);
   capacity_ = batch;
 }
 
@@ -130,7 +133,39 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
   int32_t* tokens = reinterpret_cast<int32_t*>(buf(int(Buffer::kTokens)));
   for (int64_t b = 0; b < s.batch; ++b) tokens[b] = int32_t(s.tokens[b]);
   const int64_t n = stop_after < 0 ? int64_t(program_.size()) : std::min<int64_t>(stop_after, program_.size());
-  for (int64_t i = 0; i < n; ++i) exec(program_[i], s);
+  // NOTE: the step runs inside one parallel region per segment (the CPU analogue of the
+  // persistent GPU kernel): every LINEAR is split over the threads, the small ops run on thread
+  // 0 (their own parallel loops run serial when nested), and a barrier ends each instruction,
+  // which orders every dependency of the schedule. Only attention over long contexts leaves
+  // the region, to use the attention kernel's own split over the context.
+  const int n_threads = omp_get_max_threads();
+  for (int64_t i = 0; i < n;) {
+    if (runs_alone(program_[i])) {
+      exec(program_[i], s);
+      ++i;
+      continue;
+    }
+    int64_t end = i;
+    while (end < n && !runs_alone(program_[end])) ++end;
+#pragma omp parallel num_threads(n_threads)
+    {
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      for (int64_t j = i; j < end; ++j) {
+        const Instruction& ins = program_[j];
+        if (ins.op == Opcode::kLinear) {
+          linear_part(ins, s.batch, t, nt);
+        } else if (t == 0) {
+          exec(ins, s);
+        }
+#pragma omp barrier
+      }
+    }
+    i = end;
+  }
+}
+
+bool DecodeExecutor::runs_alone(const Instruction& ins) const {
+  return ins.op == Opcode::kAttnDecode && batch_ * max_seq_len_ > kAttentionAloneTokens;
 }
 
 void DecodeExecutor::exec(const Instruction& ins, const DecodeStep& s) {
@@ -199,6 +234,12 @@ void DecodeExecutor::linear(const Instruction& ins, int64_t batch) {
   const int64_t n = width(Buffer(ins.out)), kdim = width(Buffer(ins.in));
   LinearParams p{buf(ins.out), buf(ins.in), ins.w0, ins.w1, batch, n, kdim, kdim, n, d_.dtype};
   cpu::kernels().linear(p, scratch_.data());
+}
+
+void DecodeExecutor::linear_part(const Instruction& ins, int64_t batch, int part, int n_parts) {
+  const int64_t n = width(Buffer(ins.out)), kdim = width(Buffer(ins.in));
+  LinearParams p{buf(ins.out), buf(ins.in), ins.w0, ins.w1, batch, n, kdim, kdim, n, d_.dtype};
+  cpu::kernels().linear_part(p, scratch_.data() + part * scratch_stride_, part, n_parts);
 }
 
 void DecodeExecutor::attention(const Instruction& ins, const DecodeStep& s) {

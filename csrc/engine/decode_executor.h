@@ -87,6 +87,9 @@ class DecodeExecutor {
   void rmsnorm(const Instruction& ins, int64_t batch);
   void qk_norm(const Instruction& ins, int64_t batch);
   void linear(const Instruction& ins, int64_t batch);
+  void linear_part(const Instruction& ins, int64_t batch, int part, int n_parts);
+  // Instructions that run outside the step's parallel region (long-context attention).
+  bool runs_alone(const Instruction& ins) const;
   void attention(const Instruction& ins, const DecodeStep& s);
   void sample(const DecodeStep& s);
 
@@ -101,7 +104,10 @@ class DecodeExecutor {
   int64_t batch_ = 0;       // batch of the last run
   int64_t max_seq_len_ = 0;
   std::vector<char> arena_;
-  std::vector<float> scratch_;  // linear: [B, max k] f32
+  std::vector<float> scratch_;  // linear: [threads, B, max k] f32, one slice per thread
+  int64_t scratch_stride_ = 0;  // B * max k
+  // Above this many cached tokens in the batch, attention uses its own threads.
+  static constexpr int64_t kAttentionAloneTokens = 4096;
   char* base_[int(Buffer::kNumBuffers)] = {};
   std::mutex mu_;
 };

@@ -109,19 +109,14 @@ void tile_dot(const T* const* w, const float* const* x, int nr, int nc, int64_t 
 }
 #endif
 
+// Output tiles [tile_begin, tile_end) of kRows rows each; xf is x converted to f32 ([m, k]).
 template <typename T>
-void linear_typed(const LinearParams& p, float* xf) {
+void linear_tiles(const LinearParams& p, const float* xf, int64_t tile_begin, int64_t tile_end) {
   const int64_t m = p.m, n = p.n, k = p.k;
-  for (int64_t c = 0; c < m; ++c) {
-    const T* xr = static_cast<const T*>(p.x) + c * p.x_stride;
-    for (int64_t j = 0; j < k; ++j) xf[c * k + j] = to_f32(xr[j]);
-  }
   const T* weight = static_cast<const T*>(p.weight);
   const T* bias = static_cast<const T*>(p.bias);
   T* out = static_cast<T*>(p.out);
-  const int64_t n_tiles = (n + kRows - 1) / kRows;
-#pragma omp parallel for schedule(static) if (n * k >= kLinearParallelMin)
-  for (int64_t t = 0; t < n_tiles; ++t) {
+  for (int64_t t = tile_begin; t < tile_end; ++t) {
     const int64_t r0 = t * kRows;
     const int nr = int(n - r0 < kRows ? n - r0 : kRows);
     const T* w[kRows];
@@ -140,11 +135,40 @@ void linear_typed(const LinearParams& p, float* xf) {
   }
 }
 
+template <typename T>
+void convert_x(const LinearParams& p, float* xf) {
+  for (int64_t c = 0; c < p.m; ++c) {
+    const T* xr = static_cast<const T*>(p.x) + c * p.x_stride;
+    for (int64_t j = 0; j < p.k; ++j) xf[c * p.k + j] = to_f32(xr[j]);
+  }
+}
+
+// Part `part` of `n_parts` (contiguous, balanced ranges of output tiles).
+template <typename T>
+void linear_part_typed(const LinearParams& p, float* xf, int part, int n_parts) {
+  convert_x<T>(p, xf);
+  const int64_t n_tiles = (p.n + kRows - 1) / kRows;
+  linear_tiles<T>(p, xf, n_tiles * part / n_parts, n_tiles * (part + 1) / n_parts);
+}
+
+template <typename T>
+void linear_typed(const LinearParams& p, float* xf) {
+  convert_x<T>(p, xf);
+  const int64_t n_tiles = (p.n + kRows - 1) / kRows;
+#pragma omp parallel for schedule(static) if (p.n * p.k >= kLinearParallelMin)
+  for (int64_t t = 0; t < n_tiles; ++t) linear_tiles<T>(p, xf, t, t + 1);
+}
+
 }  // namespace
 
 // scratch: at least m * k floats.
 void linear(const LinearParams& p, float* scratch) {
   dispatch_float(p.dtype, [&](auto tag) { linear_typed<decltype(tag)>(p, scratch); });
+}
+
+// Called by each thread of a parallel region the caller owns; scratch is the thread's own.
+void linear_part(const LinearParams& p, float* scratch, int part, int n_parts) {
+  dispatch_float(p.dtype, [&](auto tag) { linear_part_typed<decltype(tag)>(p, scratch, part, n_parts); });
 }
 
 }  // namespace kog::cpu::KOG_ISA_NS

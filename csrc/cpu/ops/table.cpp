@@ -10,12 +10,13 @@ void rmsnorm(const RMSNormParams& p);
 void rope(const RopeParams& p);
 void silu_and_mul(const SiluAndMulParams& p);
 void linear(const LinearParams& p, float* scratch);
+void linear_part(const LinearParams& p, float* scratch, int part, int n_parts);
 void kv_append(const KVAppendParams& p);
 void paged_attention_decode(const PagedAttentionParams& p);
 void paged_attention_prefill(const PagedAttentionParams& p);
 
 const KernelTable& kernel_table() {
-  static const KernelTable table{KOG_STR(KOG_ISA_NS), &rmsnorm, &rope, &silu_and_mul, &linear,
+  static const KernelTable table{KOG_STR(KOG_ISA_NS), &rmsnorm, &rope, &silu_and_mul, &linear, &linear_part,
                                  &kv_append, &paged_attention_decode, &paged_attention_prefill};
   return table;
 }
