@@ -69,6 +69,17 @@ def _rows(name: str, t: torch.Tensor, width: int) -> tuple[int, int]:
     return view.shape[0], (view.stride(0) if view.shape[0] > 1 else width)
 
 
+def _output(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(out, its row stride): a new tensor like `like`, or the caller's after checking it."""
+    if out is None:
+        out = torch.empty(shape, dtype=like.dtype, device=like.device)
+    else:
+        _same("out", out, like, "x")
+        if tuple(out.shape) != shape:
+            raise InvalidRequest(f"out must have shape {shape}, got {tuple(out.shape)}")
+    return out, _rows("out", out, shape[-1])[1]
+
+
 def rmsnorm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -188,14 +199,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         raise InvalidRequest(f"x must have an even, non-zero last dimension, got shape {tuple(x.shape)}")
     d = x.shape[-1] // 2
     n_rows, x_stride = _rows("x", x, 2 * d)
-    out_shape = (*x.shape[:-1], d)
-    if out is None:
-        out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-    else:
-        _same("out", out, x, "x")
-        if tuple(out.shape) != out_shape:
-            raise InvalidRequest(f"out must have shape {out_shape}, got {tuple(out.shape)}")
-    _, out_stride = _rows("out", out, d)
+    out, out_stride = _output(out, (*x.shape[:-1], d), x)
     device, stream = _device_and_stream(x)
     _C.silu_and_mul(out.data_ptr(), x.data_ptr(), n_rows, d, x_stride, out_stride, code, device, stream)
     return out
@@ -274,14 +278,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         _same("bias", bias, x, "x")
         if bias.shape != (n,) or not bias.is_contiguous():
             raise InvalidRequest(f"bias must be contiguous with shape ({n},), got {tuple(bias.shape)}")
-    out_shape = (*x.shape[:-1], n)
-    if out is None:
-        out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-    else:
-        _same("out", out, x, "x")
-        if tuple(out.shape) != out_shape:
-            raise InvalidRequest(f"out must have shape {out_shape}, got {tuple(out.shape)}")
-    _, out_stride = _rows("out", out, n)
+    out, out_stride = _output(out, (*x.shape[:-1], n), x)
     device, _ = _device_and_stream(x)
     _C.linear(out.data_ptr(), x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else 0,
               m, n, k, x_stride, out_stride, code, device)

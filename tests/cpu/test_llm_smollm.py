@@ -3,12 +3,12 @@
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import kog
 from kog.loader import load_model
-from kog.models import ModelRunner, PrefillChunk
+from kog.models import ModelRunner
+from kog.testing.greedy import runner_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -21,30 +21,12 @@ def llm():
     return kog.LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=16)
 
 
-def greedy_alone(runner: ModelRunner, ids: list[int], n_new: int) -> list[int]:
-    """Greedy tokens of one sequence with nothing else in the batch, straight on the runner."""
-    bs = runner.block_size
-    table = np.arange(-(-(len(ids) + n_new) // bs), dtype=np.int32)  # blocks 0.. of a fresh cache
-
-    def slot(p: int) -> int:
-        return int(table[p // bs]) * bs + p % bs
-
-    logits = runner.prefill([PrefillChunk(ids, 0, table, np.array([slot(p) for p in range(len(ids))]))])
-    out = [int(logits[0].argmax())]
-    while len(out) < n_new:
-        p = len(ids) + len(out) - 1
-        logits = runner.decode(np.array([out[-1]]), np.array([p]), table[None], np.array([p + 1], np.int32),
-                               np.array([slot(p)]))
-        out.append(int(logits[0].argmax()))
-    return out
-
-
 def test_continuous_batching_equals_each_request_alone(llm):
     params = kog.SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)  # 4 requests, 16-token budget: chunked prefill mixed with decodes
     alone = ModelRunner(load_model(dtype="float32", progress=False), num_kv_blocks=32)
     for o in outs:
-        assert o.outputs[0].token_ids == greedy_alone(alone, o.prompt_token_ids, 20), o.prompt
+        assert o.outputs[0].token_ids == runner_greedy(alone, o.prompt_token_ids, 20), o.prompt
 
 
 def test_chat_answers_and_repeated_system_prompt_hits_the_prefix_cache(llm):

@@ -8,6 +8,7 @@ import torch
 import kog
 from kog.loader import load_model
 from kog.models import ModelRunner, PrefillChunk
+from kog.testing.greedy import hf_greedy
 from kog.testing.tiny_models import random_weights, tiny_config, write_hf_model
 
 transformers = pytest.importorskip("transformers")
@@ -53,18 +54,6 @@ def greedy(runner: ModelRunner, prompt: list[int], n_new: int, seq: int = 0) -> 
     out = [int(runner.prefill([s.chunk(seq, prompt)])[0].argmax())]
     for i in range(n_new - 1):
         out.append(int(s.decode([seq], [out[-1]], [len(prompt) + i])[0].argmax()))
-    return out
-
-
-def hf_greedy(hf, prompt: list[int], n_new: int) -> list[int]:
-    """transformers' own forward with its KV cache, argmax each step, never stopping at EOS."""
-    out, past, ids = [], None, torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(n_new):
-            res = hf(ids, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            out.append(int(res.logits[0, -1].argmax()))
-            ids = torch.tensor([[out[-1]]])
     return out
 
 

@@ -9,6 +9,7 @@ import torch
 from kog.loader import load_model
 from kog.loader.convert import convert_gguf
 from kog.models import ModelRunner, PrefillChunk
+from kog.testing.greedy import hf_greedy, runner_greedy
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -57,29 +58,6 @@ def run_prefill(runner, ps):
     return runner.prefill(chunks)
 
 
-def greedy(runner, prompt, n_new):
-    table = np.arange((len(prompt) + n_new) // BS + 1, dtype=np.int32)
-    slot = lambda p: int(table[p // BS]) * BS + p % BS  # noqa: E731
-    pos = np.arange(len(prompt))
-    out = [int(runner.prefill([PrefillChunk(prompt, 0, table, table[pos // BS] * BS + pos % BS)])[0].argmax())]
-    for i in range(n_new - 1):
-        p = len(prompt) + i
-        out.append(int(runner.decode([out[-1]], [p], table[None], [p + 1], [slot(p)])[0].argmax()))
-    return out
-
-
-def hf_greedy(hf, prompt, n_new):
-    """transformers' own forward with its KV cache, argmax each step, never stopping at EOS."""
-    out, past, ids = [], None, torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(n_new):
-            res = hf(ids, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            out.append(int(res.logits[0, -1].argmax()))
-            ids = torch.tensor([[out[-1]]])
-    return out
-
-
 def test_smollm2_fp32_matches_transformers(smollm):
     model, hf = smollm
     runner = ModelRunner(model, num_kv_blocks=8 * 50)
@@ -90,7 +68,7 @@ def test_smollm2_fp32_matches_transformers(smollm):
             want = hf(torch.tensor([p])).logits[0, -1]
             assert (got[i] - want).abs().max() <= 1e-3 * want.abs().max(), i
     for p in ps[1], ps[7]:  # code, chat
-        assert greedy(runner, p, 48) == hf_greedy(hf, p, 48)
+        assert runner_greedy(runner, p, 48) == hf_greedy(hf, p, 48)
 
 
 def test_smollm2_bf16_as_close_to_fp32_as_transformers_bf16(smollm):
