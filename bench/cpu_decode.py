@@ -103,6 +103,18 @@ def llama_cpp_engine(gguf, prompt: list[int], new: int, repeats: int) -> tuple[f
     return max(decode_run() for _ in range(repeats)), min(_timed(prefill) for _ in range(repeats))
 
 
+def f16_gguf(model, folder: str):
+    """The same weights as an F16 GGUF (what the llama.cpp comparison runs), with the shipped
+    file's tokenizer and chat template."""
+    from kog.loader.gguf import GGUFCheckpoint
+    from kog.testing.tiny_models import write_gguf_model
+
+    meta = GGUFCheckpoint(model.path).metadata
+    tok = {k: v for k, v in meta.items() if k.startswith("tokenizer.ggml.")}
+    return write_gguf_model(f"{folder}/smollm2-f16.gguf", model.config, model.weights, qtype="F16",
+                            chat_template=meta.get("tokenizer.chat_template"), tokenizer_metadata=tok)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -121,7 +133,7 @@ def main() -> None:
             rows.append(("kog", dtype, nbytes, *kog_engine(model, prompt, args.new_tokens, args.repeats)))
             rows.append(("transformers", dtype, nbytes,
                          *hf_engine(folder, dtype, prompt, args.new_tokens, args.hf_repeats)))
-        lcpp = llama_cpp_engine(f32.path, prompt, args.new_tokens, args.repeats)
+        lcpp = llama_cpp_engine(f16_gguf(f32, tmp), prompt, args.new_tokens, args.repeats)
     bw = max(bw, triad_gbs())  # best of the triads before and after
     print(f"SmolLM2-135M, batch 1, {torch.get_num_threads()} threads; triad bandwidth {bw:.1f} GB/s (best of runs)")
     print(f"{'engine':<14}{'dtype':<10}{'decode tok/s':>13}{'x HF':>7}{'prefill 512':>13}{'x HF':>7}{'GB/s':>7}{'% triad':>9}")
@@ -133,7 +145,9 @@ def main() -> None:
     if lcpp is None:
         print("llama.cpp: llama-cpp-python not importable, not measured")
     else:
-        print(f"llama.cpp (Q4_1 file as shipped): decode {lcpp[0]:.1f} tok/s, prefill 512 {lcpp[1]:.2f}s")
+        kog_bf16 = next(r for r in rows if r[0] == "kog" and r[1] == torch.bfloat16)
+        print(f"llama.cpp F16 GGUF: decode {lcpp[0]:.1f} tok/s (kog bf16 / llama.cpp = {kog_bf16[3] / lcpp[0]:.2f}x), "
+              f"prefill 512 {lcpp[1]:.2f}s (llama.cpp / kog bf16 = {lcpp[1] / kog_bf16[4]:.2f}x)")
 
 
 if __name__ == "__main__":
