@@ -175,7 +175,7 @@ void DecodeExecutor::exec(const Instruction& ins, const DecodeStep& s) {
   switch (ins.op) {
     case Opcode::kEmbed: embed(ins, s); break;
     case Opcode::kRmsNorm: rmsnorm(ins, B); break;
-    case Opcode::kLinear: linear(ins, B); break;
+    case Opcode::kLinear: linear_part(ins, B, 0, 1); break;  // outside a region: all rows
     case Opcode::kQkNorm: qk_norm(ins, B); break;
     case Opcode::kRope: {
       RopeParams p{qkv, qkv + q_w * elem_, s.positions, inv_freq_.data(), B, d_.n_q_heads,
@@ -228,12 +228,6 @@ void DecodeExecutor::qk_norm(const Instruction& ins, int64_t batch) {
     cpu::kernels().rmsnorm(pq);
     cpu::kernels().rmsnorm(pk);
   }
-}
-
-void DecodeExecutor::linear(const Instruction& ins, int64_t batch) {
-  const int64_t n = width(Buffer(ins.out)), kdim = width(Buffer(ins.in));
-  LinearParams p{buf(ins.out), buf(ins.in), ins.w0, ins.w1, batch, n, kdim, kdim, n, d_.dtype};
-  cpu::kernels().linear(p, scratch_.data());
 }
 
 void DecodeExecutor::linear_part(const Instruction& ins, int64_t batch, int part, int n_parts) {

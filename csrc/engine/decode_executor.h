@@ -86,7 +86,6 @@ class DecodeExecutor {
   void embed(const Instruction& ins, const DecodeStep& s);
   void rmsnorm(const Instruction& ins, int64_t batch);
   void qk_norm(const Instruction& ins, int64_t batch);
-  void linear(const Instruction& ins, int64_t batch);
   void linear_part(const Instruction& ins, int64_t batch, int part, int n_parts);
   // Instructions that run outside the step's parallel region (long-context attention).
   bool runs_alone(const Instruction& ins) const;

@@ -114,13 +114,7 @@ def rmsnorm(
         if residual.shape != x.shape:
             raise InvalidRequest(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
         _, res_stride = _rows("residual", residual, hidden)
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    else:
-        _same("out", out, x, "x")
-        if out.shape != x.shape:
-            raise InvalidRequest(f"out shape {tuple(out.shape)} != x shape {tuple(x.shape)}")
-    _, out_stride = _rows("out", out, hidden)
+    out, out_stride = _output(out, tuple(x.shape), x)
     device, stream = _device_and_stream(x)
     _C.rmsnorm(
         out.data_ptr(), x.data_ptr(), residual.data_ptr() if residual is not None else 0,
