@@ -1,7 +1,9 @@
 // CPU linear for decode batches. Contract: csrc/ops/linear.h.
-// Tiling: kRows weight rows x kCols input rows of fp32 accumulators; each weight element is
-// loaded once per kCols inputs, each x element once per kRows weights. x is converted to fp32
-// once up front ([m, k] scratch), so the inner loop converts only the weight stream.
+// Tiling: ONE weight row at a time against up to kCols input rows, so each thread reads its
+// share of the weight matrix as a single sequential stream (several rows in flight at once
+// are several streams, which this class of CPU prefetches far worse: bench/cpu_linear.py).
+// Each weight element is loaded once per kCols inputs; extra inputs re-read the row from L1.
+// x is converted to fp32 once up front ([m, k] scratch), so the loop converts only weights.
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
@@ -12,8 +14,7 @@
 namespace kog::cpu::KOG_ISA_NS {
 namespace {
 
-constexpr int kRows = 4;
-constexpr int kCols = 2;
+constexpr int kCols = 4;
 // Below this many weight elements a linear runs on the calling thread.
 constexpr int64_t kLinearParallelMin = 1 << 16;
 
@@ -30,6 +31,7 @@ static inline vec_t vload(const f16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 static inline vec_t vfma(vec_t a, vec_t b, vec_t c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec_t vadd(vec_t a, vec_t b) { return _mm512_add_ps(a, b); }
 static inline float vsum(vec_t v) { return _mm512_reduce_add_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int kLanes = 8;
@@ -44,6 +46,7 @@ static inline vec_t vload(const f16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 static inline vec_t vfma(vec_t a, vec_t b, vec_t c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec_t vadd(vec_t a, vec_t b) { return _mm256_add_ps(a, b); }
 static inline float vsum(vec_t v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -55,86 +58,75 @@ static inline float vsum(vec_t v) {
 #endif
 
 #ifndef KOG_LINEAR_SCALAR
-// acc[r][c] = dot(w[r], x[c]) for the rows/cols present (nr <= kRows, nc <= kCols).
-template <typename T>
-void tile_dot(const T* const* w, const float* const* x, int nr, int nc, int64_t k,
-              float acc[kRows][kCols]) {
-  vec_t a[kRows][kCols];
-  for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < kCols; ++c) a[r][c] = vzero();
+// acc[c] = dot(w, x[c]) for c < NC. kChains independent accumulators per input hide the FMA
+// latency: 4 for one input, 2 each for more (2 x 4 registers at most).
+template <int NC, typename T>
+void row_dot(const T* w, const float* const* x, int64_t k, float* acc) {
+  constexpr int kChains = NC == 1 ? 4 : 2;
+  constexpr int64_t kStep = int64_t(kChains) * kLanes;
+  vec_t a[NC][kChains];
+  for (int c = 0; c < NC; ++c)
+    for (int u = 0; u < kChains; ++u) a[c][u] = vzero();
   int64_t i = 0;
-  const int64_t kv = k - k % kLanes;
-  if (nr == kRows && nc == kCols) {  // the hot path: full tile, fixed trip counts
-    for (; i < kv; i += kLanes) {
-      const vec_t x0 = vload(x[0] + i), x1 = vload(x[1] + i);
-      for (int r = 0; r < kRows; ++r) {
-        const vec_t wv = vload(w[r] + i);
-        a[r][0] = vfma(wv, x0, a[r][0]);
-        a[r][1] = vfma(wv, x1, a[r][1]);
-      }
+  for (; i + kStep <= k; i += kStep)
+    for (int u = 0; u < kChains; ++u) {
+      const vec_t wv = vload(w + i + u * kLanes);
+      for (int c = 0; c < NC; ++c) a[c][u] = vfma(wv, vload(x[c] + i + u * kLanes), a[c][u]);
     }
-  } else if (nr == kRows && nc == 1) {  // batch 1 (and odd batches' last row): fixed trip counts too
-    for (; i < kv; i += kLanes) {
-      const vec_t x0 = vload(x[0] + i);
-      for (int r = 0; r < kRows; ++r) a[r][0] = vfma(vload(w[r] + i), x0, a[r][0]);
-    }
-  } else {
-    for (; i < kv; i += kLanes) {
-      for (int r = 0; r < nr; ++r) {
-        const vec_t wv = vload(w[r] + i);
-        for (int c = 0; c < nc; ++c) a[r][c] = vfma(wv, vload(x[c] + i), a[r][c]);
-      }
-    }
+  for (; i + kLanes <= k; i += kLanes) {
+    const vec_t wv = vload(w + i);
+    for (int c = 0; c < NC; ++c) a[c][0] = vfma(wv, vload(x[c] + i), a[c][0]);
   }
-  for (int r = 0; r < nr; ++r)
-    for (int c = 0; c < nc; ++c) {
-      float s = vsum(a[r][c]);
-      for (int64_t j = kv; j < k; ++j) s += to_f32(w[r][j]) * x[c][j];
-      acc[r][c] = s;
-    }
+  for (int c = 0; c < NC; ++c) {
+    for (int u = 1; u < kChains; ++u) a[c][0] = vadd(a[c][0], a[c][u]);
+    float s = vsum(a[c][0]);
+    for (int64_t j = i; j < k; ++j) s += to_f32(w[j]) * x[c][j];
+    acc[c] = s;
+  }
 }
 #else
-template <typename T>
-void tile_dot(const T* const* w, const float* const* x, int nr, int nc, int64_t k,
-              float acc[kRows][kCols]) {
-  for (int r = 0; r < nr; ++r)
-    for (int c = 0; c < nc; ++c) {
-      float s = 0.f;
-      const T* wr = w[r];
-      const float* xc = x[c];
+template <int NC, typename T>
+void row_dot(const T* w, const float* const* x, int64_t k, float* acc) {
+  for (int c = 0; c < NC; ++c) {
+    float s = 0.f;
+    const float* xc = x[c];
 #pragma omp simd reduction(+ : s)
-      for (int64_t j = 0; j < k; ++j) s += to_f32(wr[j]) * xc[j];
-      acc[r][c] = s;
-    }
+    for (int64_t j = 0; j < k; ++j) s += to_f32(w[j]) * xc[j];
+    acc[c] = s;
+  }
 }
 #endif
 
-// Output tiles [tile_begin, tile_end) of kRows rows each; xf is x converted to f32 ([m, k]).
 template <typename T>
-void linear_tiles(const LinearParams& p, const float* xf, int64_t tile_begin, int64_t tile_end) {
-  const int64_t m = p.m, n = p.n, k = p.k;
+void row_dot_n(int nc, const T* w, const float* const* x, int64_t k, float* acc) {
+  switch (nc) {
+    case 1: row_dot<1>(w, x, k, acc); break;
+    case 2: row_dot<2>(w, x, k, acc); break;
+    case 3: row_dot<3>(w, x, k, acc); break;
+    default: row_dot<kCols>(w, x, k, acc); break;
+  }
+}
+
+// Output rows [row_begin, row_end); xf is x converted to f32 ([m, k]).
+template <typename T>
+void linear_rows(const LinearParams& p, const float* xf, int64_t row_begin, int64_t row_end) {
+  const int64_t m = p.m, k = p.k;
   const T* weight = static_cast<const T*>(p.weight);
   const T* bias = static_cast<const T*>(p.bias);
   T* out = static_cast<T*>(p.out);
-  for (int64_t t = tile_begin; t < tile_end; ++t) {
-    const int64_t r0 = t * kRows;
-    const int nr = int(n - r0 < kRows ? n - r0 : kRows);
-    const T* w[kRows];
-    for (int r = 0; r < kRows; ++r) w[r] = weight + (r0 + (r < nr ? r : 0)) * k;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const T* w = weight + r * k;
+    const float b = bias != nullptr ? to_f32(bias[r]) : 0.f;
     for (int64_t c0 = 0; c0 < m; c0 += kCols) {
       const int nc = int(m - c0 < kCols ? m - c0 : kCols);
       const float* x[kCols];
       for (int c = 0; c < kCols; ++c) x[c] = xf + (c0 + (c < nc ? c : 0)) * k;
-      float acc[kRows][kCols];
-      tile_dot<T>(w, x, nr, nc, k, acc);
-      for (int r = 0; r < nr; ++r) {
-        const float b = bias != nullptr ? to_f32(bias[r0 + r]) : 0.f;
-        for (int c = 0; c < nc; ++c) out[(c0 + c) * p.out_stride + r0 + r] = from_f32<T>(acc[r][c] + b);
-      }
+      float acc[kCols];
+      row_dot_n<T>(nc, w, x, k, acc);
+      for (int c = 0; c < nc; ++c) out[(c0 + c) * p.out_stride + r] = from_f32<T>(acc[c] + b);
     }
   }
 }
-
 template <typename T>
 void convert_x(const LinearParams& p, float* xf) {
   for (int64_t c = 0; c < p.m; ++c) {
@@ -143,20 +135,21 @@ void convert_x(const LinearParams& p, float* xf) {
   }
 }
 
-// Part `part` of `n_parts` (contiguous, balanced ranges of output tiles).
+// Part `part` of `n_parts` (contiguous, balanced ranges of output rows).
 template <typename T>
 void linear_part_typed(const LinearParams& p, float* xf, int part, int n_parts) {
   convert_x<T>(p, xf);
-  const int64_t n_tiles = (p.n + kRows - 1) / kRows;
-  linear_tiles<T>(p, xf, n_tiles * part / n_parts, n_tiles * (part + 1) / n_parts);
+  linear_rows<T>(p, xf, p.n * part / n_parts, p.n * (part + 1) / n_parts);
 }
 
 template <typename T>
 void linear_typed(const LinearParams& p, float* xf) {
   convert_x<T>(p, xf);
-  const int64_t n_tiles = (p.n + kRows - 1) / kRows;
+  constexpr int64_t kChunk = 16;  // rows per parallel work item
+  const int64_t n_chunks = (p.n + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static) if (p.n * p.k >= kLinearParallelMin)
-  for (int64_t t = 0; t < n_tiles; ++t) linear_tiles<T>(p, xf, t, t + 1);
+  for (int64_t t = 0; t < n_chunks; ++t)
+    linear_rows<T>(p, xf, t * kChunk, (t + 1) * kChunk < p.n ? (t + 1) * kChunk : p.n);
 }
 
 }  // namespace
