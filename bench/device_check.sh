@@ -108,6 +108,7 @@ if ((built)); then
     # each launch is slow. Only kog's kernels are checked (torch's own are filtered out).
     subset="strided or extremes or small_positions or stream"
     subset+=" or (reference and (7-4-2-128-128 or 3-7 or 5-129))"
+    subset+=" or (one_step and lens0 and llama) or loop_mode"
     sanitize=(env PYTHONPATH="$stage" "$sanitizer" --error-exitcode 99 --kernel-name kns=kog)
     step memcheck 150 "${sanitize[@]}" --tool memcheck \
       "$PY" -m pytest -q -p no:cacheprovider -x tests/gpu -k "$subset"
@@ -117,7 +118,7 @@ if ((built)); then
     note sanitizer "not run (no compute-sanitizer for backend $backend)"
   fi
   if [[ -f bench/decode_latency.py ]]; then
-    step decode_latency 120 env PYTHONPATH="$stage" "$PY" bench/decode_latency.py
+    step decode_latency 150 env PYTHONPATH="$stage" "$PY" bench/decode_latency.py --out "$OUT" --iters 30
   else
     note decode_latency "not run (bench/decode_latency.py does not exist yet)"
   fi

@@ -11,6 +11,7 @@ void bind_linear(py::module_& m);
 void bind_schedule(py::module_& m);
 void bind_attention(py::module_& m);
 void bind_engine(py::module_& m);
+void bind_gpu_decode(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "Kog native core: CPU/GPU kernels and the paged KV allocator";
@@ -22,4 +23,5 @@ PYBIND11_MODULE(_C, m) {
   bind_schedule(m);
   bind_attention(m);
   bind_engine(m);
+  bind_gpu_decode(m);
 }

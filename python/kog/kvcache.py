@@ -216,9 +216,9 @@ class KVCacheStorage:
 
     def apply(self, moves: KVMoves) -> None:
         """Performs a KVMoves' copies in the required order: swap_out, swap_in, cow."""
-        self._copy(self.host, self.kv, moves.swap_out)
-        self._copy(self.kv, self.host, moves.swap_in)
-        self._copy(self.kv, self.kv, moves.cow)
+        self.copy_blocks(self.host, self.kv, moves.swap_out)
+        self.copy_blocks(self.kv, self.host, moves.swap_in)
+        self.copy_blocks(self.kv, self.kv, moves.cow)
 
     def write(self, layer: int, slots: np.ndarray, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores k, v [n, num_kv_heads, head_dim] of n tokens at `slots` [n] of one layer."""
@@ -234,7 +234,8 @@ class KVCacheStorage:
         bs = self.layout.block_size
         return self.kv[layer, table[pos // bs], :, :, pos % bs].permute(1, 0, 2, 3)
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, pairs: np.ndarray) -> None:
+    def copy_blocks(self, dst: torch.Tensor, src: torch.Tensor, pairs: np.ndarray) -> None:
+        """Copies blocks pairs[i] = (dst block, src block) between self.kv and self.host (any direction)."""
         if len(pairs) == 0:
             return
         if dst.device.type == "cpu" and src.device.type == "cpu":

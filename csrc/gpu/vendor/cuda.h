@@ -30,6 +30,13 @@ constexpr gpuError_t gpuSuccess = cudaSuccess;
 #define gpuStreamSynchronize cudaStreamSynchronize
 #define gpuFuncGetAttributes cudaFuncGetAttributes
 #define gpuFuncAttributes cudaFuncAttributes
+#define gpuMalloc cudaMalloc
+#define gpuFree cudaFree
+#define gpuMemsetAsync cudaMemsetAsync
+#define gpuLaunchCooperativeKernel cudaLaunchCooperativeKernel
+#define gpuOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
+#define gpuFuncSetAttribute cudaFuncSetAttribute
+#define gpuFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
 
 // Runtime the module was compiled against, e.g. "CUDA 13.0".
 inline std::string gpu_runtime_version() {
@@ -54,5 +61,8 @@ __device__ __forceinline__ void gpu_from_float(float v, gpu_bf16& out) { out = _
 // ---- warp primitives ---------------------------------------------------------------------------
 // Every lane of the warp takes part (the reductions in compat.cuh are called warp-uniformly).
 __device__ __forceinline__ float gpu_shfl_xor(float v, int lane_mask) {
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+}
+__device__ __forceinline__ int gpu_shfl_xor(int v, int lane_mask) {
   return __shfl_xor_sync(0xffffffffu, v, lane_mask);
 }

@@ -36,6 +36,13 @@ constexpr gpuError_t gpuSuccess = hipSuccess;
 #define gpuStreamSynchronize hipStreamSynchronize
 #define gpuFuncGetAttributes hipFuncGetAttributes
 #define gpuFuncAttributes hipFuncAttributes
+#define gpuMalloc hipMalloc
+#define gpuFree hipFree
+#define gpuMemsetAsync hipMemsetAsync
+#define gpuLaunchCooperativeKernel hipLaunchCooperativeKernel
+#define gpuOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
+#define gpuFuncSetAttribute hipFuncSetAttribute
+#define gpuFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
 
 // Runtime the module was compiled against, e.g. "HIP 6.2".
 inline std::string gpu_runtime_version() {
@@ -69,3 +76,4 @@ __device__ __forceinline__ void gpu_from_float(float v, gpu_bf16& out) { out = g
 __device__ __forceinline__ float gpu_shfl_xor(float v, int lane_mask) {
   return __shfl_xor(v, lane_mask);
 }
+__device__ __forceinline__ int gpu_shfl_xor(int v, int lane_mask) { return __shfl_xor(v, lane_mask); }

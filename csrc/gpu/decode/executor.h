@@ -1,0 +1,85 @@
+// Host side of the GPU persistent decode kernel: plain C++ (no vendor types), so the bindings
+// compile the same in every build. Implemented in persistent_decode.cu (cuda/rocm builds).
+//
+//   GpuDecodeExecutor ex(dims, kv, inv_freq_device, ops);   // once per model
+//   ex.run(step, stream);                                    // one launch: n_steps whole steps
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gpu/decode/params.h"
+
+namespace kog::gpu::decode {
+
+struct GpuModelDims {
+  int32_t n_layers, hidden, n_q_heads, n_kv_heads, head_dim, intermediate, vocab, rotary_dim;
+  float rms_eps;
+  float attn_scale;
+  bool rope_neox;
+  DType dtype;
+};
+
+struct GpuKVCache {
+  void* base;            // [n_layers, num_blocks, 2, n_kv_heads, block_size, head_dim] dtype, device
+  int64_t num_blocks;
+  int32_t block_size;
+};
+
+// One step's inputs and outputs, all device pointers (the caller keeps them alive until the
+// launch completes on `stream`).
+struct GpuDecodeStep {
+  int32_t batch;                 // 1..kMaxBatch
+  int32_t n_steps;               // 1..kMaxLoopSteps
+  int32_t* tokens;               // [B] int32 in: the newest tokens; out: the last sampled ones
+  int64_t* positions;            // [B] in/out (advanced on the device between loop steps)
+  int32_t* seq_lens;             // [B] in/out: positions + 1
+  int64_t* slots;                // [B] in/out
+  const int32_t* block_tables;   // [B, max_blocks], covering positions + n_steps tokens
+  int32_t max_blocks;
+  int32_t max_seq_len;           // max(seq_lens) after the last step: sizes the attention split
+  const SamplingRow* sampling;   // [B]
+  uint64_t rng_step;             // counter of the first step (draws of step s use rng_step + s)
+  const int32_t* stop_ids;       // [n_stop_ids] (loop mode), may be null when 0
+  int32_t n_stop_ids;
+  int32_t* out_tokens;           // [n_steps, B]
+  int32_t* finished;             // [B] in/out
+  float* logits;                 // [B, vocab] f32: the last step's logits
+};
+
+class GpuDecodeExecutor {
+ public:
+  static constexpr int kMaxBatch = 8;       // == tuning.cuh kMaxBatch
+  static constexpr int kMaxLoopSteps = 64;
+
+  // ops: the expanded program (schedule::expand_gpu_program) with device weight pointers; inv_freq: device
+  // [rotary_dim / 2] f32. Allocates the activation arena on the current device.
+  GpuDecodeExecutor(const GpuModelDims& dims, const GpuKVCache& kv, const float* inv_freq,
+                    const std::vector<GpuOp>& ops);
+  ~GpuDecodeExecutor();
+  GpuDecodeExecutor(const GpuDecodeExecutor&) = delete;
+  GpuDecodeExecutor& operator=(const GpuDecodeExecutor&) = delete;
+
+  // Validates the step (shapes only: device data is not read) and enqueues ONE launch.
+  void run(const GpuDecodeStep& step, void* stream);
+
+  int grid_size() const { return grid_; }
+  int64_t num_ops() const { return int64_t(n_ops_); }
+
+ private:
+  void ensure_partials(int32_t max_parts);
+
+  GpuModelDims d_;
+  GpuKVCache kv_;
+  const float* inv_freq_;
+  int32_t n_ops_ = 0;
+  GpuOp* program_ = nullptr;        // device
+  char* arena_ = nullptr;           // device: activation buffers for kMaxBatch rows
+  char* buffers_[int(schedule::Buffer::kNumBuffers)] = {};
+  unsigned* counters_ = nullptr;    // device [kMaxLoopSteps * n_ops + 1]
+  float* partials_ = nullptr;       // device
+  int32_t partials_parts_ = 0;
+  int grid_ = 0;
+};
+
+}  // namespace kog::gpu::decode

@@ -1,0 +1,68 @@
+// Parameters of the GPU persistent decode kernel (persistent_decode.cu): plain C++, shared by
+// the host launcher and the device code. One launch runs n_steps whole decode steps of a batch.
+#pragma once
+#include <cstdint>
+
+#include "common/dtype.h"
+#include "schedule/gpu_program.h"
+#include "schedule/opcodes.h"
+
+namespace kog::gpu::decode {
+
+using schedule::GpuOp;
+using schedule::kOpAttnCombine;
+
+// Per-sequence sampling on the device. temperature <= 0 is greedy (argmax).
+struct SamplingRow {
+  float temperature;
+  int32_t top_k;       // <= 0: off
+  float top_p;         // 1: off
+  float min_p;         // 0: off
+  uint64_t seed;       // draws are a function of (seed, step counter): reproducible
+};
+
+struct PersistentDecodeParams {
+  const GpuOp* program;        // [n_ops] device memory
+  int32_t n_ops;
+  int32_t batch;               // B, 1..kMaxBatch
+  int32_t n_steps;             // decode steps run in this launch (>= 1): loop mode when > 1
+
+  // model
+  int32_t n_layers, hidden, n_q_heads, n_kv_heads, head_dim, intermediate, vocab, rotary_dim;
+  float rms_eps;
+  float attn_scale;
+  bool rope_neox;
+  DType dtype;                 // weights, activations and KV cache
+  const float* inv_freq;       // [rotary_dim / 2] device
+
+  // activations: buffers[b] is [B, width(b)] in dtype; LOGITS is f32; TOKENS is int32 [B]
+  char* buffers[int(schedule::Buffer::kNumBuffers)];
+  float* attn_partials;        // [B, n_q_heads, max_parts, head_dim + 2] f32 (acc..., max, sum)
+  int32_t max_parts;           // context partitions per sequence, sized for the last step
+
+  // KV cache: [n_layers, num_blocks, 2, n_kv_heads, block_size, head_dim] dtype
+  void* kv_base;
+  int64_t num_blocks;
+  int32_t block_size;
+
+  // step state (device), advanced on the device between steps in loop mode
+  int64_t* positions;          // [B] position of the token being decoded
+  int32_t* seq_lens;           // [B] positions + 1
+  int64_t* slots;              // [B] cache slot of that token
+  const int32_t* block_tables; // [B, max_blocks]; covers positions + n_steps tokens
+  int32_t max_blocks;
+
+  // sampling (device)
+  const SamplingRow* sampling; // [B]
+  uint64_t rng_step;           // counter of the first step of this launch
+  const int32_t* stop_ids;     // [n_stop_ids] ids that finish a sequence (loop mode)
+  int32_t n_stop_ids;
+  int32_t* out_tokens;         // [n_steps, B] sampled ids
+  int32_t* finished;           // [B] in/out: 1 once a sequence sampled a stop id; later steps skip it
+
+  // synchronization (device, zero before the first launch; the kernel leaves them zero)
+  unsigned* counters;          // [n_steps * n_ops] work items completed per op
+  unsigned* exit_count;        // [1] blocks that finished this launch
+};
+
+}  // namespace kog::gpu::decode

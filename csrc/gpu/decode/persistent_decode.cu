@@ -1,0 +1,313 @@
+// The persistent decode kernel: ONE launch runs whole decode steps of a batch -- every layer,
+// the final norm, the LM head and sampling -- for n_steps tokens (loop mode: the sampled token
+// feeds the next step on the device; positions, slots and stop checks too).
+//
+// Every workgroup walks the same program (params.h GpuOp list). Op j of step s is split into
+// work items; workgroup w takes items w, w + grid, ... Before its first item of an op, a
+// workgroup (1) issues the loads of its first weight vectors when the op is a LINEAR, then
+// (2) waits until the previous op's completion counter reaches that op's item count; after each
+// item it bumps the op's own counter (sync.cuh). So there is no grid-wide barrier: a workgroup
+// with nothing to do in an op runs ahead to the next one and has its weights in flight while the
+// op it depends on finishes elsewhere. The last workgroup to leave zeroes the counters, so
+// nothing is reset or re-captured between launches, whatever the batch or context lengths.
+// Cooperative launch guarantees that all workgroups are resident (the waits cannot deadlock).
+#include <algorithm>
+#include <cstring>
+
+#include "gpu/decode/attention_item.cuh"
+#include "gpu/decode/executor.h"
+#include "gpu/decode/linear_item.cuh"
+#include "gpu/decode/sample_item.cuh"
+#include "gpu/decode/small_items.cuh"
+
+namespace kog::gpu::decode {
+
+using schedule::Buffer;
+using schedule::Opcode;
+
+static_assert(GpuDecodeExecutor::kMaxBatch == kMaxBatch, "one batch limit");
+
+namespace {
+
+constexpr int kSmemFloats = attn_partial_smem_floats() > sample_smem_floats() ? attn_partial_smem_floats()
+                                                                               : sample_smem_floats();
+
+__host__ __device__ inline int64_t buffer_width(const PersistentDecodeParams& p, int32_t b) {
+  switch (Buffer(b)) {
+    case Buffer::kTokens: return 1;
+    case Buffer::kHidden:
+    case Buffer::kResidual:
+    case Buffer::kNormed: return p.hidden;
+    case Buffer::kQkv: return int64_t(p.n_q_heads + 2 * p.n_kv_heads) * p.head_dim;
+    case Buffer::kAttn: return int64_t(p.n_q_heads) * p.head_dim;
+    case Buffer::kGateUp: return 2 * int64_t(p.intermediate);
+    case Buffer::kAct: return p.intermediate;
+    case Buffer::kLogits: return p.vocab;
+    default: return 0;
+  }
+}
+
+__device__ inline int64_t items_of(const PersistentDecodeParams& p, const GpuOp& op) {
+  switch (op.op) {
+    case int32_t(Opcode::kLinear): return linear_items(buffer_width(p, op.out));
+    case int32_t(Opcode::kAttnDecode): return int64_t(p.batch) * p.n_q_heads * p.max_parts;
+    case kOpAttnCombine: return int64_t(p.batch) * p.n_q_heads;
+    default: return p.batch;  // one item per sequence
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const GpuOp& op, int64_t item, int step,
+                         const WeightPrefetch<T>& pf, bool use_pf, float* smem) {
+  auto buf = [&](int32_t b) { return reinterpret_cast<T*>(p.buffers[b]); };
+  const int b = int(item);  // per-sequence ops
+  const int64_t qkv_w = buffer_width(p, int32_t(Buffer::kQkv));
+  const int64_t layer_elems = p.num_blocks * 2 * p.n_kv_heads * p.block_size * int64_t(p.head_dim);
+  T* kv_layer = static_cast<T*>(p.kv_base) + (op.layer < 0 ? 0 : op.layer) * layer_elems;
+  const AttnShape as{p.n_q_heads, p.n_kv_heads, p.head_dim, p.block_size, p.max_blocks, p.max_parts,
+                     p.attn_scale, qkv_w, int64_t(p.n_q_heads) * p.head_dim};
+  switch (op.op) {
+    case int32_t(Opcode::kEmbed):
+      embed_item<T>(static_cast<const T*>(op.w0), reinterpret_cast<const int32_t*>(p.buffers[op.in]), buf(op.out),
+                    p.hidden, b);
+      break;
+    case int32_t(Opcode::kRmsNorm):
+      rmsnorm_item<T>(buf(op.in), op.residual >= 0 ? buf(op.residual) : nullptr, static_cast<const T*>(op.w0),
+                      buf(op.out), buffer_width(p, op.out), p.rms_eps, b, smem);
+      break;
+    case int32_t(Opcode::kLinear): {
+      const int64_t n = buffer_width(p, op.out), k = buffer_width(p, op.in);
+      if (op.out == int32_t(Buffer::kLogits))
+        linear_item<T, float>(static_cast<const T*>(op.w0), static_cast<const T*>(op.w1), buf(op.in), k,
+                              reinterpret_cast<float*>(p.buffers[op.out]), n, p.batch, n, k, item, pf, use_pf);
+      else
+        linear_item<T, T>(static_cast<const T*>(op.w0), static_cast<const T*>(op.w1), buf(op.in), k, buf(op.out), n,
+                          p.batch, n, k, item, pf, use_pf);
+      break;
+    }
+    case int32_t(Opcode::kQkNorm):
+      qk_norm_item<T>(buf(op.in), qkv_w, static_cast<const T*>(op.w0), static_cast<const T*>(op.w1), p.n_q_heads,
+                      p.n_kv_heads, p.head_dim, p.rms_eps, b);
+      break;
+    case int32_t(Opcode::kRope):
+      rope_item<T>(buf(op.in), qkv_w, p.inv_freq, p.positions[b], p.n_q_heads + p.n_kv_heads, p.head_dim,
+                   p.rotary_dim, p.rope_neox, b);
+      break;
+    case int32_t(Opcode::kKvAppend):
+      kv_append_item<T>(buf(op.in), qkv_w, kv_layer, p.slots[b], p.n_q_heads, p.n_kv_heads, p.head_dim,
+                        p.block_size, b);
+      break;
+    case int32_t(Opcode::kAttnDecode): {
+      const int part = int(item % p.max_parts), h = int(item / p.max_parts % p.n_q_heads);
+      attn_partial_item<T>(buf(op.in), kv_layer, p.block_tables, p.seq_lens, p.attn_partials, as,
+                           int(item / (int64_t(p.max_parts) * p.n_q_heads)), h, part, smem);
+      break;
+    }
+    case kOpAttnCombine:
+      attn_combine_item<T>(p.attn_partials, p.seq_lens, buf(op.out), as, int(item / p.n_q_heads),
+                           int(item % p.n_q_heads));
+      break;
+    case int32_t(Opcode::kSiluMul):
+      silu_mul_item<T>(buf(op.in), buf(op.out), p.intermediate, b);
+      break;
+    case int32_t(Opcode::kSample): {
+      const float* logits = reinterpret_cast<const float*>(p.buffers[op.in]) + int64_t(b) * p.vocab;
+      const int token = sample_row(logits, p.vocab, p.sampling[b], p.rng_step + uint64_t(step), smem);
+      if (threadIdx.x == 0) {
+        const bool was_done = p.finished[b] != 0;
+        p.out_tokens[step * p.batch + b] = was_done ? -1 : token;
+        reinterpret_cast<int32_t*>(p.buffers[op.out])[b] = token;
+        bool stop = false;
+        for (int i = 0; i < p.n_stop_ids; ++i) stop |= token == p.stop_ids[i];
+        if (stop) p.finished[b] = 1;
+        if (step + 1 < p.n_steps) {  // the next step decodes the token just sampled
+          const int64_t pos = p.positions[b] + 1;
+          p.positions[b] = pos;
+          p.seq_lens[b] = int32_t(pos + 1);
+          p.slots[b] = int64_t(p.block_tables[int64_t(b) * p.max_blocks + pos / p.block_size]) * p.block_size +
+                       pos % p.block_size;
+        }
+      }
+      break;
+    }
+    default: break;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(PersistentDecodeParams p) {
+  __shared__ float smem[kSmemFloats];
+  __shared__ int all_done;
+  for (int step = 0; step < p.n_steps; ++step) {
+    if (step > 0) {  // every workgroup: the previous step's SAMPLE completed
+      wait_for(&p.counters[int64_t(step) * p.n_ops - 1], unsigned(p.batch));
+      if (threadIdx.x == 0) {
+        int done = 1;
+        for (int b = 0; b < p.batch; ++b) done &= p.finished[b] != 0;
+        all_done = done;
+      }
+      __syncthreads();
+      if (all_done) break;  // uniform over the grid: every workgroup reads the same flags
+    }
+    for (int j = 0; j < p.n_ops; ++j) {
+      const int64_t g = int64_t(step) * p.n_ops + j;
+      const GpuOp op = p.program[j];
+      const int64_t n_items = items_of(p, op);
+      bool ready = g == 0 || (j == 0 && step > 0);  // a new step already waited above
+      WeightPrefetch<T> pf;
+      bool have_pf = false;
+      for (int64_t item = blockIdx.x; item < n_items; item += gridDim.x) {
+        if (!ready) {
+          if (op.op == int32_t(Opcode::kLinear)) {
+            linear_prefetch<T>(static_cast<const T*>(op.w0), buffer_width(p, op.out), buffer_width(p, op.in), item,
+                               pf);
+            have_pf = true;
+          }
+          wait_for(&p.counters[g - 1], unsigned(items_of(p, p.program[j == 0 ? p.n_ops - 1 : j - 1])));
+          ready = true;
+        }
+        run_item<T>(p, op, item, step, pf, have_pf, smem);
+        have_pf = false;
+        signal_done(&p.counters[g]);
+      }
+    }
+  }
+  // The last workgroup out zeroes the counters for the next launch: every other workgroup has
+  // passed all of its waits by then.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(p.exit_count, 1u) == gridDim.x - 1) {
+      for (int64_t i = 0; i < int64_t(p.n_steps) * p.n_ops; ++i) p.counters[i] = 0;
+      *p.exit_count = 0;
+      __threadfence();
+    }
+  }
+}
+
+template <typename T>
+void* kernel_of() {
+  return reinterpret_cast<void*>(&persistent_decode_kernel<T>);
+}
+
+void* kernel_for(DType t) {
+  void* k = nullptr;
+  dispatch_float(t, [&](auto tag) { k = kernel_of<decltype(tag)>(); });
+  return k;
+}
+
+}  // namespace
+
+GpuDecodeExecutor::GpuDecodeExecutor(const GpuModelDims& dims, const GpuKVCache& kv, const float* inv_freq,
+                                     const std::vector<GpuOp>& ops)
+    : d_(dims), kv_(kv), inv_freq_(inv_freq), n_ops_(int32_t(ops.size())) {
+  KOG_CHECK(!ops.empty(), "gpu decode: empty program");
+  KOG_CHECK(dims.head_dim <= kMaxHeadDim && dims.head_dim % 2 == 0, "gpu decode: head_dim ", dims.head_dim,
+            " must be even and <= ", kMaxHeadDim);
+  KOG_CHECK(dims.n_kv_heads > 0 && dims.n_q_heads % dims.n_kv_heads == 0, "gpu decode: heads ", dims.n_q_heads,
+            "/", dims.n_kv_heads);
+  const int64_t elem = dtype_size(dims.dtype);
+  const int64_t vec = 16 / elem;
+  KOG_CHECK(dims.hidden % vec == 0 && dims.intermediate % vec == 0 && (dims.n_q_heads * dims.head_dim) % vec == 0,
+            "gpu decode: hidden, intermediate and q width must be multiples of ", vec, " elements");
+  for (const GpuOp& o : ops)
+    if (o.op == int32_t(Opcode::kLinear))
+      KOG_CHECK(reinterpret_cast<uintptr_t>(o.w0) % 16 == 0, "gpu decode: LINEAR weights must be 16-byte aligned");
+  const int64_t widths[] = {0,
+                            dims.hidden,
+                            dims.hidden,
+                            dims.hidden,
+                            int64_t(dims.n_q_heads + 2 * dims.n_kv_heads) * dims.head_dim,
+                            int64_t(dims.n_q_heads) * dims.head_dim,
+                            2 * int64_t(dims.intermediate),
+                            dims.intermediate,
+                            0};
+  int64_t offsets[int(Buffer::kNumBuffers)];
+  int64_t total = 0;
+  for (int b = 0; b < int(Buffer::kNumBuffers); ++b) {
+    offsets[b] = total;
+    const int64_t bytes = b == int(Buffer::kTokens) ? kMaxBatch * 4 : kMaxBatch * widths[b] * elem;
+    total += (bytes + 255) / 256 * 256;
+  }
+  KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&arena_), size_t(total)));
+  for (int b = 0; b < int(Buffer::kNumBuffers); ++b) buffers_[b] = arena_ + offsets[b];
+  KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&program_), ops.size() * sizeof(GpuOp)));
+  KOG_GPU_CHECK(gpuMemcpyAsync(program_, ops.data(), ops.size() * sizeof(GpuOp), gpuMemcpyHostToDevice, nullptr));
+  const size_t counter_bytes = (size_t(kMaxLoopSteps) * ops.size() + 1) * sizeof(unsigned);
+  KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&counters_), counter_bytes));
+  KOG_GPU_CHECK(gpuMemsetAsync(counters_, 0, counter_bytes, nullptr));
+  KOG_GPU_CHECK(gpuStreamSynchronize(nullptr));
+
+  int device = 0, per_sm = 0;
+  KOG_GPU_CHECK(gpuGetDevice(&device));
+  gpuDeviceProp_t prop;
+  KOG_GPU_CHECK(gpuGetDeviceProperties(&prop, device));
+  KOG_GPU_CHECK(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel_for(dims.dtype), kThreads, 0));
+  KOG_CHECK_KIND(per_sm > 0, kBackend, "gpu decode: the kernel cannot be resident on this device");
+  grid_ = prop.multiProcessorCount * std::min(per_sm, kBlocksPerMultiprocessor);
+}
+
+GpuDecodeExecutor::~GpuDecodeExecutor() {
+  // Frees cannot throw out of a destructor: errors here are dropped.
+  (void)gpuFree(partials_);
+  (void)gpuFree(counters_);
+  (void)gpuFree(program_);
+  (void)gpuFree(arena_);
+}
+
+void GpuDecodeExecutor::ensure_partials(int32_t max_parts) {
+  if (max_parts <= partials_parts_) return;
+  const int32_t parts = std::max(max_parts, 2 * partials_parts_);
+  const size_t bytes = size_t(kMaxBatch) * d_.n_q_heads * parts * (d_.head_dim + 2) * sizeof(float);
+  // NOTE: growth synchronizes (a launch in flight may still read the old scratch); it happens
+  // only when the longest context passes a new power-of-two multiple of the partition.
+  KOG_GPU_CHECK(gpuStreamSynchronize(nullptr));
+  (void)gpuFree(partials_);
+  partials_ = nullptr;
+  KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&partials_), bytes));
+  partials_parts_ = parts;
+}
+
+void GpuDecodeExecutor::run(const GpuDecodeStep& s, void* stream) {
+  KOG_CHECK(s.batch >= 1 && s.batch <= kMaxBatch, "gpu decode: batch ", s.batch, " not in [1, ", kMaxBatch, "]");
+  KOG_CHECK(s.n_steps >= 1 && s.n_steps <= kMaxLoopSteps, "gpu decode: n_steps ", s.n_steps, " not in [1, ",
+            kMaxLoopSteps, "]");
+  KOG_CHECK(s.max_seq_len >= 1 && int64_t(s.max_seq_len) <= int64_t(s.max_blocks) * kv_.block_size,
+            "gpu decode: max_seq_len ", s.max_seq_len, " exceeds the block tables (", s.max_blocks, " blocks of ",
+            kv_.block_size, ")");
+  KOG_CHECK(s.tokens && s.positions && s.seq_lens && s.slots && s.block_tables && s.sampling && s.out_tokens &&
+                s.finished && s.logits && (s.n_stop_ids == 0 || s.stop_ids),
+            "gpu decode: null step pointer");
+  const int32_t max_parts = (s.max_seq_len + kAttnPartition - 1) / kAttnPartition;
+  ensure_partials(max_parts);
+
+  PersistentDecodeParams p{};
+  p.program = program_;
+  p.n_ops = n_ops_;
+  p.batch = s.batch;
+  p.n_steps = s.n_steps;
+  p.n_layers = d_.n_layers, p.hidden = d_.hidden, p.n_q_heads = d_.n_q_heads, p.n_kv_heads = d_.n_kv_heads;
+  p.head_dim = d_.head_dim, p.intermediate = d_.intermediate, p.vocab = d_.vocab, p.rotary_dim = d_.rotary_dim;
+  p.rms_eps = d_.rms_eps, p.attn_scale = d_.attn_scale, p.rope_neox = d_.rope_neox, p.dtype = d_.dtype;
+  p.inv_freq = inv_freq_;
+  std::memcpy(p.buffers, buffers_, sizeof(buffers_));
+  // Tokens and logits live in the caller's tensors, so they need no copy in or out.
+  p.buffers[int(Buffer::kTokens)] = reinterpret_cast<char*>(s.tokens);
+  p.buffers[int(Buffer::kLogits)] = reinterpret_cast<char*>(s.logits);
+  p.attn_partials = partials_;
+  p.max_parts = max_parts;
+  p.kv_base = kv_.base, p.num_blocks = kv_.num_blocks, p.block_size = kv_.block_size;
+  p.positions = s.positions, p.seq_lens = s.seq_lens, p.slots = s.slots;
+  p.block_tables = s.block_tables, p.max_blocks = s.max_blocks;
+  p.sampling = s.sampling, p.rng_step = s.rng_step;
+  p.stop_ids = s.stop_ids, p.n_stop_ids = s.n_stop_ids;
+  p.out_tokens = s.out_tokens, p.finished = s.finished;
+  p.counters = counters_;
+  p.exit_count = counters_ + size_t(kMaxLoopSteps) * n_ops_;
+
+  void* args[] = {&p};
+  KOG_GPU_CHECK(gpuLaunchCooperativeKernel(kernel_for(d_.dtype), dim3(unsigned(grid_)), dim3(kThreads), args, 0,
+                                           as_stream(stream)));
+}
+
+}  // namespace kog::gpu::decode

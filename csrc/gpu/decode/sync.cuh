@@ -1,0 +1,101 @@
+// Cross-workgroup dependencies of the persistent decode kernel, and block reductions that may
+// run any number of times per kernel.
+//
+// Protocol: a workgroup finishing a work item of op g does  __syncthreads; thread 0: release
+// fence + atomicAdd(counters[g], 1).  A workgroup starting op g + 1 has thread 0 spin until
+// counters[g] reaches op g's item count with acquire loads, then __syncthreads and an acquire
+// fence in every thread, so its later loads see every item's stores (L1 is not coherent across
+// multiprocessors on either vendor; the acquire side discards stale lines).
+#pragma once
+#include "gpu/compat.cuh"
+
+namespace kog::gpu::decode {
+
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+#if defined(KOG_GPU_HIP)
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
+#else
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+#endif
+}
+
+__device__ __forceinline__ void fence_acquire() {
+#if defined(KOG_GPU_HIP)
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "agent");
+#else
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void backoff() {
+#if defined(KOG_GPU_HIP)
+  __builtin_amdgcn_s_sleep(1);
+#else
+  __nanosleep(64);
+#endif
+}
+
+// Every thread of the workgroup calls it; returns once counter >= target.
+__device__ __forceinline__ void wait_for(const unsigned* counter, unsigned target) {
+  if (threadIdx.x == 0)
+    while (load_acquire(counter) < target) backoff();
+  __syncthreads();
+  fence_acquire();
+}
+
+// Every thread calls it after its stores of one work item.
+__device__ __forceinline__ void signal_done(unsigned* counter) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // release: the item's stores before the count
+    atomicAdd(counter, 1u);
+  }
+}
+
+// Sum over the workgroup; every thread gets it. scratch: kMaxBlockThreads / KOG_WARP_SIZE + 1
+// floats of shared memory, reusable right after the call returns.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x % KOG_WARP_SIZE, warp = threadIdx.x / KOG_WARP_SIZE;
+  const int n_warps = blockDim.x / KOG_WARP_SIZE;
+  v = warp_reduce_sum(v);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float total = 0.f;
+  for (int w = 0; w < n_warps; ++w) total += scratch[w];
+  return total;
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x % KOG_WARP_SIZE, warp = threadIdx.x / KOG_WARP_SIZE;
+  const int n_warps = blockDim.x / KOG_WARP_SIZE;
+  v = warp_reduce_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float m = scratch[0];
+  for (int w = 1; w < n_warps; ++w) m = fmaxf(m, scratch[w]);
+  return m;
+}
+
+// (value, index) argmax over the workgroup, ties to the lowest index; every thread gets it.
+__device__ __forceinline__ void block_argmax(float& v, int& idx, float* fscratch, int* iscratch) {
+  const int lane = threadIdx.x % KOG_WARP_SIZE, warp = threadIdx.x / KOG_WARP_SIZE;
+  const int n_warps = blockDim.x / KOG_WARP_SIZE;
+#pragma unroll
+  for (int m = KOG_WARP_SIZE / 2; m > 0; m >>= 1) {
+    const float ov = gpu_shfl_xor(v, m);
+    const int oi = gpu_shfl_xor(idx, m);
+    if (ov > v || (ov == v && oi < idx)) v = ov, idx = oi;
+  }
+  __syncthreads();
+  if (lane == 0) fscratch[warp] = v, iscratch[warp] = idx;
+  __syncthreads();
+  v = fscratch[0], idx = iscratch[0];
+  for (int w = 1; w < n_warps; ++w)
+    if (fscratch[w] > v || (fscratch[w] == v && iscratch[w] < idx)) v = fscratch[w], idx = iscratch[w];
+}
+
+}  // namespace kog::gpu::decode

@@ -1,0 +1,131 @@
+"""The GPU persistent decode kernel for one model: kog._C.GpuDecodeExecutor built from the same
+decode schedule as the CPU executor (kog.models.decode), run as ONE launch per call.
+
+A call runs `n_steps` whole decode steps of a batch of 1..8 sequences on the device: every
+layer, the final norm, the LM head and sampling; with n_steps > 1 the sampled token feeds the
+next step on the device (positions, cache slots and stop ids too), so the host sees the GPU once
+per n_steps tokens. Inputs and outputs are device tensors on the current stream; nothing is
+synchronized here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kog import _C
+from kog.config import ModelConfig
+from kog.errors import BackendError, InvalidRequest
+from kog.models.decode import resolve, schedule_for
+from kog.ops import _DTYPE_CODE
+
+# Mirrors csrc/gpu/decode/params.h SamplingRow (24 bytes).
+SAMPLING_ROW = np.dtype({"names": ["temperature", "top_k", "top_p", "min_p", "seed"],
+                         "formats": ["<f4", "<i4", "<f4", "<f4", "<u8"],
+                         "offsets": [0, 4, 8, 12, 16], "itemsize": 24})
+
+
+@dataclass(frozen=True)
+class DeviceSampling:
+    """Sampling the kernel does on the device (penalties and logprobs stay on the host)."""
+
+    temperature: float = 0.0   # <= 0: greedy
+    top_k: int = 0             # <= 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+
+
+@dataclass
+class GpuDecodeResult:
+    tokens: torch.Tensor       # [n_steps, B] int32 sampled ids (-1 after a sequence finished)
+    logits: torch.Tensor       # [B, vocab] f32 logits of the last step
+    finished: torch.Tensor     # [B] int32, 1 once a sequence sampled a stop id
+
+
+class GpuDecoder:
+    """Args:
+        config: the model.
+        weights: prepared weights (kog.models.weights.prepare_weights) on the GPU, contiguous.
+        kv: [layers, blocks, 2, kv_heads, block_size, head_dim] KV cache on the same GPU.
+        block_size: tokens per KV block.
+        inv_freq: [rotary_dim / 2] float32 RoPE frequencies.
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kv: torch.Tensor,
+                 block_size: int, inv_freq: torch.Tensor) -> None:
+        if not _C.has_gpu_backend:
+            raise BackendError("the persistent decode kernel needs a GPU build of kog (KOG_BACKEND=cuda or rocm)")
+        if kv.device.type != "cuda" or not kv.is_contiguous():
+            raise InvalidRequest(f"kv cache must be a contiguous GPU tensor, got {kv.device}")
+        self.device = kv.device
+        self.vocab_size = config.vocab_size
+        self._inv_freq = inv_freq.to(self.device, torch.float32).contiguous()
+        self._kv = kv
+        dims = dict(n_layers=config.num_hidden_layers, hidden=config.hidden_size,
+                    n_q_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads,
+                    head_dim=config.head_dim, intermediate=config.intermediate_size, vocab=config.vocab_size,
+                    rms_eps=config.rms_norm_eps, attn_scale=config.head_dim ** -0.5, rope_neox=True,
+                    dtype=_DTYPE_CODE[kv.dtype])
+        ops = [resolve(ins, weights) for ins in schedule_for(config)]
+        self._executor = _C.GpuDecodeExecutor(dims, kv.data_ptr(), kv.shape[1], block_size,
+                                              self._inv_freq.data_ptr(), 2 * self._inv_freq.numel(), ops)
+        self._weights = weights  # the executor points into them
+        self.block_size = block_size
+
+    @property
+    def grid_size(self) -> int:
+        return self._executor.grid_size
+
+    def decode(self, tokens, positions, block_tables, sampling: Sequence[DeviceSampling] | None = None,
+               n_steps: int = 1, stop_ids: Sequence[int] = (), rng_step: int = 0) -> GpuDecodeResult:
+        """Runs n_steps decode steps in one launch.
+
+        Args:
+            tokens: [B] newest token of each sequence.
+            positions: [B] tokens already cached (the position of the token decoded first).
+            block_tables: [B, max_blocks] int32 covering positions + n_steps tokens.
+            sampling: one per sequence (default greedy).
+            n_steps: tokens to generate on the device before returning.
+            stop_ids: ids that finish a sequence (its later tokens come back as -1).
+            rng_step: counter of the first step (sampling draws depend on (seed, counter)).
+        """
+        dev = self.device
+        tokens_t = torch.as_tensor(tokens).to(dev, torch.int32).contiguous()
+        b = tokens_t.numel()
+        if not 1 <= b <= _C.GPU_DECODE_MAX_BATCH:
+            raise InvalidRequest(f"batch {b} not in [1, {_C.GPU_DECODE_MAX_BATCH}]")
+        if not 1 <= n_steps <= _C.GPU_DECODE_MAX_LOOP_STEPS:
+            raise InvalidRequest(f"n_steps {n_steps} not in [1, {_C.GPU_DECODE_MAX_LOOP_STEPS}]")
+        pos = torch.as_tensor(positions).to(torch.int64)
+        tables = torch.as_tensor(block_tables).to(torch.int32)
+        if pos.shape != (b,) or tables.ndim != 2 or tables.shape[0] != b:
+            raise InvalidRequest(f"positions {tuple(pos.shape)} and block_tables {tuple(tables.shape)} must have {b} rows")
+        last = int(pos.max()) + n_steps  # tokens cached after the last step
+        if last > tables.shape[1] * self.block_size:
+            raise InvalidRequest(f"block tables hold {tables.shape[1] * self.block_size} tokens, "
+                                 f"the last step needs {last}")
+        pos_cpu = pos.clone()
+        slot = tables.gather(1, (pos_cpu // self.block_size)[:, None].to(torch.int64))[:, 0].to(torch.int64)
+        slots = slot * self.block_size + pos_cpu % self.block_size
+        rows = np.zeros(b, dtype=SAMPLING_ROW)
+        for i, s in enumerate(sampling or [DeviceSampling()] * b):
+            rows[i] = (s.temperature, s.top_k, s.top_p, s.min_p, s.seed)
+        samp = torch.from_numpy(rows.view(np.uint8).copy()).to(dev)
+        stops = torch.tensor(list(stop_ids) or [0], dtype=torch.int32, device=dev)
+        positions_d, seq_lens_d = pos.to(dev), (pos + 1).to(dev, torch.int32)
+        slots_d, tables_d = slots.to(dev), tables.to(dev).contiguous()
+        out = torch.empty(n_steps, b, dtype=torch.int32, device=dev)
+        finished = torch.zeros(b, dtype=torch.int32, device=dev)
+        logits = torch.empty(b, self.vocab_size, dtype=torch.float32, device=dev)
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        self._executor.run(b, n_steps, tokens_t.data_ptr(), positions_d.data_ptr(), seq_lens_d.data_ptr(),
+                           slots_d.data_ptr(), tables_d.data_ptr(), tables_d.shape[1], last,
+                           samp.data_ptr(), rng_step, stops.data_ptr(), len(stop_ids), out.data_ptr(),
+                           finished.data_ptr(), logits.data_ptr(), stream)
+        # NOTE: the inputs may be freed when this returns: the caching allocator is stream-ordered,
+        # so their memory is reused only by work queued after this launch on the same stream.
+        return GpuDecodeResult(out, logits, finished)

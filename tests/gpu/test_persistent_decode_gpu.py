@@ -1,0 +1,116 @@
+"""The persistent decode kernel (one launch per step, or per n_steps tokens) against the CPU
+executor on the same tiny random-weight models, fresh inputs each run."""
+
+import numpy as np
+import pytest
+import torch
+
+from kog.loader import LoadedModel
+from kog.models import ModelRunner, PrefillChunk
+from kog.models.gpu_decode import DeviceSampling, GpuDecoder
+from kog.testing.gpu import gpu_test_marks
+from kog.testing.tiny_models import random_weights, tiny_config
+
+pytestmark = gpu_test_marks()
+
+BS = 16
+
+
+def cpu_runner(arch: str, dtype: torch.dtype, num_blocks: int = 256, seed: int = 5, **overrides) -> ModelRunner:
+    config = tiny_config(arch, **overrides)
+    weights = {k: v.to(dtype) for k, v in random_weights(config, seed=seed).items()}
+    model = LoadedModel(path=None, config=config, weights=weights, dtype=dtype, tokenizer=None,
+                        chat_template=None, stop_token_ids=())
+    return ModelRunner(model, num_kv_blocks=num_blocks, block_size=BS)
+
+
+def prefill(r: ModelRunner, prompts: list[list[int]]) -> np.ndarray:
+    """Prefills each prompt into its own run of blocks; returns the block tables [B, width]."""
+    width = r.kv.kv.shape[1] // len(prompts)
+    tables = np.arange(len(prompts) * width, dtype=np.int32).reshape(len(prompts), width)[:, ::-1].copy()
+    for p, t in zip(prompts, tables):
+        slots = t[np.arange(len(p)) // BS] * BS + np.arange(len(p)) % BS
+        r.prefill([PrefillChunk(p, 0, t, slots.astype(np.int64))])
+    return tables
+
+
+def gpu_decoder(r: ModelRunner, device) -> GpuDecoder:
+    weights = {k: v.to(device) for k, v in r.weights.items()}
+    return GpuDecoder(r.config, weights, r.kv.kv.to(device), BS, r.inv_freq)
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("lens", [[5], [300, 17, 600]])  # 600 tokens: three attention partitions
+def test_one_step_logits_match_cpu_executor(device, arch, dtype, rtol, lens):
+    r = cpu_runner(arch, dtype)
+    gen = torch.Generator().manual_seed(sum(lens))
+    prompts = [torch.randint(0, r.vocab_size, (n,), generator=gen).tolist() for n in lens]
+    tables = prefill(r, prompts)
+    dec = gpu_decoder(r, device)  # the KV cache as prefilled, before the CPU decode writes to it
+    tokens = [p[-1] for p in prompts]
+    positions = np.array(lens)
+    slots = tables[np.arange(len(lens)), positions // BS] * BS + positions % BS
+    expected = r.decode(tokens, positions, tables, positions + 1, slots)
+    got = dec.decode(tokens, positions, tables).logits.cpu()
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() <= rtol * scale
+
+
+def test_loop_mode_greedy_tokens_match_cpu(device):
+    r = cpu_runner("llama", torch.float32)
+    prompt = torch.randint(0, r.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    tables = prefill(r, [prompt])
+    dec = gpu_decoder(r, device)
+    expected, tok = [], np.array([prompt[-1]])
+    for i in range(32):
+        p = len(prompt) + i
+        slot = tables[0, p // BS] * BS + p % BS
+        r.decode(tok, [p], tables, [p + 1], [slot], sampled=tok)
+        expected.append(int(tok[0]))
+    res = dec.decode([prompt[-1]], [len(prompt)], tables, n_steps=32)
+    assert res.tokens[:, 0].cpu().tolist() == expected
+
+
+def test_stop_ids_finish_a_sequence_on_the_device(device):
+    r = cpu_runner("llama", torch.float32)
+    prompt = list(range(1, 30))
+    tables = prefill(r, [prompt])
+    first = gpu_decoder(r, device).decode([prompt[-1]], [len(prompt)], tables, n_steps=8).tokens[:, 0].cpu()
+    stop = int(first[2])
+    res = gpu_decoder(r, device).decode([prompt[-1]], [len(prompt)], tables, n_steps=8, stop_ids=[stop])
+    toks = res.tokens[:, 0].cpu().tolist()
+    k = toks.index(stop)
+    assert toks[: k + 1] == first[: k + 1].tolist() and all(t == -1 for t in toks[k + 1 :])
+    assert int(res.finished[0]) == 1
+
+
+def test_sampling_is_seeded_and_respects_top_k(device):
+    r = cpu_runner("llama", torch.float32)
+    prompt = list(range(3, 50))
+    tables = prefill(r, [prompt])
+    dec = gpu_decoder(r, device)
+    pos = len(prompt)
+    greedy = dec.decode([prompt[-1]], [pos], tables)
+    top5 = set(greedy.logits[0].topk(5).indices.tolist())
+    draws = []
+    for seed in range(40):
+        s = DeviceSampling(temperature=1.5, top_k=5, seed=seed)
+        a = dec.decode([prompt[-1]], [pos], tables, sampling=[s]).tokens[0, 0].item()
+        b = dec.decode([prompt[-1]], [pos], tables, sampling=[s]).tokens[0, 0].item()
+        assert a == b  # same (seed, counter): same token
+        draws.append(a)
+    assert set(draws) <= top5 and len(set(draws)) > 1
+    k1 = dec.decode([prompt[-1]], [pos], tables, sampling=[DeviceSampling(temperature=1.0, top_k=1, seed=3)])
+    assert k1.tokens[0, 0].item() == greedy.tokens[0, 0].item()
+
+
+def test_bad_batch_is_refused(device):
+    r = cpu_runner("llama", torch.float32)
+    dec = gpu_decoder(r, device)
+    import kog
+
+    with pytest.raises(kog.InvalidRequest):
+        dec.decode(list(range(9)), list(range(9)), np.zeros((9, 4), dtype=np.int32))
+    with pytest.raises(kog.InvalidRequest):
+        dec.decode([1], [100], np.zeros((1, 2), dtype=np.int32))  # tables too short
