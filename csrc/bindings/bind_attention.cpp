@@ -1,13 +1,15 @@
 // KV append and paged-attention entry points. Tensors arrive as raw addresses plus sizes,
 // validated by the typed wrappers in kog/ops.py; for CPU tensors the index arrays are checked
 // again here (a cheap scan) so that a direct caller cannot make the kernels read out of bounds.
-// device < 0 runs the CPU kernels; these ops have no GPU kernels yet.
+// device < 0 runs the CPU kernels; device >= 0 enqueues the GPU kernels on `stream` (their
+// index arrays are device memory, checked by the Python wrappers before the launch).
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
 
 #include "common/errors.h"
 #include "cpu/kernels.h"
+#include "gpu/launch.h"
 
 namespace py = pybind11;
 using kog::DType;
@@ -19,9 +21,11 @@ DType float_dtype(int code) {
   return static_cast<DType>(code);
 }
 
-void require_cpu(const char* op, int64_t device) {
-  KOG_CHECK_KIND(device < 0, kBackend, op, ": no GPU kernel in this build yet (backend ",
-                 KOG_BACKEND_NAME, "); run it on CPU tensors");
+void require_gpu_build(const char* op) {
+#ifndef KOG_WITH_GPU
+  kog::throw_error(kog::ErrorKind::kBackend, op, ": this kog build has no GPU backend (built with KOG_BACKEND=",
+                   KOG_BACKEND_NAME, ")");
+#endif
 }
 
 void kv_append(uintptr_t kv_cache, uintptr_t k, uintptr_t v, uintptr_t slot_mapping,
@@ -35,7 +39,13 @@ void kv_append(uintptr_t kv_cache, uintptr_t k, uintptr_t v, uintptr_t slot_mapp
                         reinterpret_cast<const void*>(v),
                         reinterpret_cast<const int64_t*>(slot_mapping), n_tokens, n_kv_heads,
                         head_dim, block_size, num_blocks, k_stride, v_stride, float_dtype(dtype)};
-  require_cpu("kv_append", device);
+  if (device >= 0) {
+    require_gpu_build("kv_append");
+#ifdef KOG_WITH_GPU
+    kog::gpu::kv_append(p, reinterpret_cast<void*>(stream));
+#endif
+    return;
+  }
   for (int64_t t = 0; t < n_tokens; ++t)
     KOG_CHECK(p.slot_mapping[t] < num_blocks * block_size, "kv_append: slot_mapping[", t, "] = ",
               p.slot_mapping[t], " is past the cache (", num_blocks, " blocks of ", block_size, ")");
@@ -73,7 +83,7 @@ void paged_attention(bool decode, uintptr_t out, uintptr_t q, uintptr_t kv_cache
                      int64_t head_dim, int64_t block_size, int64_t num_blocks,
                      int64_t max_blocks_per_seq, int64_t block_tables_stride, int64_t q_stride,
                      int64_t out_stride, int64_t max_seq_len, int64_t max_q_len, float scale,
-                     int dtype, int64_t device, uintptr_t stream) {
+                     int dtype, int64_t device, uintptr_t stream, uintptr_t partials) {
   const char* op = decode ? "paged_attention_decode" : "paged_attention_prefill";
   KOG_CHECK(n_seqs >= 0 && n_tokens >= 0 && n_kv_heads > 0 && n_q_heads % n_kv_heads == 0 &&
                 n_q_heads > 0 && block_size > 0 && num_blocks > 0 && max_blocks_per_seq >= 0,
@@ -91,8 +101,15 @@ void paged_attention(bool decode, uintptr_t out, uintptr_t q, uintptr_t kv_cache
       n_seqs, n_tokens, n_q_heads, n_kv_heads, head_dim, block_size, num_blocks,
       max_blocks_per_seq, block_tables_stride, q_stride, out_stride, max_seq_len, max_q_len,
       scale, float_dtype(dtype)};
-  require_cpu(op, device);
   if (n_seqs == 0) return;
+  if (device >= 0) {
+    require_gpu_build(op);
+#ifdef KOG_WITH_GPU
+    KOG_CHECK(partials != 0, op, ": the GPU kernels need a partials scratch buffer");
+    kog::gpu::paged_attention(p, reinterpret_cast<float*>(partials), reinterpret_cast<void*>(stream));
+#endif
+    return;
+  }
   check_metadata(p, op);
   if (decode) {
     for (int64_t s = 0; s < n_seqs; ++s)
@@ -117,5 +134,11 @@ void bind_attention(py::module_& m) {
         arg("n_seqs"), arg("n_tokens"), arg("n_q_heads"), arg("n_kv_heads"), arg("head_dim"),
         arg("block_size"), arg("num_blocks"), arg("max_blocks_per_seq"),
         arg("block_tables_stride"), arg("q_stride"), arg("out_stride"), arg("max_seq_len"),
-        arg("max_q_len"), arg("scale"), arg("dtype"), arg("device"), arg("stream"), nogil);
+        arg("max_q_len"), arg("scale"), arg("dtype"), arg("device"), arg("stream"), arg("partials") = 0, nogil);
+  m.def("paged_attention_partials_floats", [](int64_t n_tokens, int64_t n_q_heads, int64_t head_dim,
+                                              int64_t max_seq_len) {
+    const int64_t parts = (max_seq_len + kog::kGpuAttentionPartitionTokens - 1) / kog::kGpuAttentionPartitionTokens;
+    return n_tokens * n_q_heads * parts * (head_dim + 2);
+  }, arg("n_tokens"), arg("n_q_heads"), arg("head_dim"), arg("max_seq_len"),
+        "Floats of device scratch the GPU paged attention needs.");
 }

@@ -1,4 +1,4 @@
-// kog._C.linear: the decode-batch linear layer (CPU; the GPU GEMV comes with the GPU issue).
+// kog._C.linear: the decode-batch linear layer (CPU kernels, or the GPU GEMV when device >= 0).
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -6,21 +6,29 @@
 
 #include "common/errors.h"
 #include "cpu/kernels.h"
+#include "gpu/launch.h"
 
 namespace py = pybind11;
 
 namespace {
 
 void linear(uintptr_t out, uintptr_t x, uintptr_t weight, uintptr_t bias, int64_t m, int64_t n,
-            int64_t k, int64_t x_stride, int64_t out_stride, int dtype, int64_t device) {
+            int64_t k, int64_t x_stride, int64_t out_stride, int dtype, int64_t device, uintptr_t stream) {
   KOG_CHECK(m >= 0 && n > 0 && k > 0, "linear: bad shape m=", m, " n=", n, " k=", k);
   KOG_CHECK(dtype >= 0 && dtype <= 2, "linear: dtype code ", dtype, " is not a float type");
   KOG_CHECK(m == 0 || (out && x && weight), "linear: null tensor");
-  KOG_CHECK_KIND(device < 0, kBackend, "linear: no GPU kernel in this build yet");
   if (m == 0) return;
   kog::LinearParams p{reinterpret_cast<void*>(out), reinterpret_cast<const void*>(x),
                       reinterpret_cast<const void*>(weight), reinterpret_cast<const void*>(bias),
                       m, n, k, x_stride, out_stride, static_cast<kog::DType>(dtype)};
+  if (device >= 0) {
+#ifdef KOG_WITH_GPU
+    kog::gpu::linear(p, reinterpret_cast<void*>(stream));
+    return;
+#else
+    kog::throw_error(kog::ErrorKind::kBackend, "linear: this kog build has no GPU backend");
+#endif
+  }
   std::vector<float> scratch(static_cast<size_t>(m * k));
   kog::cpu::kernels().linear(p, scratch.data());
 }
@@ -30,6 +38,19 @@ void linear(uintptr_t out, uintptr_t x, uintptr_t weight, uintptr_t bias, int64_
 void bind_linear(py::module_& m) {
   using py::arg;
   m.def("linear", &linear, arg("out"), arg("x"), arg("weight"), arg("bias"), arg("m"), arg("n"),
-        arg("k"), arg("x_stride"), arg("out_stride"), arg("dtype"), arg("device"),
+        arg("k"), arg("x_stride"), arg("out_stride"), arg("dtype"), arg("device"), arg("stream") = 0,
         py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "sample_gpu",
+      [](uintptr_t logits, int64_t n_rows, int64_t vocab, uintptr_t rows, uint64_t counter, uintptr_t out,
+         uintptr_t stream) {
+#ifdef KOG_WITH_GPU
+        kog::gpu::sample(reinterpret_cast<const float*>(logits), n_rows, vocab, reinterpret_cast<const void*>(rows),
+                         counter, reinterpret_cast<int32_t*>(out), reinterpret_cast<void*>(stream));
+#else
+        kog::throw_error(kog::ErrorKind::kBackend, "sample_gpu: this kog build has no GPU backend");
+#endif
+      },
+      arg("logits"), arg("n_rows"), arg("vocab"), arg("rows"), arg("counter"), arg("out"), arg("stream"),
+      py::call_guard<py::gil_scoped_release>());
 }

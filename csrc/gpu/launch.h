@@ -7,6 +7,9 @@
 
 #include "kvcache/kv_copy.h"
 #include "ops/activation.h"
+#include "ops/attention.h"
+#include "ops/kv_append.h"
+#include "ops/linear.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
 
@@ -32,6 +35,17 @@ std::string runtime_version();
 void rmsnorm(const RMSNormParams& p, void* stream);
 void rope(const RopeParams& p, void* stream);
 void silu_and_mul(const SiluAndMulParams& p, void* stream);
+// Decode-batch GEMV: k and x's row stride multiples of 16 bytes, x and weight 16-byte aligned.
+void linear(const LinearParams& p, void* stream);
+void kv_append(const KVAppendParams& p, void* stream);
+// Paged attention, decode (p.query_start_loc null) or causal prefill. partials: device scratch
+// of paged_attention_partials_floats(p) floats. Metadata arrays are device memory.
+int64_t paged_attention_partials_floats(const PagedAttentionParams& p);
+void paged_attention(const PagedAttentionParams& p, float* partials, void* stream);
+// Samples one token per row of f32 logits [n_rows, vocab]; rows: [n_rows] SamplingRow
+// (gpu/decode/params.h) in device memory; counter: the draw counter; out: [n_rows] int32.
+void sample(const float* logits, int64_t n_rows, int64_t vocab, const void* rows, uint64_t counter, int32_t* out,
+            void* stream);
 // KV slab copies (CoW, swap) on `stream`; p.pairs is the host copy (validated here),
 // pairs_device the same [n_pairs, 2] on the device; a *_is_host pool is pinned host memory.
 void copy_blocks(const kv::BlockCopyParams& p, const int32_t* pairs_device, bool dst_is_host,

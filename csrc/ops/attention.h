@@ -46,5 +46,8 @@ struct PagedAttentionParams {
 // blocks), computed in parallel and merged by log-sum-exp (FlashDecoding), so a single long
 // sequence keeps every core busy.
 constexpr int64_t kAttentionPartitionTokens = 512;
+// The GPU kernels' partition (gpu/decode/tuning.cuh): sizes their [tokens, heads, partitions,
+// head_dim + 2] f32 scratch, which the caller allocates.
+constexpr int64_t kGpuAttentionPartitionTokens = 256;
 
 }  // namespace kog

@@ -273,9 +273,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if bias.shape != (n,) or not bias.is_contiguous():
             raise InvalidRequest(f"bias must be contiguous with shape ({n},), got {tuple(bias.shape)}")
     out, out_stride = _output(out, (*x.shape[:-1], n), x)
-    device, _ = _device_and_stream(x)
+    device, stream = _device_and_stream(x)
     _C.linear(out.data_ptr(), x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else 0,
-              m, n, k, x_stride, out_stride, code, device)
+              m, n, k, x_stride, out_stride, code, device, stream)
     return out
 # ---- paged KV cache and attention ------------------------------------------------------------
 # One layer's cache: kv_cache [num_blocks, 2, n_kv_heads, block_size, head_dim] (dim 1: 0 = K,
@@ -449,12 +449,17 @@ def _paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale
         if out.shape != q.shape:
             raise InvalidRequest(f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
     device, stream = _device_and_stream(kv_cache)
+    partials = None
+    if device >= 0:  # the GPU kernels' split-context scratch, on the same stream
+        floats = _C.paged_attention_partials_floats(n_tokens, n_q_heads, head_dim, max(max_seq_len, 1))
+        partials = torch.empty(floats, dtype=torch.float32, device=q.device)
     _C.paged_attention(
         decode, out.data_ptr(), q.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(),
         seq_lens.data_ptr(), 0 if decode else query_start_loc.data_ptr(), n_seqs, n_tokens,
         n_q_heads, n_kv_heads, head_dim, block_size, num_blocks, max_blocks,
         block_tables.stride(0) if n_seqs > 1 else max_blocks, _token_stride(q), _token_stride(out),
         max_seq_len, max_q_len, float(scale), code, device, stream,
+        partials.data_ptr() if partials is not None else 0,
     )
     return out
 

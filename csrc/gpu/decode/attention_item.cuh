@@ -1,9 +1,10 @@
-// Paged-attention decode as two kinds of work items (FlashDecoding split over the context):
-//   partial (b, h, part): query head h of sequence b over cached tokens
-//       [part * kAttnPartition, min(seq_len, (part + 1) * kAttnPartition)) -> unnormalized
-//       accumulator, running max and exp-sum, in partials[b, h, part, :hd + 2];
-//   combine (b, h): merges the partitions by log-sum-exp and stores out[b, h * hd : (h+1) * hd].
-// Used by the persistent decode kernel and by the standalone kog::gpu::paged_attention_decode.
+// Paged attention as two kinds of work items (FlashDecoding split over the context):
+//   partial (query, h, part): query head h over cached tokens
+//       [part * kAttnPartition, min(kv_len, (part + 1) * kAttnPartition)) -> unnormalized
+//       accumulator, running max and exp-sum: partials[query, h, part, :hd + 2];
+//   combine (query, h): merges the partitions by log-sum-exp and stores the head's output.
+// A decode query sees its whole context; a prefill query at position p sees keys [0, p] (causal).
+// Used by the persistent decode kernel and by the standalone kog::gpu::paged_attention.
 // Query head h reads KV head h / (n_q / n_kv) (GQA); its K/V rows are re-read by the other heads
 // of the group from L2. Within an item, warp w takes the partition's tokens w, w + kWarps, ...
 // with the head dim spread over the lanes; the warps' states merge in shared memory.
@@ -17,30 +18,27 @@ namespace kog::gpu::decode {
 
 struct AttnShape {
   int n_q, n_kv, hd, block_size;
-  int max_blocks;       // columns of block_tables
-  int max_parts;        // partitions per (b, h) in partials
   float scale;
-  int64_t q_stride;     // elements between sequences of q
-  int64_t out_stride;   // elements between sequences of out
 };
 
 // Shared memory the partial item needs, in floats.
-constexpr int attn_partial_smem_floats() { return (kThreads / 32) * (kMaxHeadDim + 2); }
+constexpr int kAttnPartialSmemFloats = (kThreads / 32) * (kMaxHeadDim + 2);
 
-__device__ __forceinline__ int attn_parts(int seq_len) { return (seq_len + kAttnPartition - 1) / kAttnPartition; }
+__host__ __device__ __forceinline__ int attn_parts(int64_t kv_len) {
+  return int((kv_len + kAttnPartition - 1) / kAttnPartition);
+}
 
+// One query head qh [hd] over keys [part * P, min(kv_len, (part + 1) * P)) of a sequence whose
+// block table row is `table`, KV head kvh -> dst [hd + 2] = (acc..., max, sum); an empty range
+// stores sum 0 (the combine skips it).
 template <typename T>
-__device__ void attn_partial_item(const T* q, const T* kv_layer, const int32_t* block_tables,
-                                  const int32_t* seq_lens, float* partials, const AttnShape& s, int b, int h,
-                                  int part, float* smem) {
+__device__ void attn_partial_item(const T* qh, const T* kv_layer, const int32_t* table, int64_t kv_len, int kvh,
+                                  float* dst, const AttnShape& s, int part, float* smem) {
   constexpr int kPerLane = kMaxHeadDim / KOG_WARP_SIZE;
   const int lane = threadIdx.x % KOG_WARP_SIZE, warp = threadIdx.x / KOG_WARP_SIZE;
-  const int hd = s.hd, kvh = h / (s.n_q / s.n_kv);
-  const int seq_len = seq_lens[b];
-  const int t0 = part * kAttnPartition;
-  const int t1 = min(seq_len, t0 + kAttnPartition);
-  const int32_t* table = block_tables + int64_t(b) * s.max_blocks;
-  const T* qh = q + b * s.q_stride + int64_t(h) * hd;
+  const int hd = s.hd;
+  const int64_t t0 = int64_t(part) * kAttnPartition;
+  const int64_t t1 = kv_len < t0 + kAttnPartition ? kv_len : t0 + kAttnPartition;
 
   float qv[kPerLane], acc[kPerLane];
 #pragma unroll
@@ -50,7 +48,7 @@ __device__ void attn_partial_item(const T* q, const T* kv_layer, const int32_t* 
     acc[j] = 0.f;
   }
   float m = -FLT_MAX, l = 0.f;
-  for (int t = t0 + warp; t < t1; t += kWarps) {
+  for (int64_t t = t0 + warp; t < t1; t += kWarps) {
     const int64_t block = table[t / s.block_size], off = t % s.block_size;
     const T* k = kv_layer + ((block * 2 + 0) * s.n_kv + kvh) * s.block_size * hd + off * hd;
     const T* v = kv_layer + ((block * 2 + 1) * s.n_kv + kvh) * s.block_size * hd + off * hd;
@@ -80,7 +78,6 @@ __device__ void attn_partial_item(const T* q, const T* kv_layer, const int32_t* 
   }
   if (lane == 0) mine[kMaxHeadDim] = m, mine[kMaxHeadDim + 1] = l;
   __syncthreads();
-  float* dst = partials + ((int64_t(b) * s.n_q + h) * s.max_parts + part) * (hd + 2);
   float big_m = -FLT_MAX;
   for (int w = 0; w < kWarps; ++w) big_m = fmaxf(big_m, smem[w * (kMaxHeadDim + 2) + kMaxHeadDim]);
   for (int d = threadIdx.x; d < hd + 2; d += blockDim.x) {
@@ -95,26 +92,24 @@ __device__ void attn_partial_item(const T* q, const T* kv_layer, const int32_t* 
   __syncthreads();  // smem is reused by the next item
 }
 
+// out [hd] = the log-sum-exp merge of partials [n_parts, hd + 2].
 template <typename T>
-__device__ void attn_combine_item(const float* partials, const int32_t* seq_lens, T* out, const AttnShape& s,
-                                  int b, int h) {
-  const int hd = s.hd, n_parts = attn_parts(seq_lens[b]);
-  const float* base = partials + (int64_t(b) * s.n_q + h) * s.max_parts * (hd + 2);
+__device__ void attn_combine_item(const float* partials, int n_parts, T* out, int hd) {
   float big_m = -FLT_MAX;
   for (int p = 0; p < n_parts; ++p)
-    if (base[p * (hd + 2) + hd + 1] > 0.f) big_m = fmaxf(big_m, base[p * (hd + 2) + hd]);
+    if (partials[p * (hd + 2) + hd + 1] > 0.f) big_m = fmaxf(big_m, partials[p * (hd + 2) + hd]);
   float denom = 0.f;
   for (int p = 0; p < n_parts; ++p) {
-    const float* st = base + p * (hd + 2);
+    const float* st = partials + p * (hd + 2);
     if (st[hd + 1] > 0.f) denom += st[hd + 1] * expf(st[hd] - big_m);
   }
   for (int d = threadIdx.x; d < hd; d += blockDim.x) {
     float num = 0.f;
     for (int p = 0; p < n_parts; ++p) {
-      const float* st = base + p * (hd + 2);
+      const float* st = partials + p * (hd + 2);
       if (st[hd + 1] > 0.f) num += st[d] * expf(st[hd] - big_m);
     }
-    store_f32(out + b * s.out_stride + int64_t(h) * hd + d, num / denom);
+    store_f32(out + d, num / denom);
   }
 }
 

@@ -29,8 +29,8 @@ static_assert(GpuDecodeExecutor::kMaxBatch == kMaxBatch, "one batch limit");
 
 namespace {
 
-constexpr int kSmemFloats = attn_partial_smem_floats() > sample_smem_floats() ? attn_partial_smem_floats()
-                                                                               : sample_smem_floats();
+constexpr int kSmemFloats = kAttnPartialSmemFloats > kSampleSmemFloats ? kAttnPartialSmemFloats
+                                                                               : kSampleSmemFloats;
 
 __host__ __device__ inline int64_t buffer_width(const PersistentDecodeParams& p, int32_t b) {
   switch (Buffer(b)) {
@@ -64,8 +64,7 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
   const int64_t qkv_w = buffer_width(p, int32_t(Buffer::kQkv));
   const int64_t layer_elems = p.num_blocks * 2 * p.n_kv_heads * p.block_size * int64_t(p.head_dim);
   T* kv_layer = static_cast<T*>(p.kv_base) + (op.layer < 0 ? 0 : op.layer) * layer_elems;
-  const AttnShape as{p.n_q_heads, p.n_kv_heads, p.head_dim, p.block_size, p.max_blocks, p.max_parts,
-                     p.attn_scale, qkv_w, int64_t(p.n_q_heads) * p.head_dim};
+  const AttnShape as{p.n_q_heads, p.n_kv_heads, p.head_dim, p.block_size, p.attn_scale};
   switch (op.op) {
     case int32_t(Opcode::kEmbed):
       embed_item<T>(static_cast<const T*>(op.w0), reinterpret_cast<const int32_t*>(p.buffers[op.in]), buf(op.out),
@@ -97,16 +96,20 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
       kv_append_item<T>(buf(op.in), qkv_w, kv_layer, p.slots[b], p.n_q_heads, p.n_kv_heads, p.head_dim,
                         p.block_size, b);
       break;
-    case int32_t(Opcode::kAttnDecode): {
+    case int32_t(Opcode::kAttnDecode): {  // item = (b, h, part)
       const int part = int(item % p.max_parts), h = int(item / p.max_parts % p.n_q_heads);
-      attn_partial_item<T>(buf(op.in), kv_layer, p.block_tables, p.seq_lens, p.attn_partials, as,
-                           int(item / (int64_t(p.max_parts) * p.n_q_heads)), h, part, smem);
+      const int sb = int(item / (int64_t(p.max_parts) * p.n_q_heads));
+      attn_partial_item<T>(buf(op.in) + sb * qkv_w + int64_t(h) * p.head_dim, kv_layer,
+                           p.block_tables + int64_t(sb) * p.max_blocks, p.seq_lens[sb], h / (p.n_q_heads / p.n_kv_heads),
+                           p.attn_partials + item * (p.head_dim + 2), as, part, smem);
       break;
     }
-    case kOpAttnCombine:
-      attn_combine_item<T>(p.attn_partials, p.seq_lens, buf(op.out), as, int(item / p.n_q_heads),
-                           int(item % p.n_q_heads));
+    case kOpAttnCombine: {  // item = (b, h)
+      const int sb = int(item / p.n_q_heads), h = int(item % p.n_q_heads);
+      attn_combine_item<T>(p.attn_partials + item * p.max_parts * (p.head_dim + 2), attn_parts(p.seq_lens[sb]),
+                           buf(op.out) + sb * int64_t(p.n_q_heads) * p.head_dim + int64_t(h) * p.head_dim, p.head_dim);
       break;
+    }
     case int32_t(Opcode::kSiluMul):
       silu_mul_item<T>(buf(op.in), buf(op.out), p.intermediate, b);
       break;

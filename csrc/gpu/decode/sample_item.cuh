@@ -26,7 +26,7 @@ __device__ __forceinline__ float uniform01(uint64_t seed, uint64_t counter) {
 }
 
 // Shared scratch of sample_row, in floats.
-constexpr int sample_smem_floats() { return 2 * kThreads + 2; }
+constexpr int kSampleSmemFloats = 2 * kThreads + 2;
 
 // Count (or exp-mass with mass=true) of logits >= t.
 __device__ __forceinline__ float mass_above(const float* x, int vocab, float t, float x_max, float inv_temp,
@@ -49,7 +49,7 @@ __device__ float bisect_threshold(const float* x, int vocab, float lo, float hi,
   return lo;
 }
 
-// Returns the sampled token (every thread gets it). smem: sample_smem_floats() floats.
+// Returns the sampled token (every thread gets it). smem: kSampleSmemFloats floats.
 __device__ int sample_row(const float* x, int vocab, const SamplingRow& sp, uint64_t counter, float* smem) {
   int* iscratch = reinterpret_cast<int*>(smem + kThreads);
   float best = -FLT_MAX, lowest = FLT_MAX;

@@ -3,6 +3,7 @@
 // (one binary serves targets of both widths).
 #pragma once
 #include "gpu/compat.cuh"
+#include "ops/attention.h"
 
 namespace kog::gpu::decode {
 
@@ -14,7 +15,7 @@ constexpr int kBlocksPerMultiprocessor = 2;
 constexpr int kMaxBatch = 8;          // sequences in one step
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxGroup = 16;         // query heads per KV head (GQA group)
-constexpr int kAttnPartition = 256;   // cached tokens per attention work item (whole blocks)
+constexpr int kAttnPartition = int(kGpuAttentionPartitionTokens);  // cached tokens per attention item
 // Output rows of one LINEAR work item per warp: more rows, fewer dependency checks; fewer rows,
 // more work items to spread over the multiprocessors (the LM head has 49k-128k rows).
 constexpr int kLinearRowsPerWarp = 2;
