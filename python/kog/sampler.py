@@ -92,7 +92,7 @@ def apply_constraint(logits: torch.Tensor, raw: torch.Tensor, constraint: Constr
     (e.g. EOS once the JSON is complete), they are drawn from the raw logits instead.
     """
     masked = constraint.mask_logits(logits)
-    if torch.isfinite(masked).any():
+    if float(masked.max()) > float("-inf"):
         return masked
     return constraint.mask_logits(raw)
 

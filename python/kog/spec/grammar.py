@@ -123,7 +123,17 @@ class Constraint:
 
     def num_allowed(self, tokens: list[int]) -> int:
         """How many leading tokens of `tokens` the grammar accepts from here (state unchanged)."""
-        return self.matcher.validate_tokens(list(tokens)) if tokens else 0
+        tokens = [int(t) for t in tokens]
+        n = self.matcher.validate_tokens(tokens) if tokens else 0
+        if n < len(tokens) and tokens[n] in self.tokenizer.eos_tokens:
+            # NOTE: llguidance's validate_tokens refuses EOS once the matcher is stopped (only EOS
+            # can follow), although the mask allows it: EOS is allowed wherever the grammar accepts.
+            for t in tokens[:n]:
+                self.matcher.consume_token(t)
+            eos_ok = self.matcher.is_accepting() and not self.matcher.is_error()
+            self.matcher.rollback(n)
+            n += eos_ok
+        return n
 
     def advance(self, token: int) -> None:
         """Consumes one sampled token; InvalidOperation (state unchanged) if the grammar forbids it."""
@@ -137,8 +147,10 @@ class Constraint:
             raise InvalidOperation(f"token {tokens[n]} ({self.tokenizer.dbg_tokens(tokens[n:n + 1])}) is not "
                                    f"allowed by the grammar after {self.num_tokens + n} tokens")
         if tokens:
-            if not self.matcher.consume_tokens(tokens):
-                raise InvalidOperation(f"grammar error: {self.matcher.get_error()}")
+            # NOTE: one by one: consume_tokens refuses EOS on a stopped matcher, consume_token takes it.
+            for t in tokens:
+                if not self.matcher.consume_token(t):
+                    raise InvalidOperation(f"grammar error: {self.matcher.get_error()}")
             self.num_tokens += len(tokens)
             self._allowed = None
 
