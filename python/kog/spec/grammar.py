@@ -11,6 +11,7 @@ a 49k vocabulary) is built once per Kog tokenizer and shared by every constraint
 
 from __future__ import annotations
 
+import re
 import threading
 import weakref
 
@@ -69,13 +70,15 @@ def build_constraint(tokenizer: Tokenizer, params: StructuredOutputParams, eos_t
     ll = ll_tokenizer(tokenizer, eos_token_ids)
     specials = frozenset(t.content for t in tokenizer.hf.get_added_tokens_decoder().values() if t.special)
     what = params.kind + (f" {params.name!r}" if params.name else "")
+    if params.kind == "tools":
+        _check_tool_schemas(params, ll)
     try:
         grammar = llg.LLMatcher.grammar_from_lark(lark_grammar(params, specials, tool_format))
     except ValueError as e:
         raise InvalidRequest(f"structured output ({what}): {e}") from None
     matcher = llg.LLMatcher(ll, grammar, log_level=0)
     if matcher.is_error():
-        raise InvalidRequest(f"structured output ({what}): {matcher.get_error().strip()}")
+        raise InvalidRequest(f"structured output ({what}): {_without_excerpt(matcher.get_error())}")
     constraint = Constraint(matcher, ll, vocab_size or tokenizer.vocab_size)
     if not constraint.allowed().any():
         raise InvalidRequest(f"structured output ({what}): the grammar allows no output at all")
@@ -200,3 +203,19 @@ class Constraint:
     def is_stopped(self) -> bool:
         """Nothing but EOS can follow: the engine should end the sequence."""
         return self.matcher.is_stopped()
+
+
+def _check_tool_schemas(params: StructuredOutputParams, ll: llg.LLTokenizer) -> None:
+    """InvalidRequest naming the first tool whose parameters schema does not compile."""
+    for tool in params.tools:
+        fn = tool["function"]
+        grammar = llg.LLMatcher.grammar_from_json_schema(fn.get("parameters") or {"type": "object"})
+        error = llg.LLMatcher.validate_grammar(grammar, ll)
+        if error:
+            raise InvalidRequest(f"structured output (tools): function {fn['name']!r} parameters: "
+                                 f"{_without_excerpt(error)}")
+
+
+def _without_excerpt(error: str) -> str:
+    """llguidance's message without the grammar excerpt it appends (`   1 | start: ...`)."""
+    return re.split(r"\n\s*\d+ \|", error, maxsplit=1)[0].strip()
