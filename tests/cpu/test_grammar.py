@@ -9,6 +9,7 @@ import torch
 import kog
 from kog.sampler import SampleRow, sample
 from kog.spec.grammar import build_constraint, ll_tokenizer
+from kog.spec.lark_check import unproductive_rules
 from kog.spec.params import SpeculativeParams, StructuredOutputParams
 from kog.spec.verify import verify_greedy
 from kog.testing.structured import default_tokenizer
@@ -92,6 +93,8 @@ def test_sampling_params_carry_structured_and_speculative():
     (S(regex="(ab"), "regex"),
     (S(grammar="start: foo"), 'unknown name: "foo"'),
     (S(grammar='start: "a" | <|nonexistent|>'), "unknown special token"),
+    (S(grammar='start: "a" x\nx: "b" x'), "can never finish: rules 'start', 'x'"),
+    (S(grammar='start: item+\nitem: "(" item ")"'), "can never finish: rules 'start', 'item'"),
     (S(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": ["a"],
                                                                             "properties": {"a": False}}}}],
        tool_choice="required"), "function 'f' parameters: .*required property 'a' is unsatisfiable"),
@@ -100,6 +103,20 @@ def test_invalid_or_unsatisfiable_grammars_are_invalid_requests(tok, params, mat
     with pytest.raises(kog.InvalidRequest, match=match) as e:
         build_constraint(tok, params)
     assert str(e.value).startswith(f"structured output ({params.kind}")
+
+
+@pytest.mark.parametrize("grammar, stuck", [
+    ('start: "a" x\nx: "b" x | "c"', []),
+    ('start: x\nx: y\ny: x', ["start", "x", "y"]),
+    ('start: "a" | x\nx: x "b"', ["x"]),  # x is dead but start can finish
+    ('start: [x] y*\nx: x\ny: y', ["x", "y"]),
+    ('start: x~0..2\nx: x', ["x"]),
+    ('start: x~2\nx: "a" /[0-9]+/ <|im_end|> %json {"type": "object", "x": "}"} @sub', []),
+    ('start: a\n   | b\na[lazy]: TEXT "<x>"\nb.2: "b" -> bee\nTEXT: /(.|\\n)*/', []),
+    ("start: x\n%import common.WS", None),  # syntax the check does not model: no verdict
+])
+def test_unproductive_rules(grammar, stuck):
+    assert unproductive_rules(grammar) == stuck
 
 
 def test_the_error_names_the_schema(tok):

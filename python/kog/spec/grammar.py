@@ -22,6 +22,7 @@ import torch
 from kog.errors import InvalidOperation, InvalidRequest
 from kog.loader.tokenizer import Tokenizer
 from kog.spec.formats import HERMES, ToolCallFormat, lark_grammar
+from kog.spec.lark_check import unproductive_rules
 from kog.spec.params import StructuredOutputParams
 
 _LL_TOKENIZERS: weakref.WeakKeyDictionary[Tokenizer, dict[tuple, llg.LLTokenizer]] = weakref.WeakKeyDictionary()
@@ -65,7 +66,8 @@ def build_constraint(tokenizer: Tokenizer, params: StructuredOutputParams, eos_t
 
     Raises:
         InvalidRequest: invalid or unsatisfiable schema, unsupported keyword, bad grammar or
-            regex, or a grammar that allows no first token: before any token is generated.
+            regex, a grammar whose start rule can never finish, or one that allows no first
+            token: before any token is generated.
     """
     ll = ll_tokenizer(tokenizer, eos_token_ids)
     specials = frozenset(t.content for t in tokenizer.hf.get_added_tokens_decoder().values() if t.special)
@@ -79,6 +81,11 @@ def build_constraint(tokenizer: Tokenizer, params: StructuredOutputParams, eos_t
     matcher = llg.LLMatcher(ll, grammar, log_level=0)
     if matcher.is_error():
         raise InvalidRequest(f"structured output ({what}): {_without_excerpt(matcher.get_error())}")
+    if params.kind == "grammar":
+        stuck = unproductive_rules(params.grammar) or []
+        if stuck[:1] == ["start"]:
+            raise InvalidRequest(f"structured output ({what}): the grammar can never finish: rules "
+                                 f"{', '.join(repr(r) for r in stuck)} only recurse, no alternative ends")
     constraint = Constraint(matcher, ll, vocab_size or tokenizer.vocab_size)
     if not constraint.allowed().any():
         raise InvalidRequest(f"structured output ({what}): the grammar allows no output at all")
