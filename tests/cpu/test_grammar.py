@@ -298,3 +298,39 @@ def test_constrained_speculative_greedy_equals_constrained_greedy(tok):
         rounds += 1
     assert out == plain and rounds < len(plain)
     assert json.loads(tok.decode(plain[:-1]))["a"] in ("red", "green")
+
+
+# ---- tool-call grammar details ----------------------------------------------------------------
+def test_one_call_when_parallel_tool_calls_is_off(tok):
+    call = tok.encode('<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
+    for choice, prefix in (("required", []), ("auto", tok.encode("Checking. "))):
+        many = build_constraint(tok, S(tools=TOOLS, tool_choice=choice))
+        many.advance_many(prefix + call)
+        assert not many.is_stopped()  # another call (or text) may follow
+        one = build_constraint(tok, S(tools=TOOLS, tool_choice=choice, parallel_tool_calls=False))
+        one.advance_many(prefix + call)
+        assert one.is_stopped() and one.allowed().nonzero().flatten().tolist() == [tok.eos_token_id]
+
+
+def test_call_tags_that_are_special_tokens_are_matched_as_tokens():
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from kog.loader.tokenizer import Tokenizer
+    from kog.testing.tiny_models import tiny_tokenizer
+
+    base = tiny_tokenizer()
+    hf = HFTokenizer.from_str(base.hf.to_str())
+    hf.add_special_tokens([AddedToken("<tool_call>", special=True, normalized=False),
+                           AddedToken("</tool_call>", special=True, normalized=False)])
+    qtok = Tokenizer(hf, bos_token=base.bos_token, eos_token=base.eos_token)
+    open_id, close_id = qtok.token_to_id("<tool_call>"), qtok.token_to_id("</tool_call>")
+    c = build_constraint(qtok, S(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "now"}}))
+    forced = c.forced_tokens()
+    assert forced[0] == open_id and qtok.decode(forced[1:]).startswith('\n{"name": "now"')
+    auto = build_constraint(qtok, S(tools=TOOLS, tool_choice="auto"))
+    assert auto.allowed()[open_id]
+    auto.advance_many(qtok.encode("hi <tool_call>", add_special_tokens=False))
+    assert qtok.decode(auto.forced_tokens()).startswith('\n{"name": "')
+    auto.advance_many(qtok.encode('\n{"name": "now", "arguments": {}}\n', add_special_tokens=False))
+    assert auto.allowed().nonzero().flatten().tolist() == [close_id]

@@ -87,13 +87,16 @@ def _tools_grammar(params: StructuredOutputParams, special_tokens: frozenset[str
         # occurrence of the tag), a special-token trigger cannot occur inside TEXT at all.
         trigger = _marker(tag, special_tokens)
         trig = f"trig[lazy]: TEXT {trigger}" if trigger.startswith('"') else f"trig: TEXT {trigger}"
-        return (f"start: (trig call_rest)* TEXT\n{trig}\ncall_rest: {after_tag} tool {end}\n{tool}"
+        # NOTE: a lazy lexeme wins as soon as it matches, so the first tag always starts a call.
+        start = "(trig call_rest)* TEXT" if params.parallel_tool_calls else "TEXT | trig call_rest"
+        return (f"start: {start}\n{trig}\ncall_rest: {after_tag} tool {end}\n{tool}"
                 "TEXT: /(.|\\n)*/\n")
     start = "calls"
     if params.answers():  # tool_choice "auto" with a JSON answer format: that JSON, or calls
         start = f"calls | {_json(answer_schema(params), opts)}"
     begin = f"{_marker(fmt.begin[:fmt.begin.index(tag)] + tag, special_tokens)} {after_tag}".rstrip()
-    return f"start: {start}\ncalls: call ({_q(fmt.sep)} call)*\ncall: {begin} tool {end}\n{tool}"
+    more = f" ({_q(fmt.sep)} call)*" if params.parallel_tool_calls else ""
+    return f"start: {start}\ncalls: call{more}\ncall: {begin} tool {end}\n{tool}"
 
 
 def _json(schema: Any, opts: dict[str, Any]) -> str:

@@ -34,6 +34,8 @@ class StructuredOutputParams:
         tool_choice: "auto" (free text, constrained once the model opens a tool call),
             "required" (one or more calls to any of the tools), or
             `{"type": "function", "function": {"name": NAME}}` (calls to that tool only).
+        parallel_tool_calls: with tools, allow several calls in one reply (OpenAI's default);
+            False: exactly one call (tool_choice "required" / named), at most one ("auto").
         any_whitespace: allow any JSON whitespace between tokens; False (default) fixes the
             separators to ", " and ": " so a model cannot loop on blank lines.
         name: the schema's name (from `response_format.json_schema.name`), used in error messages.
@@ -45,6 +47,7 @@ class StructuredOutputParams:
     regex: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     any_whitespace: bool = False
     name: str | None = None
 
@@ -94,7 +97,8 @@ class StructuredOutputParams:
 
     @classmethod
     def from_openai(cls, response_format: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
-                    tool_choice: str | dict[str, Any] | None = None) -> StructuredOutputParams | None:
+                    tool_choice: str | dict[str, Any] | None = None,
+                    parallel_tool_calls: bool = True) -> StructuredOutputParams | None:
         """The constraint an OpenAI chat request asks for, or None when its output is free.
 
         Args:
@@ -102,6 +106,7 @@ class StructuredOutputParams:
             tools: the request's tool definitions.
             tool_choice: "none", "auto" (OpenAI's default when tools are given), "required" or a
                 named function. "auto" adds a constraint only once the model opens a tool call.
+            parallel_tool_calls: False allows one call per reply.
 
         Returns:
             StructuredOutputParams, or None (no constraint).
@@ -121,7 +126,7 @@ class StructuredOutputParams:
         if tools and choice != "none":
             if choice != "auto":  # a forced tool call: its arguments' schema is the answer's format
                 kwargs = {}
-            kwargs.update(tools=tools, tool_choice=choice)
+            kwargs.update(tools=tools, tool_choice=choice, parallel_tool_calls=parallel_tool_calls)
         return cls(**kwargs) if kwargs else None
 
 
