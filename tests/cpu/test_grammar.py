@@ -220,6 +220,24 @@ def test_forks_are_independent(tok):
     assert tok.decode(b.forced_tokens()) == '{"x":'
 
 
+def test_compiled_grammars_are_cached_and_every_request_gets_its_own_state(tok):
+    import time
+
+    schema = {**POINT, "title": "cache test"}  # a grammar no other test compiled
+    t0 = time.perf_counter()
+    first = build_constraint(tok, S(json_schema=schema))
+    t1 = time.perf_counter()
+    second = build_constraint(tok, S(json_schema=schema))
+    t2 = time.perf_counter()
+    assert t2 - t1 < (t1 - t0) / 3
+    assert first.matcher is not second.matcher
+    first.advance_many(tok.encode('{"x": 1'))
+    assert second.num_tokens == 0 and tok.decode(second.forced_tokens()) == '{"x":'
+    third = build_constraint(tok, S(json_schema=schema))
+    assert third.num_tokens == 0 and torch.equal(third.allowed(), second.allowed())
+    assert build_constraint(tok, S(json_schema=schema), vocab_size=tok.vocab_size + 8).vocab_size == tok.vocab_size + 8
+
+
 # ---- the sampler hook -------------------------------------------------------------------------
 def test_sampler_applies_the_constraint_after_penalties(tok):
     c = build_constraint(tok, S(grammar='start: "yes" | "no"'))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import threading
 import weakref
+from collections import OrderedDict
 
 import llguidance as llg
 import numpy as np
@@ -27,6 +28,10 @@ from kog.spec.params import StructuredOutputParams
 
 _LL_TOKENIZERS: weakref.WeakKeyDictionary[Tokenizer, dict[tuple, llg.LLTokenizer]] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
+# Compiled grammars, most recently used last: agents send the same tools and schemas every turn.
+# NOTE: keyed by id() of the LLTokenizer; the cached Constraint holds it, so the id stays unique.
+_COMPILED: OrderedDict[tuple[int, int, str], Constraint] = OrderedDict()
+COMPILED_CACHE_SIZE = 128
 
 
 def ll_tokenizer(tokenizer: Tokenizer, eos_token_ids: tuple[int, ...] = ()) -> llg.LLTokenizer:
@@ -62,7 +67,8 @@ def build_constraint(tokenizer: Tokenizer, params: StructuredOutputParams, eos_t
         tool_format: the model's tool-call syntax.
 
     Returns:
-        A Constraint at the start of the output.
+        A Constraint at the start of the output (a fork of a cached compiled one when the same
+        grammar was compiled before).
 
     Raises:
         InvalidRequest: invalid or unsatisfiable schema, unsupported keyword, bad grammar or
@@ -71,11 +77,27 @@ def build_constraint(tokenizer: Tokenizer, params: StructuredOutputParams, eos_t
     """
     ll = ll_tokenizer(tokenizer, eos_token_ids)
     specials = frozenset(t.content for t in tokenizer.hf.get_added_tokens_decoder().values() if t.special)
+    lark = lark_grammar(params, specials, tool_format)
+    key = (id(ll), vocab_size or tokenizer.vocab_size, lark)
+    with _LOCK:
+        if key in _COMPILED:
+            _COMPILED.move_to_end(key)
+            return _COMPILED[key].fork()
+    constraint = _compile(ll, params, lark, key[1])
+    with _LOCK:
+        _COMPILED[key] = constraint
+        while len(_COMPILED) > COMPILED_CACHE_SIZE:
+            _COMPILED.popitem(last=False)
+    return constraint.fork()
+
+
+def _compile(ll: llg.LLTokenizer, params: StructuredOutputParams, lark: str, vocab_size: int) -> Constraint:
+    """build_constraint without the cache."""
     what = params.kind + (f" {params.name!r}" if params.name else "")
     if params.kind == "tools":
         _check_tool_schemas(params, ll)
     try:
-        grammar = llg.LLMatcher.grammar_from_lark(lark_grammar(params, specials, tool_format))
+        grammar = llg.LLMatcher.grammar_from_lark(lark)
     except ValueError as e:
         raise InvalidRequest(f"structured output ({what}): {e}") from None
     matcher = llg.LLMatcher(ll, grammar, log_level=0)
@@ -86,7 +108,7 @@ def build_constraint(tokenizer: Tokenizer, params: StructuredOutputParams, eos_t
         if stuck[:1] == ["start"]:
             raise InvalidRequest(f"structured output ({what}): the grammar can never finish: rules "
                                  f"{', '.join(repr(r) for r in stuck)} only recurse, no alternative ends")
-    constraint = Constraint(matcher, ll, vocab_size or tokenizer.vocab_size)
+    constraint = Constraint(matcher, ll, vocab_size)
     if not constraint.allowed().any():
         raise InvalidRequest(f"structured output ({what}): the grammar allows no output at all")
     return constraint
@@ -116,7 +138,8 @@ class Constraint:
     # ------------------------------------------------------------------ public API
 
     def allowed(self) -> torch.Tensor:
-        """bool [vocab_size]: the tokens the grammar allows next (EOS where it accepts)."""
+        """bool [vocab_size] on the CPU: the tokens the grammar allows next (EOS where it accepts).
+        Cached until the state changes: do not modify it."""
         if self._allowed is None:
             bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
             allowed = np.zeros(self.vocab_size, dtype=bool)
@@ -126,10 +149,10 @@ class Constraint:
         return self._allowed
 
     def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [V] or [N, V] -> a copy with every disallowed token at -inf (all rows: this state)."""
+        """logits [V] or [N, V] (any device) -> a copy with every disallowed token at -inf (all rows: this state)."""
         if logits.shape[-1] != self.vocab_size:
             raise InvalidRequest(f"logits have {logits.shape[-1]} columns, the constraint masks {self.vocab_size}")
-        return logits.masked_fill(~self.allowed(), float("-inf"))
+        return logits.masked_fill(~self.allowed().to(logits.device), float("-inf"))
 
     def num_allowed(self, tokens: list[int]) -> int:
         """How many leading tokens of `tokens` the grammar accepts from here (state unchanged)."""
@@ -183,6 +206,7 @@ class Constraint:
         """An independent copy at the same state (n > 1 completions, a forked session)."""
         twin = Constraint(self.matcher.deep_copy(), self.tokenizer, self.vocab_size)
         twin.num_tokens = self.num_tokens
+        twin._allowed = self._allowed  # same state, same mask (never modified in place)
         return twin
 
     def draft_masks(self, draft: list[int]) -> torch.Tensor:

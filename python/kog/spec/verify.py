@@ -101,7 +101,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams, allowed: torch.Te
     """
     x = logits.float()
     if allowed is not None:
-        x = x.masked_fill(~allowed, float("-inf"))
+        x = x.masked_fill(~allowed.to(x.device), float("-inf"))
     return torch.stack([torch.softmax(filter_logits(row, params), dim=-1) for row in x])
 
 

@@ -48,7 +48,8 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
                 "required": [n for n in names if rng.random() < 0.6], "additionalProperties": False}
     if kind == "array":
         lo = rng.randint(0, 2)
-        return {"type": "array", "items": random_schema(rng, depth + 1), "minItems": lo, "maxItems": lo + rng.randint(0, 2)}
+        return {"type": "array", "items": random_schema(rng, depth + 1), "minItems": lo,
+                "maxItems": lo + rng.randint(0, 2)}
     if kind == "integer":
         lo = rng.randint(-1000, 1000)
         s: dict[str, Any] = {"type": "integer", "minimum": lo, "maximum": lo + rng.choice([0, 1, 9, 500, 100000])}
