@@ -8,7 +8,7 @@ import torch
 
 import kog
 from kog.sampler import SampleRow, sample
-from kog.spec.grammar import build_constraint, ll_tokenizer
+from kog.spec.grammar import batch_allowed, build_constraint, ll_tokenizer
 from kog.spec.lark_check import unproductive_rules
 from kog.spec.params import SpeculativeParams, StructuredOutputParams
 from kog.spec.verify import verify_greedy
@@ -236,6 +236,22 @@ def test_compiled_grammars_are_cached_and_every_request_gets_its_own_state(tok):
     third = build_constraint(tok, S(json_schema=schema))
     assert third.num_tokens == 0 and torch.equal(third.allowed(), second.allowed())
     assert build_constraint(tok, S(json_schema=schema), vocab_size=tok.vocab_size + 8).vocab_size == tok.vocab_size + 8
+
+
+def test_batch_masks_equal_one_by_one_masks(tok):
+    prefixes = ['{"x": 1', '{"', "", '{"x": 12, "y": 3}']
+    fresh = [build_constraint(tok, S(json_schema=POINT)) for _ in prefixes]
+    ref = [build_constraint(tok, S(json_schema=POINT)) for _ in prefixes]
+    for a, b, text in zip(fresh, ref, prefixes):
+        a.advance_many(tok.encode(text))
+        b.advance_many(tok.encode(text))
+    ref[1].allowed()  # a cached mask is reused, the others computed in parallel
+    masks = batch_allowed(fresh + [ref[1]])
+    assert masks.shape == (5, tok.vocab_size)
+    for i, b in enumerate(ref + [ref[1]]):
+        assert torch.equal(masks[i], b.allowed()), i
+    with pytest.raises(kog.InvalidRequest, match="disagree"):
+        batch_allowed([fresh[0], build_constraint(tok, S(json_object=True), vocab_size=tok.vocab_size + 1)])
 
 
 # ---- the sampler hook -------------------------------------------------------------------------

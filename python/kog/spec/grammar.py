@@ -15,6 +15,7 @@ import re
 import threading
 import weakref
 from collections import OrderedDict
+from typing import Sequence
 
 import llguidance as llg
 import numpy as np
@@ -32,6 +33,7 @@ _LOCK = threading.Lock()
 # NOTE: keyed by id() of the LLTokenizer; the cached Constraint holds it, so the id stays unique.
 _COMPILED: OrderedDict[tuple[int, int, str], Constraint] = OrderedDict()
 COMPILED_CACHE_SIZE = 128
+_EXECUTOR: llg.LLExecutor | None = None  # llguidance's thread pool for batch_allowed, made on first use
 
 
 def ll_tokenizer(tokenizer: Tokenizer, eos_token_ids: tuple[int, ...] = ()) -> llg.LLTokenizer:
@@ -141,11 +143,7 @@ class Constraint:
         """bool [vocab_size] on the CPU: the tokens the grammar allows next (EOS where it accepts).
         Cached until the state changes: do not modify it."""
         if self._allowed is None:
-            bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-            allowed = np.zeros(self.vocab_size, dtype=bool)
-            n = self.tokenizer.vocab_size
-            allowed[:n] = np.unpackbits(bits, bitorder="little")[:n]
-            self._allowed = torch.from_numpy(allowed)
+            self._allowed = self._unpack(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8))
         return self._allowed
 
     def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -227,6 +225,13 @@ class Constraint:
         self.rollback(len(draft))
         return torch.stack(masks)
 
+    def _unpack(self, bits: np.ndarray) -> torch.Tensor:
+        """llguidance's bitmask (uint8, little-endian bit order) -> bool [vocab_size]."""
+        allowed = np.zeros(self.vocab_size, dtype=bool)
+        n = self.tokenizer.vocab_size
+        allowed[:n] = np.unpackbits(bits, bitorder="little")[:n]
+        return torch.from_numpy(allowed)
+
     def is_accepting(self) -> bool:
         """The output so far is complete: EOS is allowed now."""
         return self.matcher.is_accepting()
@@ -234,6 +239,34 @@ class Constraint:
     def is_stopped(self) -> bool:
         """Nothing but EOS can follow: the engine should end the sequence."""
         return self.matcher.is_stopped()
+
+
+def batch_allowed(constraints: Sequence[Constraint]) -> torch.Tensor:
+    """The allowed-token masks of many sequences, computed in parallel on llguidance's threads
+    (one engine step's constrained rows); each constraint's mask cache is filled too.
+
+    Args:
+        constraints: constraints with the same vocab_size and tokenizer vocabulary.
+
+    Returns:
+        bool [len(constraints), vocab_size].
+    """
+    global _EXECUTOR
+    if not constraints:
+        return torch.empty(0, 0, dtype=torch.bool)
+    sizes = {(c.vocab_size, c.tokenizer.vocab_size) for c in constraints}
+    if len(sizes) != 1:
+        raise InvalidRequest(f"batch_allowed: constraints disagree on the vocabulary: {sorted(sizes)}")
+    todo = [(c.matcher, i) for i, c in enumerate(constraints) if c._allowed is None]
+    if todo:
+        words = (constraints[0].tokenizer.vocab_size + 31) // 32
+        bits = np.zeros((len(constraints), words), dtype=np.int32)  # [B, words]
+        with _LOCK:
+            _EXECUTOR = _EXECUTOR or llg.LLExecutor()
+        _EXECUTOR.unsafe_compute_mask_ptr(todo, bits.ctypes.data, words * 4, len(constraints))
+        for _, i in todo:
+            constraints[i]._allowed = constraints[i]._unpack(bits[i].view(np.uint8))
+    return torch.stack([c.allowed() for c in constraints])
 
 
 def _check_tool_schemas(params: StructuredOutputParams, ll: llg.LLTokenizer) -> None:
