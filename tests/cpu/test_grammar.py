@@ -43,6 +43,7 @@ def test_from_openai_maps_response_format_and_tools():
     assert S.from_openai(tools=TOOLS, tool_choice="none") is None
     named = S.from_openai({"type": "json_object"}, TOOLS, {"type": "function", "function": {"name": "add"}})
     assert named.kind == "tools" and named.forced_tool() == "add" and not named.json_object  # the call wins
+    assert not S.from_openai(tools=TOOLS, tool_choice="required", parallel_tool_calls=False).parallel_tool_calls
     both = S.from_openai({"type": "json_object"}, TOOLS, "auto")
     assert both.kind == "tools" and both.json_object
 
