@@ -1,18 +1,22 @@
 """The sampler: logits of a batch of sequences -> one token each, per-request parameters.
 
-Order per row (vLLM's): min_tokens masking, repetition/presence/frequency penalties, then greedy
-argmax, or temperature -> top-k -> top-p -> min-p -> a draw from the request's own generator.
+Order per row (vLLM's): min_tokens masking, repetition/presence/frequency penalties, the grammar
+mask of a structured-output request (kog.spec), then greedy argmax, or temperature -> top-k ->
+top-p -> min-p -> a draw from the request's own generator.
 Logprobs are those of the model's raw distribution (log_softmax of the unprocessed logits).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from kog.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kog.spec.grammar import Constraint
 
 
 @dataclass
@@ -24,6 +28,7 @@ class SampleRow:
     output_ids: Sequence[int]
     eos_token_ids: Sequence[int] = ()
     generator: torch.Generator | None = None  # seeded per request; None: torch's default
+    constraint: Constraint | None = None  # grammar state of a structured-output request; None: free
 
 
 @dataclass
@@ -80,6 +85,18 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return out
 
 
+def apply_constraint(logits: torch.Tensor, raw: torch.Tensor, constraint: Constraint) -> torch.Tensor:
+    """logits [V] -> a copy with the tokens the grammar forbids at -inf.
+
+    NOTE: the grammar wins over min_tokens: when it allows only tokens that min_tokens banned
+    (e.g. EOS once the JSON is complete), they are drawn from the raw logits instead.
+    """
+    masked = constraint.mask_logits(logits)
+    if float(masked.max()) > float("-inf"):
+        return masked
+    return constraint.mask_logits(raw)
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
     """Pick one token per row.
 
@@ -106,6 +123,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
                 x = x.clone()
                 x[banned] = float("-inf")
         x = apply_penalties(x, row)
+        if row.constraint is not None:
+            x = apply_constraint(x, raw, row.constraint)
         if p.greedy:
             token = int(torch.argmax(x))
         else:

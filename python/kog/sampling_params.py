@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from kog.errors import InvalidRequest
+from kog.spec.params import SpeculativeParams, StructuredOutputParams
 
 MAX_LOGPROBS = 20
 
@@ -33,6 +34,10 @@ class SamplingParams:
         logprobs: return the log-probability of each sampled token and of this many top
             alternatives (0: the sampled token's only).
         skip_special_tokens: leave special tokens out of the text.
+        structured: constrain the output to a JSON schema, JSON object, grammar, regex or tool
+            calls (kog.spec; a dict is taken as StructuredOutputParams' fields). None: free text.
+        speculative: draft-and-verify decoding for this request (a dict is taken as
+            SpeculativeParams' fields). None: one token per step.
     """
 
     n: int = 1
@@ -52,8 +57,12 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: StructuredOutputParams | None = None
+    speculative: SpeculativeParams | None = None
 
     def __post_init__(self) -> None:
+        self.structured = _from_dict(StructuredOutputParams, self.structured, "structured")
+        self.speculative = _from_dict(SpeculativeParams, self.speculative, "speculative")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -111,3 +120,21 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if self.logprobs is not None and not 0 <= integer("logprobs") <= MAX_LOGPROBS:
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutputParams):
+                bad("structured", "must be StructuredOutputParams or a dict of its fields")
+            self.structured.validate()
+        if self.speculative is not None:
+            if not isinstance(self.speculative, SpeculativeParams):
+                bad("speculative", "must be SpeculativeParams or a dict of its fields")
+            self.speculative.validate()
+
+
+def _from_dict(cls: type, value: object, name: str) -> object:
+    """A dict of a params dataclass's fields -> the dataclass; anything else unchanged."""
+    if not isinstance(value, dict):
+        return value
+    unknown = set(value) - set(cls.__dataclass_fields__)
+    if unknown:
+        raise InvalidRequest(f"{name}: unknown fields {sorted(unknown)}")
+    return cls(**value)
