@@ -2,8 +2,10 @@
 
 Prefill runs layer by layer in Python (torch matmuls for the projections, Kog's kernels for
 everything else), over a batch of chunks of different sequences. Decode runs the whole step --
-every layer, the final norm and the LM head -- in one native call (kog._C.DecodeExecutor,
-built once from kog.schedule). Both write K/V into the same cache, so they mix freely.
+every layer, the final norm and the LM head -- in one native call: on the CPU the decode
+executor (kog._C.DecodeExecutor), on a GPU the persistent decode kernel (kog.models.gpu_decode),
+both built once from kog.schedule. Both write K/V into the same cache, so they mix freely.
+Inputs and outputs (token ids, block tables, logits) are host objects on every device.
 """
 
 from __future__ import annotations
@@ -42,22 +44,32 @@ class ModelRunner:
         num_kv_blocks: device KV blocks (give the KVCacheManager the same number).
         block_size: tokens per KV block.
         num_host_blocks: host swap-pool blocks.
+        device: "cpu" or a GPU ("cuda", "cuda:1"; ROCm devices are "cuda" in torch too).
     """
 
     def __init__(self, model: LoadedModel, num_kv_blocks: int, block_size: int = 16,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, device: str | torch.device = "cpu") -> None:
         c = self.config = model.config
         self.dtype = model.dtype
         self.block_size = block_size
         self.vocab_size = c.vocab_size
         # A sliding window is not implemented: cap sequences at it so results stay exact.
         self.max_model_len = min(c.max_position_embeddings, c.sliding_window or c.max_position_embeddings)
-        self.weights = prepare_weights(c, model.weights, self.dtype)
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise InvalidRequest(f"device must be 'cpu' or a GPU ('cuda'), got {device!r}")
+        self.weights = {k: v.to(self.device) for k, v in prepare_weights(c, model.weights, self.dtype).items()}
         layout = KVLayout(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, self.dtype)
-        self.kv = KVCacheStorage(layout, num_kv_blocks, num_host_blocks)
-        self.inv_freq = ops.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)  # [head_dim / 2]
+        self.kv = KVCacheStorage(layout, num_kv_blocks, num_host_blocks, device=self.device)
+        # [head_dim / 2] f32 RoPE frequencies, on the device
+        self.inv_freq = ops.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(self.device)
         self.lm_head = self.weights["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"]
-        self._executor = build_executor(c, self.weights, self.kv.kv, block_size, self.inv_freq)
+        if self.device.type == "cuda":
+            from kog.models.gpu_decode import GpuDecoder
+
+            self._gpu = GpuDecoder(c, self.weights, self.kv.kv, block_size, self.inv_freq)
+        else:
+            self._executor = build_executor(c, self.weights, self.kv.kv, block_size, self.inv_freq)
 
     # ------------------------------------------------------------------ public API
 
@@ -78,6 +90,7 @@ class ModelRunner:
         hidden, residual = self._layers(b)
         rows = slice(None) if all_logits else b["last"]
         logits = self._head(hidden[rows], residual[rows])  # [rows, vocab]
+        logits = logits.cpu()
         if not all_logits:
             return logits
         return list(torch.split(logits, [len(ch.token_ids) for ch in chunks]))
@@ -118,6 +131,8 @@ class ModelRunner:
             raise InvalidRequest("decode: two sequences write the same cache slot")
         if sampled is not None and (sampled.dtype != np.int64 or sampled.shape != (n,) or not sampled.flags.c_contiguous):
             raise InvalidRequest(f"decode: sampled must be a contiguous int64 array of shape ({n},)")
+        if self.device.type == "cuda":
+            return self._decode_gpu(tokens, positions, tables, sampled)
         logits = torch.empty(n, self.vocab_size, dtype=torch.float32)
         self._executor.run(n, tokens.ctypes.data, positions.ctypes.data, tables.ctypes.data, tables.shape[1],
                            seq_lens.ctypes.data, slots.ctypes.data, logits.data_ptr(),
@@ -125,6 +140,21 @@ class ModelRunner:
         return logits
 
     # ------------------------------------------------------------------ internal helpers
+
+    def _decode_gpu(self, tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray,
+                    sampled: np.ndarray | None) -> torch.Tensor:
+        """The persistent kernel, one launch per group of up to GPU_DECODE_MAX_BATCH sequences.
+        Slots come from the block tables (the engine's slots are the same by construction)."""
+        from kog import _C
+
+        parts = []
+        for a in range(0, tokens.shape[0], _C.GPU_DECODE_MAX_BATCH):
+            z = slice(a, a + _C.GPU_DECODE_MAX_BATCH)
+            res = self._gpu.decode(tokens[z], positions[z], tables[z])
+            parts.append(res.logits.cpu())
+            if sampled is not None:
+                sampled[z] = res.tokens[0].cpu().numpy()
+        return torch.cat(parts)
 
     def _prefill_batch(self, chunks: list[PrefillChunk]) -> dict[str, torch.Tensor]:
         """Flattens chunks into one token batch plus attention metadata."""
@@ -148,7 +178,7 @@ class ModelRunner:
         for i, ch in enumerate(chunks):
             tables[i, :len(ch.block_table)] = ch.block_table
         qsl = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)  # [n + 1]
-        return dict(
+        batch = dict(
             ids=ids,
             positions=torch.cat([torch.arange(ch.start_pos, ch.start_pos + n) for ch, n in zip(chunks, lens)]),
             slots=torch.from_numpy(np.concatenate([np.asarray(ch.slots, dtype=np.int64) for ch in chunks])),
@@ -157,6 +187,7 @@ class ModelRunner:
             qsl=qsl,
             last=(qsl[1:] - 1).long(),
         )
+        return {k: v.to(self.device) for k, v in batch.items()}
 
     def _layers(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """All decoder layers over the flattened batch; returns (last block output, residual)."""
@@ -203,6 +234,6 @@ def _mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> t
     native bf16 matmul units torch's bf16 GEMM is several times slower than converting the
     weight and running the fp32 one (measured 4x on AVX2).
     """
-    if x.dtype == torch.float32 or x.shape[0] < 16:
+    if x.dtype == torch.float32 or x.shape[0] < 16 or x.device.type != "cpu":
         return F.linear(x, w, bias)
     return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)

@@ -1,0 +1,56 @@
+"""ModelRunner on a GPU (prefill through the GPU ops + torch GEMMs, decode through the persistent
+kernel) against the same model on the CPU, and the engine on top of it."""
+
+import pytest
+import torch
+
+from kog.engine import EngineConfig, LLMEngine
+from kog.loader import LoadedModel
+from kog.models import ModelRunner, PrefillChunk
+from kog.sampling_params import SamplingParams
+from kog.testing.gpu import gpu_test_marks
+from kog.testing.greedy import runner_greedy
+from kog.testing.tiny_models import random_weights, tiny_config, tiny_tokenizer
+
+pytestmark = gpu_test_marks()
+
+
+def model(arch: str, dtype=torch.float32) -> LoadedModel:
+    c = tiny_config(arch, max_position_embeddings=1024)
+    w = {k: v.to(dtype) for k, v in random_weights(c, seed=11).items()}
+    return LoadedModel(path=None, config=c, weights=w, dtype=dtype, tokenizer=tiny_tokenizer(),
+                       chat_template=None, stop_token_ids=(2,))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_prefill_logits_match_cpu(device, arch):
+    m = model(arch)
+    cpu, gpu = ModelRunner(m, 64), ModelRunner(m, 64, device=device)
+    prompt = torch.randint(3, m.config.vocab_size, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    table = list(range(19, 0, -1))
+    slots = [table[p // 16] * 16 + p % 16 for p in range(300)]
+    a = cpu.prefill([PrefillChunk(prompt, 0, table, slots)])
+    b = gpu.prefill([PrefillChunk(prompt, 0, table, slots)])
+    assert b.device.type == "cpu" and (a - b).abs().max() <= 1e-3 * a.abs().max()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_ids_match_cpu(device, arch):
+    m = model(arch)
+    prompt = list(range(5, 45))
+    assert runner_greedy(ModelRunner(m, 64, device=device), prompt, 32) == runner_greedy(ModelRunner(m, 64), prompt, 32)
+
+
+def test_engine_batches_more_sequences_than_one_launch_holds(device):
+    m = model("llama")
+    outs = {}
+    for dev in ("cpu", device):
+        runner = ModelRunner(m, 256, device=dev)
+        engine = LLMEngine(runner, m.tokenizer, (2,), 1024, EngineConfig(max_num_seqs=12))
+        for i in range(11):  # > GPU_DECODE_MAX_BATCH: two launches per step
+            engine.add_request(str(i), list(range(3 + i, 20 + 2 * i)), SamplingParams(max_tokens=12, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        outs[str(dev)] = [engine.get_output(str(i)).outputs[0].token_ids for i in range(11)]
+        assert engine.kv.stats()["num_sequences"] == 0
+    assert outs["cpu"] == outs[str(device)]
