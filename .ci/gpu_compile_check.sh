@@ -17,7 +17,7 @@ t0=$SECONDS
 fail() { echo "gpu_compile_check: FAIL: $*" >&2; exit 1; }
 lap() { echo "-- $1: $((SECONDS - t0))s"; t0=$SECONDS; }
 # Lines "RES1 RES2 ... MANGLED_NAME" -> aligned resources, then the kernel name without arguments.
-table() { c++filt | sed 's/(.*//; s/^\(\([^ ]* \)\{'"$1"'\}\)void /\1/' | awk -v n="$1" '{
+table() { c++filt | sed 's/(anonymous namespace)::/anon::/g; s/(.*//; s/^\(\([^ ]* \)\{'"$1"'\}\)void /\1/' | awk -v n="$1" '{
   line = ""; for (i = 1; i <= n; i++) line = line sprintf("%-14s", $i)
   name = ""; for (i = n + 1; i <= NF; i++) name = name " " $i
   print line name }'; }
@@ -67,7 +67,8 @@ print('import ok:', info['backend'], info['gpu_runtime'], 'archs', info['gpu_arc
 ") || fail "$1 module does not import cleanly"
 }
 
-KERNELS=(rmsnorm_kernel rope_kernel silu_and_mul_kernel kv_copy_blocks_kernel)
+KERNELS=(rmsnorm_kernel rope_kernel silu_and_mul_kernel kv_copy_blocks_kernel persistent_decode_kernel
+  attention_partial_kernel attention_combine_kernel linear_kernel kv_append_kernel sample_kernel)
 
 # ---- CUDA -------------------------------------------------------------------------------------
 build_wheel cuda KOG_BACKEND=cuda KOG_GPU_ARCHS=90a
@@ -80,7 +81,7 @@ done
 usage=$("$cuobjdump" --dump-resource-usage "$so" |
   awk '/^arch = /{arch=$3} /^ Function /{name=$2; sub(/:$/, "", name); getline;
        print $1, $2, $3, $4, name}')
-for k in "${KERNELS[@]}"; do grep -q "kog3gpu[0-9]*$k" <<<"$usage" || fail "sm_90a lacks $k"; done
+for k in "${KERNELS[@]}"; do grep -q "kog3gpu.*[0-9]$k" <<<"$usage" || fail "sm_90a lacks $k"; done
 echo "resource usage, sm_90a (REG per thread; SHARED per block; LOCAL > 0 would mean spills):"
 table 4 <<<"$usage"
 ! grep -qv "LOCAL:0 " <<<"$usage" || fail "a kernel uses local memory (register spills?)"
@@ -111,10 +112,14 @@ for arch in gfx90a gfx940; do
          /^    \.vgpr_count:/{vgpr=$2} /^    \.vgpr_spill_count:/{vs=$2}
          /^    \.wavefront_size:/{print "VGPR:" vgpr, "AGPR:" agpr, "SGPR:" sgpr, "LDS:" lds,
            "SCRATCH:" scratch, "VSPILL:" vs, "SSPILL:" ss, "WAVE:" $2, name}')
-  for k in "${KERNELS[@]}"; do grep -q "kog3gpu[0-9]*$k" <<<"$usage" || fail "$arch lacks $k"; done
+  for k in "${KERNELS[@]}"; do grep -q "kog3gpu.*[0-9]$k" <<<"$usage" || fail "$arch lacks $k"; done
   echo "resource usage, $arch (VGPR/SGPR per lane/wave; LDS per block; SCRATCH per lane):"
   table 8 <<<"$usage"
-  ! grep -qv "VSPILL:0 SSPILL:0 " <<<"$usage" || fail "$arch: a kernel spills registers"
+  # VGPR spills go to scratch memory: a failure. SGPR spills go to VGPR lanes (SCRATCH stays 0):
+  # reported, not fatal (the persistent kernel's many uniform params spill there; see docs/GPU.md).
+  ! grep -qv "VSPILL:0 " <<<"$usage" || fail "$arch: a kernel spills vector registers"
+  ! grep -qv "SCRATCH:0 " <<<"$usage" || fail "$arch: a kernel uses scratch memory"
+  grep -v "SSPILL:0 " <<<"$usage" | table 8 | sed "s/^/note: $arch SGPR spills to VGPR lanes: /" || true
   ! grep -qv "WAVE:64 " <<<"$usage" || fail "$arch: a kernel is not wave64"
 done
 import_check rocm rocm
