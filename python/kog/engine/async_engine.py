@@ -8,7 +8,8 @@
 NOTE: only the loop thread touches the LLMEngine (scheduler, KV allocator, runner). Every other
 thread talks to it through a command queue under one lock, and hears back through asyncio
 queues filled with `loop.call_soon_threadsafe`. The native steps release the GIL, so the event
-loop keeps serving while a step runs.
+loop keeps serving while a step runs. Replies of an iteration are sent after its stats snapshot,
+so a consumer that sees its request end also sees the KV it held released in stats().
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class AsyncEngine:
         self._closing = False         # the loop exits once no request is in flight
         self._dead: EngineStepError | None = None
         self._streams: dict[str, RequestStream] = {}  # loop thread only
+        self._outbox: list[tuple[RequestStream | asyncio.Future, Any]] = []  # loop thread only
         self._ids = itertools.count()
         self._stats = self._collect_stats()
         self._thread = threading.Thread(target=self._run, name="kog-engine-loop", daemon=True)
@@ -234,8 +236,10 @@ class AsyncEngine:
             stats = self._collect_stats()
             with self._wake:
                 self._stats = stats
-                if closing and not self._streams and not self._commands:
-                    return
+                exit_now = closing and not self._streams and not self._commands
+            self._send_replies()
+            if exit_now:
+                return
 
     def _apply(self, cmd: _Add | tuple[str, str | None]) -> None:
         if isinstance(cmd, _Add):
@@ -246,10 +250,10 @@ class AsyncEngine:
                     raise self._dead
                 self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.prompt, cmd.priority)
             except Exception as e:  # delivered to the submitter, who raises it
-                _resolve(cmd.accepted, e)
+                self._outbox.append((cmd.accepted, e))
                 return
             self._streams[cmd.request_id] = cmd.stream
-            _resolve(cmd.accepted, None)
+            self._outbox.append((cmd.accepted, None))
         elif cmd[0] == "abort" and cmd[1] in self._streams:
             self._finish(cmd[1], abort=True)
         elif cmd[0] == "abort_all":
@@ -270,7 +274,7 @@ class AsyncEngine:
             if stream is None:
                 continue
             out = self.engine.get_output(rid)
-            stream._push(RequestUpdate(ds, out))
+            self._outbox.append((stream, RequestUpdate(ds, out)))
             if out.finished:
                 self._finish(rid, abort=False)
 
@@ -279,9 +283,9 @@ class AsyncEngine:
         stream = self._streams.pop(rid)
         if abort:
             self.engine.abort(rid)
-            stream._push(RequestUpdate([], self.engine.get_output(rid)))
+            self._outbox.append((stream, RequestUpdate([], self.engine.get_output(rid))))
         self.engine.release(rid)
-        stream._push(_END)
+        self._outbox.append((stream, _END))
 
     def _fail_all(self, cause: Exception) -> None:
         log.exception("engine step failed; failing %d request(s)", len(self._streams))
@@ -293,10 +297,18 @@ class AsyncEngine:
                 self.engine.release(rid)
             except Exception:  # the engine's state is broken: refuse everything from now on
                 self._dead = err
-            stream._push(err)
+            self._outbox.append((stream, err))
         self._streams.clear()
         if self.engine.has_unfinished():
             self._dead = err
+
+    def _send_replies(self) -> None:
+        for target, item in self._outbox:
+            if isinstance(target, RequestStream):
+                target._push(item)
+            else:
+                _resolve(target, item)
+        self._outbox.clear()
 
     def _collect_stats(self) -> dict[str, Any]:
         sched = self.engine.scheduler
