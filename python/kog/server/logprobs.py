@@ -77,7 +77,10 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: lis
         text = token_text(tokenizer, tid)
         out.tokens.append(text)
         out.token_logprobs.append(entry[tid])
-        out.top_logprobs.append({token_text(tokenizer, i): lp for i, lp in _top(entry, k)} if k > 0 else None)
+        top: dict[str, float] = {}
+        for i, lp in _top(entry, k):  # NOTE: tokens with the same text keep the best logprob
+            top.setdefault(token_text(tokenizer, i), lp)
+        out.top_logprobs.append(top if k > 0 else None)
         out.text_offset.append(offset)
         offset += len(text)
     return out
