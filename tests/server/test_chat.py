@@ -157,3 +157,13 @@ def test_assistant_tool_calls_and_tool_results_are_accepted(client):
     ]
     r = client.post("/v1/chat/completions", json={"model": "kog", "messages": history, "tools": TOOLS, "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+def test_extreme_sampling_values_do_not_poison_the_batch(client):
+    """Tiny temperatures sample greedily; a near-zero repetition penalty is refused (400), so
+    no request can put a NaN into a step shared with others."""
+    greedy = chat(client, max_tokens=4, temperature=0).json()["choices"][0]["message"]["content"]
+    tiny = chat(client, max_tokens=4, temperature=1e-300, top_p=5e-324).json()
+    assert tiny["choices"][0]["message"]["content"] == greedy
+    r = chat(client, max_tokens=4, repetition_penalty=5e-324)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty"

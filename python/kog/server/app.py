@@ -27,7 +27,8 @@ from kog.server.tool_parsers import PARSERS
 
 
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, chat_template: ChatTemplate | None,
-              config: ServerConfig | None = None, routers: Sequence[APIRouter] = ()) -> FastAPI:
+              config: ServerConfig | None = None, routers: Sequence[APIRouter] = (),
+              drain_on_shutdown: bool = True) -> FastAPI:
     """The HTTP app.
 
     Args:
@@ -36,6 +37,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, chat_template: ChatTemp
         chat_template: None makes /v1/chat/completions answer 400.
         config: names, API key, limits (defaults: model "kog", no key).
         routers: extra routers (e.g. sessions), included after the OpenAI ones.
+        drain_on_shutdown: the end of the app's lifespan drains and stops the engine (turn off when
+            the lifespan runs more than once, as test clients that wrap each call in one do).
     Returns:
         The FastAPI app; its state.kog is the ServerState.
     """
@@ -46,7 +49,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, chat_template: ChatTemp
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        await engine.shutdown(drain=True, timeout=config.drain_timeout_s)
+        if drain_on_shutdown:
+            await engine.shutdown(drain=True, timeout=config.drain_timeout_s)
 
     app = FastAPI(title="Kog", version=kog.__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of the Kog inference engine. Errors are OpenAI error objects.")

@@ -109,7 +109,8 @@ class SamplingFields(_Body):
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    # NOTE: bounded away from 0: logits / penalty must stay finite in float32 (a NaN fails the step)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
