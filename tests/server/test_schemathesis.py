@@ -20,7 +20,7 @@ schema = schemathesis.openapi.from_asgi("/openapi.json", APP, config=CONFIG)
 
 
 @schema.parametrize()
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 def test_api_never_fails_server_side(case):
     if isinstance(case.body, dict) and "model" in case.body:
         case.body["model"] = "kog"  # reach generation, not only the 404 of an unknown model

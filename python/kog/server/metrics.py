@@ -56,6 +56,7 @@ class RequestTimer:
         self.metrics = metrics
         self.start = time.monotonic()
         self.last: float | None = None
+        self.done = False
 
     def on_tokens(self, n_tokens: int) -> None:
         """Records n_tokens new tokens (from one step, possibly over several choices)."""
@@ -70,6 +71,10 @@ class RequestTimer:
         self.metrics.generation_tokens.inc(n_tokens)
 
     def finish(self, finish_reason: str | None) -> None:
+        """Records the end of the request once (later calls are ignored)."""
+        if self.done:
+            return
+        self.done = True
         self.metrics.e2e.observe(time.monotonic() - self.start)
         self.metrics.requests.labels(finish_reason or "abort").inc()
 

@@ -68,9 +68,11 @@ class Generation:
             raise
 
     def close(self) -> None:
-        """Aborts whatever has not finished (idempotent)."""
+        """Aborts whatever has not finished (idempotent); counted as aborted in the metrics."""
         for s in self.streams:
             s.close()
+        for t in self.timers:
+            t.finish("abort")
 
     async def updates(self) -> AsyncIterator[tuple[int, RequestUpdate]]:
         """(prompt index, update) as the engine produces them, all prompts interleaved."""

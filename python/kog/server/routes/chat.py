@@ -80,8 +80,8 @@ async def _stream(gen: Generation, ctx: _Ctx) -> AsyncIterator[str]:
     done: set[int] = set()
     last: RequestOutput | None = None
     try:
-        yield sse(_chunk(ctx, [ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-                               for i in range(n)]))
+        for i in range(n):
+            yield sse(_chunk(ctx, [ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))]))
         async for _, u in gen.updates():
             last = u.output
             outs = {c.index: c for c in u.output.outputs}
@@ -109,8 +109,8 @@ async def _stream(gen: Generation, ctx: _Ctx) -> AsyncIterator[str]:
             if u.finished:  # an abort ends choices that got no final delta
                 choices += [ChatStreamChoice(index=c.index, delta=ChatDelta(), finish_reason=c.finish_reason or "abort")
                             for c in u.output.outputs if c.index not in done]
-            if choices:
-                yield sse(_chunk(ctx, choices))
+            for choice in choices:  # one choice per chunk, as OpenAI streams (clients read choices[0])
+                yield sse(_chunk(ctx, [choice]))
         if ctx.body.stream_options is not None and ctx.body.stream_options.include_usage and last is not None:
             yield sse(_chunk(ctx, [], usage=_usage(ctx, last)))
         yield SSE_DONE

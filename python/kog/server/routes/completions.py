@@ -93,8 +93,9 @@ async def _stream(gen: Generation, ctx: _Ctx) -> AsyncIterator[str]:
     done: set[int] = set()
     try:
         if ctx.body.echo:
-            yield sse(_chunk(ctx, [CompletionChoice(index=i * n + j, text=ctx.echo(i))
-                                   for i in range(len(ctx.prompts)) for j in range(n)]))
+            for i in range(len(ctx.prompts)):
+                for j in range(n):
+                    yield sse(_chunk(ctx, [CompletionChoice(index=i * n + j, text=ctx.echo(i))]))
         async for i, u in gen.updates():
             last[i] = u.output
             outs = {c.index: c for c in u.output.outputs}
@@ -115,8 +116,8 @@ async def _stream(gen: Generation, ctx: _Ctx) -> AsyncIterator[str]:
             if u.finished:
                 choices += [CompletionChoice(index=i * n + c.index, text="", finish_reason=c.finish_reason or "abort")
                             for c in u.output.outputs if i * n + c.index not in done]
-            if choices:
-                yield sse(_chunk(ctx, choices))
+            for choice in choices:  # one choice per chunk, as OpenAI streams (clients read choices[0])
+                yield sse(_chunk(ctx, [choice]))
         if ctx.body.stream_options is not None and ctx.body.stream_options.include_usage:
             yield sse(_chunk(ctx, [], usage=_usage(ctx.prompts, [last[i] for i in sorted(last)])))
         yield SSE_DONE
