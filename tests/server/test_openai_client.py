@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from server_process import API_KEY, ServerProcess, tiny_gguf
+from kog.testing.server_process import API_KEY, ServerProcess, tiny_gguf
 
 SYSTEM = "You are a helpful assistant. " * 6  # > 2 KV blocks of 16 tokens: a cacheable prefix
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",

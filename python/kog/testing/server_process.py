@@ -1,4 +1,8 @@
-"""A real `kog serve` subprocess on a loopback port, over a tiny random-weight GGUF model."""
+"""A real `kog serve` subprocess on a loopback port (server tests, bench/load_test.py).
+
+    srv = ServerProcess(tiny_gguf(tmp_path), "--api-key", "k")   # waits for /health
+    srv.metric("kog_kv_blocks_used"); srv.terminate(); srv.stop()
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,25 +37,30 @@ def tiny_gguf(folder: Path) -> Path:
 
 
 class ServerProcess:
-    """Starts `kog serve MODEL --port P ...` and waits until /health answers.
+    """Starts `kog serve [MODEL] --port P ...` and waits until /health answers.
 
     Args:
-        model: the model path.
+        model: the model path (None: Kog's default model).
         *flags: extra `kog serve` flags.
+        name: the served model name.
+        startup_timeout: seconds to wait for /health.
     """
 
-    def __init__(self, model: Path, *flags: str, startup_timeout: float = 120.0) -> None:
+    def __init__(self, model: Path | None, *flags: str, name: str = "tiny", startup_timeout: float = 120.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(kog.__file__).parents[1]),
                                                             os.environ.get("PYTHONPATH", "")]))
-        cmd = [sys.executable, "-m", "kog", "serve", str(model), "--port", str(self.port),
-               "--served-model-name", "tiny", "--uvicorn-log-level", "warning", *flags]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cmd = [sys.executable, "-m", "kog", "serve", *([str(model)] if model else []), "--port", str(self.port),
+               "--served-model-name", name, "--uvicorn-log-level", "warning", *flags]
+        # NOTE: output goes to a file, not a pipe: nobody reads a pipe while the server runs, and a
+        # full one would block the server.
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"kog serve exited {self.proc.returncode}:\n{self.proc.stdout.read()}")
+                raise RuntimeError(f"kog serve exited {self.proc.returncode}:\n{self.stop()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
@@ -73,5 +83,6 @@ class ServerProcess:
         """Kills the process if still running; returns its output."""
         if self.proc.poll() is None:
             self.proc.kill()
-        out, _ = self.proc.communicate(timeout=30)
-        return out or ""
+        self.proc.wait(timeout=30)
+        self.log.seek(0)
+        return self.log.read()
