@@ -179,3 +179,23 @@ def test_step_error_fails_requests_and_engine_recovers():
         return out
 
     assert len(run(main()).outputs[0].token_ids) == 4
+
+
+def test_a_failure_outside_step_fails_requests_and_marks_the_engine_dead():
+    async def main():
+        inner = make_engine()
+        engine = AsyncEngine(inner)
+
+        def broken(rid):
+            raise RuntimeError("bookkeeping bug")
+
+        inner.get_output = broken
+        with pytest.raises(kog.EngineStepError, match="bookkeeping bug"):
+            async for _ in engine.generate(PROMPT, params(4)):
+                pass
+        assert engine.stats()["dead"] and not engine.is_accepting
+        with pytest.raises(kog.EngineStepError, match="earlier failure"):
+            await engine.add_request(PROMPT, params())
+        assert await engine.shutdown(timeout=10)
+
+    run(main())

@@ -176,3 +176,17 @@ def test_engine_failure_is_500_and_an_error_event_mid_stream(make_client):
     assert "device lost" in json.loads(events[-2][6:])["error"]["message"] and events[-1] == "data: [DONE]"
     state["fail"] = False
     assert client.post("/v1/completions", json={"model": "kog", "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_a_dead_engine_turns_health_to_503(make_client):
+    engine = make_engine()
+
+    def broken(rid):
+        raise RuntimeError("bookkeeping bug")
+
+    engine.get_output = broken
+    client = make_client(engine)
+    assert_error(client.post("/v1/completions", json={"model": "kog", "prompt": "hi", "max_tokens": 2}), 500)
+    health = client.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "failed"
+    assert "kog_engine_accepting 0.0" in client.get("/metrics").text

@@ -20,72 +20,15 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence as Seq
+from typing import Any, AsyncIterator, Callable, Sequence as Seq
 
 from kog.engine.engine import LLMEngine
-from kog.engine.outputs import RequestOutput, StreamDelta
+from kog.engine.outputs import StreamDelta
+from kog.engine.request_stream import END, RequestStream, RequestUpdate
 from kog.errors import EngineDraining, EngineStepError, QueueFull
 from kog.sampling_params import SamplingParams
 
 log = logging.getLogger("kog.engine")
-
-_END = object()  # pushed after a request's last update
-
-
-@dataclass
-class RequestUpdate:
-    """What one engine step produced for one request."""
-
-    deltas: list[StreamDelta]   # one per sequence (choice) that advanced in this step
-    output: RequestOutput       # the request after the step: texts, token ids, logprobs so far
-
-    @property
-    def finished(self) -> bool:
-        return self.output.finished
-
-
-class RequestStream:
-    """The consumer end of one request: an async iterator of RequestUpdate.
-
-    Closing it before the request finishes (or cancelling the task reading it) aborts the
-    request, which frees its KV before the engine's next step.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._loop = loop
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.finished = False  # set on the consumer side once the last update was read
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestUpdate:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is _END:
-            self.finished = True
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        return item
-
-    def close(self) -> None:
-        """Aborts the request unless it already finished (idempotent)."""
-        if not self.finished:
-            self.finished = True
-            self._engine.abort(self.request_id)
-
-    # ---- called from the loop thread ----------------------------------------------------------
-    def _push(self, item: Any) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
-
 
 @dataclass
 class _Add:
@@ -137,7 +80,7 @@ class AsyncEngine:
         """
         loop = asyncio.get_running_loop()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        stream = RequestStream(self, rid, loop)
+        stream = RequestStream(rid, loop, self.abort)
         add = _Add(rid, list(prompt_token_ids), params, prompt, priority, stream, loop.create_future())
         with self._wake:
             self._check_accepting()
@@ -230,16 +173,25 @@ class AsyncEngine:
                 self._commands.clear()
                 closing = self._closing
             for cmd in commands:
-                self._apply(cmd)
+                self._guarded(self._apply, cmd)
             if self._streams and self._dead is None:
-                self._step()
-            stats = self._collect_stats()
+                self._guarded(self._step)
+            stats = self._guarded(self._collect_stats) or self._stats
             with self._wake:
                 self._stats = stats
                 exit_now = closing and not self._streams and not self._commands
             self._send_replies()
             if exit_now:
                 return
+
+    def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs fn; an exception outside step() is a bug in the loop itself: every request in
+        flight fails and the engine refuses new ones (rather than leaving clients hanging)."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            self._fail_all(e, fatal=True)
+            return None
 
     def _apply(self, cmd: _Add | tuple[str, str | None]) -> None:
         if isinstance(cmd, _Add):
@@ -285,12 +237,14 @@ class AsyncEngine:
             self.engine.abort(rid)
             self._outbox.append((stream, RequestUpdate([], self.engine.get_output(rid))))
         self.engine.release(rid)
-        self._outbox.append((stream, _END))
+        self._outbox.append((stream, END))
 
-    def _fail_all(self, cause: Exception) -> None:
-        log.exception("engine step failed; failing %d request(s)", len(self._streams))
-        err = EngineStepError(f"engine step failed: {type(cause).__name__}: {cause}")
+    def _fail_all(self, cause: Exception, fatal: bool = False) -> None:
+        log.exception("engine loop failed; failing %d request(s)", len(self._streams))
+        err = EngineStepError(f"engine {'loop' if fatal else 'step'} failed: {type(cause).__name__}: {cause}")
         err.__cause__ = cause
+        if fatal:
+            self._dead = err
         for rid, stream in list(self._streams.items()):
             try:
                 self.engine.abort(rid)
@@ -299,7 +253,10 @@ class AsyncEngine:
                 self._dead = err
             self._outbox.append((stream, err))
         self._streams.clear()
-        if self.engine.has_unfinished():
+        try:
+            if self.engine.has_unfinished():
+                self._dead = err
+        except Exception:
             self._dead = err
 
     def _send_replies(self) -> None:
