@@ -117,6 +117,19 @@ def test_client_disconnect_mid_stream_frees_kv(server):
     assert _requests_ended(server, "abort") == aborted_before + 1  # aborted, not run to its end
 
 
+def test_client_timeout_on_a_whole_response_aborts_it(server):
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 200, "n": 8, "ignore_eos": True}
+    aborted_before = _requests_ended(server, "abort")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=0.3)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _requests_ended(server, "abort") == aborted_before:
+        time.sleep(0.05)
+    assert _requests_ended(server, "abort") == aborted_before + 1
+    assert server.metric("kog_kv_blocks_used") == 0
+
+
 def _requests_ended(server, reason):
     text = httpx.get(f"{server.url}/metrics").text
     for line in text.splitlines():
