@@ -116,6 +116,14 @@ def test_tool_call_parsed_with_finish_reason_tool_calls(make_client):
     assert none["message"]["tool_calls"] is None
 
 
+def test_parallel_tool_calls_false_keeps_the_first(make_client):
+    client = scripted_client(make_client, CALL + CALL.replace("Paris", "Rome"))
+    both = chat(client, tools=TOOLS, max_tokens=200, temperature=0).json()["choices"][0]["message"]["tool_calls"]
+    one = chat(client, tools=TOOLS, max_tokens=200, temperature=0, parallel_tool_calls=False).json()
+    assert [json.loads(c["function"]["arguments"])["city"] for c in both] == ["Paris", "Rome"]
+    assert [c["function"]["name"] for c in one["choices"][0]["message"]["tool_calls"]] == ["get_weather"]
+
+
 def test_tool_call_streamed_without_leaking_markup(make_client):
     client = scripted_client(make_client, "Checking. " + CALL)
     chunks = sse_chunks(chat(client, tools=TOOLS, max_tokens=64, temperature=0, stream=True))

@@ -32,8 +32,12 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
     return SamplingParams(**fields)
 
 
-def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                  prompt_field: str = "messages") -> None:
     """400 context_length_exceeded unless the prompt, plus max_tokens (or one token), fits.
+
+    Args:
+        prompt_field: the request field to blame when max_tokens is unset ("messages", "prompt").
 
     Raises:
         APIError: the OpenAI-shaped error, with the numbers.
@@ -43,7 +47,7 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                             f"{wanted} tokens ({num_prompt_tokens} in the prompt, {max_tokens or 1} for the "
                             f"completion). Please reduce the prompt or max_tokens.",
-                       param="messages" if max_tokens is None else "max_tokens", code="context_length_exceeded")
+                       param=prompt_field if max_tokens is None else "max_tokens", code="context_length_exceeded")
 
 
 def default_max_tokens(num_prompt_tokens: int, max_model_len: int) -> int:

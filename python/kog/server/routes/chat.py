@@ -67,7 +67,7 @@ def _choice(ctx: _Ctx, c: CompletionOutput) -> ChatChoice:
     calls: list[ParsedToolCall] = []
     if ctx.parser is not None:
         parsed = parse_tool_calls(c.text, ctx.parser)
-        content, calls = parsed.content, parsed.calls or _named_call(c.text, ctx.body)
+        content, calls = parsed.content, _limit(parsed.calls, ctx.body) or _named_call(c.text, ctx.body)
         content = None if calls and not parsed.calls else content
     logprobs = chat_logprobs(ctx.state.tokenizer, c.token_ids, c.logprobs or [], ctx.k) if ctx.k is not None else None
     message = AssistantMessage(content=content, tool_calls=[_tool_call(t) for t in calls] or None)
@@ -92,7 +92,7 @@ async def _stream(gen: Generation, ctx: _Ctx) -> AsyncIterator[str]:
                     text = streamers[d.index].feed(text)
                     if finish is not None:
                         rest, calls = streamers[d.index].finish()
-                        calls = calls or _named_call(streamers[d.index].text, ctx.body)
+                        calls = _limit(calls, ctx.body) or _named_call(streamers[d.index].text, ctx.body)
                         text = text + rest if not calls or rest.strip() else text
                 logprobs = None
                 if ctx.k is not None:
@@ -137,6 +137,11 @@ def _usage(ctx: _Ctx, out: RequestOutput) -> Usage:
 
 def _finish(reason: str | None, calls: list[ParsedToolCall]) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _limit(calls: list[ParsedToolCall], body: ChatCompletionRequest) -> list[ParsedToolCall]:
+    """parallel_tool_calls: false keeps the first call only."""
+    return calls if body.parallel_tool_calls else calls[:1]
 
 
 def _named_call(text: str, body: ChatCompletionRequest) -> list[ParsedToolCall]:

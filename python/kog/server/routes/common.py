@@ -16,7 +16,12 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     503: {"model": ErrorResponse, "description": "Shutting down"},
 }
 
+# NOTE: an SSE schema describes one event (as OpenAPI 3.2's itemSchema does, and schemathesis
+# checks each event against it): its `data` is a JSON chunk, or `[DONE]` to end the stream.
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE]"},
+                             "event": {"type": "string"}}}
 STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+    200: {"content": {"text/event-stream": {"schema": _SSE_EVENT}},
           "description": "The response; with stream: true, `data: {chunk}` events then `data: [DONE]`"},
 }

@@ -31,7 +31,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", param="echo")
     texts, prompts = _prompts(body, state)
     for ids in prompts:
-        check_context(len(ids), body.max_tokens, state.max_model_len)
+        check_context(len(ids), body.max_tokens, state.max_model_len, "prompt")
     params = sampling_params(body, body.max_tokens, body.logprobs)
     gen = Generation(state)
     ctx = _Ctx(state, body, f"cmpl-{uuid.uuid4().hex}", texts, prompts)
