@@ -79,3 +79,31 @@ def test_metrics_count_tokens_and_latencies(client):
     assert metric(text, "kog_prefix_cache_hits_total") >= sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages) > 0
     assert metric(text, "kog_prefix_cache_queries_total") >= metric(text, "kog_prefix_cache_hits_total")
     assert 'kog_requests_total{finish_reason="length"} 3.0' in text
+
+
+def test_extra_routers_plug_in_with_state_and_auth():
+    """How the sessions API will join: a router reading app.state.kog, guarded by the API key."""
+    from fastapi import APIRouter, Depends, Request
+    from fastapi.testclient import TestClient
+
+    from kog.engine import AsyncEngine
+    from kog.server import ServerConfig, build_app
+    from kog.server.state import get_state, require_api_key
+
+    from server_helpers import TEMPLATE
+
+    router = APIRouter(dependencies=[Depends(require_api_key)])
+
+    @router.get("/v1/sessions")
+    async def sessions(request: Request) -> dict:
+        return {"model": get_state(request).model_name, "running": get_state(request).engine.stats()["running"]}
+
+    engine = AsyncEngine(make_engine())
+    app = build_app(engine, TOK, TEMPLATE, ServerConfig(api_key="k"), routers=[router])
+    try:
+        client = TestClient(app)
+        assert client.get("/v1/sessions").status_code == 401
+        assert client.get("/v1/sessions", headers={"Authorization": "Bearer k"}).json() == {"model": "kog", "running": 0}
+        assert "/v1/sessions" in client.get("/openapi.json").json()["paths"]
+    finally:
+        engine.close()
