@@ -13,6 +13,7 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`kog serve`'s flags."""
     p.add_argument("model", nargs="?", default=None,
                    help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
@@ -42,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Loads the model and serves until SIGTERM/SIGINT. Returns the exit status (1: bad model)."""
     from kog.errors import KogError
 
     try:

@@ -121,10 +121,12 @@ class AsyncEngine:
 
     @property
     def is_accepting(self) -> bool:
+        """False once shutdown() began or the engine failed."""
         return self._accepting and self._dead is None
 
     @property
     def dead_error(self) -> EngineStepError | None:
+        """The failure that stopped the engine, if one did."""
         return self._dead
 
     async def shutdown(self, drain: bool = True, timeout: float | None = None) -> bool:

@@ -53,11 +53,13 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The JSON body of an OpenAI error; `type` follows from the status."""
     detail = ErrorDetail(message=message, type=_TYPES.get(status, "server_error"), param=param, code=code)
     return ErrorResponse(error=detail).model_dump()
 
 
 def error_response(err: APIError) -> JSONResponse:
+    """The HTTP response for an APIError (status, body, headers)."""
     return JSONResponse(error_body(err.status, err.message, err.param, err.code), status_code=err.status,
                         headers=err.headers)
 

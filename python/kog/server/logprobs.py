@@ -14,6 +14,7 @@ from kog.server.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob,
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    """One token as text, special tokens included."""
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 

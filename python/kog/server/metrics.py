@@ -42,9 +42,11 @@ class ServerMetrics:
         r.register(_EngineCollector(engine))
 
     def render(self) -> bytes:
+        """Every metric in the Prometheus text format."""
         return generate_latest(self.registry)
 
     def timer(self, num_prompt_tokens: int) -> RequestTimer:
+        """Counts an accepted prompt and returns the timer of its request."""
         self.prompt_tokens.inc(num_prompt_tokens)
         return RequestTimer(self)
 

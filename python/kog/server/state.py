@@ -61,6 +61,7 @@ class ServerState:
 
 
 def get_state(request: Request) -> ServerState:
+    """The ServerState of the app serving `request` (any router may use it)."""
     return request.app.state.kog
 
 

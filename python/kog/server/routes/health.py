@@ -14,6 +14,7 @@ router = APIRouter(tags=["ops"])
 
 @router.get("/health", response_model=Health, responses={503: {"model": Health, "description": "Draining or failed"}})
 async def health(request: Request) -> JSONResponse:
+    """200 while accepting requests; 503 when draining or after an engine failure."""
     engine = get_state(request).engine
     s = engine.stats()
     status = "failed" if s["dead"] else "ok" if s["accepting"] else "draining"
@@ -25,4 +26,5 @@ async def health(request: Request) -> JSONResponse:
             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
                              "description": "Prometheus text format"}})
 async def metrics(request: Request) -> Response:
+    """Prometheus metrics (see docs/SERVER.md)."""
     return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)

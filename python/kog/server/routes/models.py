@@ -13,6 +13,7 @@ router = APIRouter(tags=["openai"], dependencies=[Depends(require_api_key)])
 
 @router.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]})
 async def list_models(request: Request) -> ModelList:
+    """The served model names, each with the context length."""
     state = get_state(request)
     return ModelList(data=[ModelCard(id=name, created=state.created, max_model_len=state.max_model_len)
                            for name in state.config.served_model_names])
