@@ -2,6 +2,8 @@
 
     srv = ServerProcess(tiny_gguf(tmp_path), "--api-key", "k")   # waits for /health
     srv.metric("kog_kv_blocks_used"); srv.terminate(); srv.stop()
+
+Needs httpx (in the `test` extra).
 """
 
 from __future__ import annotations
