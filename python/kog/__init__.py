@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from kog.errors import (
     BackendError,
+    EngineDraining,
+    EngineStepError,
     InvalidOperation,
     InvalidRequest,
     KogError,
     KVCacheFull,
     ModelLoadError,
+    QueueFull,
     UnknownSequence,
 )
 from kog.info import backend_info
@@ -18,11 +21,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendError",
+    "EngineDraining",
+    "EngineStepError",
     "InvalidOperation",
     "InvalidRequest",
     "KVCacheFull",
     "KogError",
     "ModelLoadError",
+    "QueueFull",
     "UnknownSequence",
     "LLM",
     "SamplingParams",

@@ -38,6 +38,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from kog.serve_cli import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kog", description="Kog: LLM inference for AI agents")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -56,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(p_gen)
     p_gen.set_defaults(func=_cmd_generate)
+    p_serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    from kog.serve_cli import add_arguments as add_serve_arguments
+
+    add_serve_arguments(p_serve)
+    p_serve.set_defaults(func=_cmd_serve)
     return parser
 
 

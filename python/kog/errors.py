@@ -34,12 +34,27 @@ class BackendError(KogError, RuntimeError):
     """The native backend failed, or the requested backend is not in this build."""
 
 
+class QueueFull(KogError):
+    """The async engine's waiting queue is at its limit; retry later (HTTP 429)."""
+
+
+class EngineDraining(KogError):
+    """The async engine is shutting down and accepts no new request (HTTP 503)."""
+
+
+class EngineStepError(KogError, RuntimeError):
+    """An engine step failed; every request in flight at that moment is failed with it."""
+
+
 __all__ = [
     "BackendError",
+    "EngineDraining",
+    "EngineStepError",
     "InvalidOperation",
     "InvalidRequest",
     "KVCacheFull",
     "KogError",
     "ModelLoadError",
+    "QueueFull",
     "UnknownSequence",
 ]

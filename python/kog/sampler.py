@@ -77,6 +77,7 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the mass before it already reaches top_p (the first always stays).
         drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
+        drop_sorted[0] = False  # NOTE: a top_p below float32's smallest value compares as 0
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         out = out.masked_fill(drop, float("-inf"))
     if p.min_p > 0.0:

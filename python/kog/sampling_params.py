@@ -9,6 +9,7 @@ from kog.errors import InvalidRequest
 from kog.spec.params import SpeculativeParams, StructuredOutputParams
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 
 
 @dataclass
@@ -71,7 +72,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # NOTE: logits / temperature overflows float32 below about 1e-5 (a NaN would fail the
+        # whole batch's step); sampling there is argmax anyway, as in vLLM.
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the first invalid field."""

@@ -101,6 +101,15 @@ def test_filters_top_k_top_p_min_p():
     assert finite(SamplingParams(top_k=-1, top_p=1.0)) == [True] * 4
 
 
+def test_extreme_temperature_and_top_p_never_make_nan():
+    """A tiny temperature samples greedily and a top_p that underflows float32 keeps the best
+    token: either would otherwise put a NaN into the step of every request in the batch."""
+    logits = torch.tensor([[0.1, 3.0, 0.2, -1.0]])
+    for p in (SamplingParams(temperature=1e-300), SamplingParams(top_p=5e-324), SamplingParams(top_p=1e-40)):
+        assert sample(logits, [row(p)]).token_ids == [1]
+    assert torch.isfinite(filter_logits(logits[0], SamplingParams(top_p=5e-324))).tolist() == [False, True, False, False]
+
+
 def test_logprobs_are_the_raw_distribution():
     logits = torch.tensor([[1.0, 2.0, 3.0, 0.5]])
     p = SamplingParams(temperature=0, logprobs=2, repetition_penalty=1.5)

@@ -1,0 +1,111 @@
+"""Every failure leaves the server as an OpenAI error object with the right HTTP status:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": null}}
+
+| cause                                          | status | type / code                               |
+|------------------------------------------------|--------|-------------------------------------------|
+| bad body (pydantic), kog.InvalidRequest        | 400    | invalid_request_error                     |
+| prompt (+ max_tokens) over the context         | 400    | invalid_request_error / context_length_exceeded |
+| missing or wrong API key                       | 401    | authentication_error / invalid_api_key    |
+| unknown model, unknown path                    | 404    | not_found_error / model_not_found         |
+| body over the size limit                       | 413    | invalid_request_error / request_too_large |
+| waiting queue full (kog.QueueFull)             | 429    | rate_limit_error, with Retry-After        |
+| shutting down (kog.EngineDraining)             | 503    | service_unavailable                       |
+| engine step failed (kog.EngineStepError)       | 500    | server_error                              |
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kog.errors import EngineDraining, EngineStepError, InvalidRequest, QueueFull
+from kog.server.responses import ErrorDetail, ErrorResponse
+
+log = logging.getLogger("kog.server")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error to send as an OpenAI error object.
+
+    Args:
+        status: HTTP status.
+        message: for the client.
+        param: the request field at fault, if one is.
+        code: a machine-readable code ("context_length_exceeded", "model_not_found", ...).
+        headers: extra response headers (Retry-After).
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The JSON body of an OpenAI error; `type` follows from the status."""
+    detail = ErrorDetail(message=message, type=_TYPES.get(status, "server_error"), param=param, code=code)
+    return ErrorResponse(error=detail).model_dump()
+
+
+def error_response(err: APIError) -> JSONResponse:
+    """The HTTP response for an APIError (status, body, headers)."""
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code), status_code=err.status,
+                        headers=err.headers)
+
+
+def to_api_error(exc: BaseException, retry_after_s: int = 1) -> APIError:
+    """Maps Kog's exceptions (and anything else) to the APIError the client gets."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequest):
+        return APIError(400, str(exc), param=_param_of(str(exc)))
+    if isinstance(exc, QueueFull):
+        return APIError(429, str(exc), headers={"Retry-After": str(retry_after_s)})
+    if isinstance(exc, EngineDraining):
+        return APIError(503, str(exc))
+    if isinstance(exc, EngineStepError):
+        return APIError(500, str(exc))
+    log.exception("unexpected error", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}")
+
+
+def install_error_handlers(app: FastAPI, retry_after_s: int = 1) -> None:
+    """Routes every exception through to_api_error; replaces FastAPI's 422 with a 400."""
+
+    async def on_kog_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(to_api_error(exc, retry_after_s))
+
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+                            for e in errors[:5])
+        return error_response(APIError(400, message or "invalid request body", param=param))
+
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
+        return error_response(err)
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    for cls in (APIError, InvalidRequest, QueueFull, EngineDraining, EngineStepError, Exception):
+        app.add_exception_handler(cls, on_kog_error)
+
+
+def _param_of(message: str) -> str | None:
+    """SamplingParams.validate() starts its messages with the field name ("top_p must be ...")."""
+    m = re.match(r"([a-z_]+) (must|is|are) ", message)
+    return m.group(1) if m else None

@@ -1,0 +1,149 @@
+"""OpenAI request bodies, validated by pydantic (field names and ranges as OpenAI's, a few of
+vLLM's extensions: top_k, min_p, repetition_penalty, min_tokens, ignore_eos, priority, ...).
+
+Unknown fields are ignored, as OpenAI-compatible servers do. Response shapes: responses.py.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_TOP_LOGPROBS = 20
+NAME_PATTERN = r"^[a-zA-Z0-9_.\-]{1,64}$"
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+# ---- tools ----------------------------------------------------------------------------------------
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema, handed to the chat template as is
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str = Field(pattern=NAME_PATTERN)
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+
+
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+# ---- response_format (shape checked; decoding is not constrained yet, see docs/SERVER.md) -----
+class ResponseFormatText(_Body):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(_Body):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Body):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatJsonSchema(_Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[Union[ResponseFormatText, ResponseFormatJsonObject, ResponseFormatJsonSchema],
+                           Field(discriminator="type")]
+
+
+# ---- messages -------------------------------------------------------------------------------------
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # only text parts: Kog serves text models
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+# ---- requests -------------------------------------------------------------------------------------
+class SamplingFields(_Body):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    n: int = Field(1, ge=1, le=64)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    # NOTE: bounded away from 0: logits / penalty must stay finite in float32 (a NaN fails the step)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0  # lower runs first (vLLM's convention)
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+PromptInput = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    response_format: ResponseFormat | None = None

@@ -1,0 +1,78 @@
+"""Tool-call parsing: Hermes/Qwen/SmolLM blocks, Llama-3 bare JSON, malformed calls kept as text,
+and the streaming hold-back that never leaks part of a call as content."""
+
+import json
+
+import pytest
+
+from kog.server.tool_parsers import ToolStreamer, content_end, parse_tool_calls
+
+HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+          '<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>')
+LLAMA = '{"name": "get_weather", "parameters": {"city": "Tōkyō", "unit": "c"}}'
+
+
+def args(call):
+    return json.loads(call.arguments)
+
+
+def test_hermes_blocks_and_content():
+    r = parse_tool_calls(HERMES, "hermes")
+    assert [c.name for c in r.calls] == ["get_weather", "get_time"]
+    assert args(r.calls[0]) == {"city": "Paris"} and args(r.calls[1]) == {"tz": "CET"}
+    assert r.content == "Let me check."
+
+
+def test_hermes_unclosed_last_block_and_string_arguments():
+    r = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}', "auto")
+    assert [(c.name, args(c)) for c in r.calls] == [("f", {"x": 1})] and r.content is None
+
+
+def test_llama3_json_single_multiple_and_python_tag():
+    r = parse_tool_calls(LLAMA, "llama3_json")
+    assert r.content is None and r.calls[0].name == "get_weather"
+    assert args(r.calls[0]) == {"city": "Tōkyō", "unit": "c"}
+    r = parse_tool_calls('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"k": [1]}}', "auto")
+    assert [(c.name, args(c)) for c in r.calls] == [("a", {}), ("b", {"k": [1]})]
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>{not json}</tool_call>",
+    '<tool_call>{"arguments": {}}</tool_call>',              # no name
+    '{"name": "f", "parameters": [1, 2]}',                   # arguments not an object
+    '{"answer": 42}',                                        # JSON, but not a call
+    "plain text with { braces }",
+])
+def test_malformed_calls_stay_content(text):
+    r = parse_tool_calls(text, "auto")
+    assert r.calls == [] and r.content == text
+
+
+def test_parser_choice_matters():
+    assert parse_tool_calls(LLAMA, "hermes").calls == []
+    assert parse_tool_calls(HERMES, "llama3_json").calls == []
+
+
+def test_content_end_holds_back_marker_prefixes():
+    assert content_end("Hello <tool", "hermes") == len("Hello ")
+    assert content_end("Hello <tool_call>{", "hermes") == len("Hello ")
+    assert content_end("Hello <b>", "hermes") == len("Hello <b>")
+    assert content_end("  {", "llama3_json") == 0 and content_end("Sure", "llama3_json") == 4
+    assert content_end("<|pyth", "auto") == 0
+
+
+@pytest.mark.parametrize("parser", ["auto", "hermes"])
+def test_streamer_never_emits_part_of_a_call(parser):
+    s = ToolStreamer(parser)
+    sent = "".join(s.feed(HERMES[i:i + 3]) for i in range(0, len(HERMES), 3))
+    rest, calls = s.finish()
+    assert "<" not in sent + rest and (sent + rest).startswith("Let me check.")
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+
+
+def test_streamer_releases_held_text_when_no_call():
+    s = ToolStreamer("auto")
+    text = "a < b and {x} <tool"
+    sent = "".join(s.feed(ch) for ch in text)
+    rest, calls = s.finish()
+    assert calls == [] and sent + rest == text
