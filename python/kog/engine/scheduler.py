@@ -132,6 +132,7 @@ class Scheduler:
     # ---- internal helpers ---------------------------------------------------------------------
     def _fill(self, out: SchedulerOutput) -> None:
         budget = self.max_num_batched_tokens
+        preempted = len(out.preempted)
         decoding = [s for s in self.running if s.num_to_compute == 1 and not s.prefill_only]
         for seq in sorted(decoding, key=_order):
             if seq.status is not SeqStatus.RUNNING or budget <= 0:
@@ -149,7 +150,9 @@ class Scheduler:
                 break
             out.prefill.append(work)
             budget -= work.n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # NOTE: no admission after a decode preempted: the victim would only be swapped or
+        # recomputed straight back in, in place of the work that needed its blocks.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(out.preempted) == preempted:
             seq = self.waiting[0]
             if not self._admit(seq):
                 break
