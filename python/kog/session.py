@@ -109,10 +109,16 @@ class Session:
         self._rendered = len(full)
 
     def fork(self, n: int) -> list[Session]:
-        """n new sessions with this context, sharing its KV copy-on-write (no copies)."""
+        """n new sessions with this context, sharing its KV copy-on-write (no copies). Tokens
+        appended since the last generation are prefilled first, once for all branches."""
         self._check_open()
         if n < 1:
             raise InvalidRequest(f"fork: n must be >= 1, got {n}")
+        info = self.llm.engine.session_info(self.session_id)
+        if info["num_computed"] < len(info["token_ids"]) - 1:  # compute appended tokens once, not per branch
+            rid = self.llm._next_id()
+            self.llm.engine.prefill_session(self.session_id, rid)
+            self.llm._run([rid])
         ids = [self.llm._next_session_id() for _ in range(n)]
         self.llm.engine.fork_session(self.session_id, ids)
         children = []

@@ -1,7 +1,7 @@
 """Stateful property test: the engine with agent sessions under a tiny KV pool, against a plain
 model of what every request must return.
 
-Rules open / generate in / fork / suspend / append to / rollback / close sessions, add and abort
+Rules open / generate in / prefill / fork / suspend / append to / rollback / close sessions, add and abort
 stateless requests, and step the engine. The model keeps each session's context; every finished
 request's tokens must equal the fake model's oracle on the context it was given (so any KV
 kept, forked, truncated, swapped, dropped or preempted wrongly shows up). Invariants: the
@@ -91,6 +91,20 @@ class EngineSessionsMachine(RuleBasedStateMachine):
         self.engine.session_generate(sid, rid, greedy(k))
         self.sessions[sid]["busy"] = rid
         self.requests[rid] = {"session": sid, "context": list(context), "k": k, "open": False}
+
+    @precondition(lambda self: self.idle())
+    @rule(data=st.data())
+    def prefill(self, data):
+        sid = data.draw(st.sampled_from(self.idle()))
+        context = self.sessions[sid]["context"]
+        rid = self.new_id("p")
+        if len(context) >= MAX_LEN:
+            with pytest.raises(kog.InvalidRequest):
+                self.engine.prefill_session(sid, rid)
+            return
+        self.engine.prefill_session(sid, rid)
+        self.sessions[sid]["busy"] = rid
+        self.requests[rid] = {"session": sid, "context": list(context), "k": 1, "open": True}
 
     @rule(tokens=st.lists(st.integers(3, 60), min_size=1, max_size=24), k=st.integers(1, 8))
     def add_request(self, tokens, k):

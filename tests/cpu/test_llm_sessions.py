@@ -62,7 +62,10 @@ def test_token_sessions_fork_rollback_and_close():
     for o, p in zip(outs, seeded):
         assert o.outputs[0].token_ids == llm.generate({"prompt_token_ids": context}, p)[0].outputs[0].token_ids
         assert o.prefill_tokens_computed == 1
-    for b in branches[1:]:
+    s.append(token_ids=TOK.encode(" tool result: 21 degrees"))
+    pair = s.fork(2)  # the appended tokens are prefilled once, then shared
+    assert [b.generate(GREEDY).prefill_tokens_computed for b in pair] == [1, 1]
+    for b in branches[1:] + pair:
         b.close()
     keep = branches[0]
     assert keep.suspend(offload=True) == "swapped"

@@ -240,3 +240,19 @@ def test_prefix_caching_can_be_turned_off():
         run_until_done(engine, [rid])
         assert engine.get_output(rid).num_cached_tokens == 0
         assert engine.get_output(rid).prefill_tokens_computed == 20
+
+
+def test_prefill_session_computes_appended_tokens_once_before_a_fork():
+    engine, _ = fake_engine(TOK)
+    open_session(engine, "s", ids(18, 10))
+    gen(engine, "s", "t1")
+    engine.append_session("s", ids(19, 7))
+    context = engine.session_info("s")["token_ids"]
+    engine.prefill_session("s", "p")
+    run_until_done(engine, ["p"])
+    assert engine.get_output("p").prefill_tokens_computed == 7  # pending token + 6; the last stays pending
+    assert engine.get_output("p").outputs[0].token_ids == []
+    engine.fork_session("s", ["a", "b"])
+    for sid in ("a", "b"):
+        out = gen(engine, sid, f"g{sid}")
+        assert out.outputs[0].token_ids == oracle(context) and out.prefill_tokens_computed == 1

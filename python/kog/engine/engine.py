@@ -118,6 +118,12 @@ class LLMEngine:
         context. params.n must be 1 (use fork_session for branches)."""
         self.sessions.generate(session_id, request_id, params, priority)
 
+    def prefill_session(self, session_id: str, request_id: str, priority: int = 0) -> None:
+        """Queues a prefill-only request computing an idle session's pending tokens (all but
+        the last). Run it before fork_session after an append: each branch would otherwise
+        compute the appended tokens itself. Its output has no tokens."""
+        self.sessions.prefill(session_id, request_id, priority)
+
     def append_session(self, session_id: str, token_ids: Seq[int]) -> None:
         """Adds tokens (a tool result, the next user turn) to an idle session's context; they
         are prefilled by its next generation."""

@@ -63,20 +63,13 @@ class SessionManager:
         return rid
 
     def generate(self, session_id: str, request_id: str, params: SamplingParams, priority: int) -> None:
-        st = self._idle(session_id)
         if params.n != 1:
             raise InvalidRequest("a session generates one completion; use fork_session for branches")
-        ids = self.engine._validate_prompt(st.token_ids)
         params.validate()
-        if request_id in self.engine._requests:
-            raise InvalidRequest(f"request id {request_id!r} is already in use")
-        old = st.seq
-        seq = self._sequence(request_id, session_id, ids, params, priority, old.seq_id)
-        seq.num_computed = seq.num_cached_tokens = old.num_computed
-        self.engine.scheduler.unpark(old)
-        st.seq, st.request_id = seq, request_id
-        self.engine._register(request_id, seq, None)
-        self.engine.scheduler.add(seq)
+        self._queue(session_id, request_id, params, priority, prefill_only=False)
+
+    def prefill(self, session_id: str, request_id: str, priority: int) -> None:
+        self._queue(session_id, request_id, SamplingParams(), priority, prefill_only=True)
 
     def append(self, session_id: str, token_ids: Seq[int]) -> None:
         st = self._idle(session_id)
@@ -166,6 +159,22 @@ class SessionManager:
             st.pin = self.engine.kv.pin(st.prefix)  # the prefix's full blocks, computed by now
 
     # ---- internal helpers ---------------------------------------------------------------------
+    def _queue(self, session_id: str, request_id: str, params: SamplingParams, priority: int,
+               prefill_only: bool) -> None:
+        """Queues a request on the session's KV: a new Sequence under the same seq id."""
+        st = self._idle(session_id)
+        ids = self.engine._validate_prompt(st.token_ids)
+        if request_id in self.engine._requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        old = st.seq
+        seq = self._sequence(request_id, session_id, ids, params, priority, old.seq_id)
+        seq.num_computed = seq.num_cached_tokens = old.num_computed
+        seq.prefill_only = prefill_only
+        self.engine.scheduler.unpark(old)
+        st.seq, st.request_id = seq, request_id
+        self.engine._register(request_id, seq, None)
+        self.engine.scheduler.add(seq)
+
     def _sequence(self, rid: str, session_id: str, ids: list[int], params: SamplingParams,
                   priority: int, seq_id: int | None = None) -> Sequence:
         seq = self.engine._new_sequence(rid, 0, list(ids), params, priority, seq_id)
