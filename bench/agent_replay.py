@@ -139,9 +139,9 @@ class Driver:
             else:
                 wakes = [ag.wake for ag in self.agents if not ag.pending and ag.turn < len(ag.turns)]
                 time.sleep(max(0.0, min(wakes) - time.monotonic()))
-            for ag in self.agents:
+            for i, ag in enumerate(self.agents):
                 if ag.pending and all(self.engine.get_output(r).finished for r in ag.pending):
-                    self._complete(ag)
+                    self._complete(i, ag)
         for ag in self.agents:
             if ag.session:
                 self.engine.close_session(ag.session)
@@ -161,22 +161,32 @@ class Driver:
             rid = f"{ag.name}/t{ag.turn}"
             self.engine.add_request(rid, ag.context, params_for(turn, i, ag.turn, n=3 if turn.fork else 1))
             ag.pending = [rid]
-        elif turn.fork:
-            branches = [f"{ag.name}/s{self.ids}b{b}" for b in range(3)]
-            self.engine.fork_session(ag.session, branches)
-            self.engine.close_session(ag.session)  # the branches hold the shared KV now
-            ag.pending = []
-            for b, sid in enumerate(branches):
-                rid = f"{sid}/t{ag.turn}"
-                self.engine.session_generate(sid, rid, params_for(turn, i, ag.turn, branch=b))
-                ag.pending.append(rid)
-            ag.branches = branches
+        elif turn.fork:  # compute the tool result once, then fork (see _complete)
+            rid = f"{ag.session}/t{ag.turn}/prefill"
+            self.engine.prefill_session(ag.session, rid)
+            ag.pending = [rid]
+            ag.branches = []
         else:
             rid = f"{ag.session}/t{ag.turn}"
             self.engine.session_generate(ag.session, rid, params_for(turn, i, ag.turn))
             ag.pending = [rid]
 
-    def _complete(self, ag: Agent) -> None:
+    def _fork(self, i: int, ag: Agent) -> None:
+        self.prefill_tokens += self.engine.get_output(ag.pending[0]).prefill_tokens_computed
+        self.engine.release(ag.pending[0])
+        ag.branches = [f"{ag.name}/s{ag.turn}b{b}" for b in range(3)]
+        self.engine.fork_session(ag.session, ag.branches)
+        self.engine.close_session(ag.session)  # the branches hold the shared KV now
+        ag.pending = []
+        for b, sid in enumerate(ag.branches):
+            rid = f"{sid}/t{ag.turn}"
+            self.engine.session_generate(sid, rid, params_for(ag.current, i, ag.turn, branch=b))
+            ag.pending.append(rid)
+
+    def _complete(self, i: int, ag: Agent) -> None:
+        if self.sessions and ag.current.fork and not ag.branches:
+            self._fork(i, ag)
+            return
         outs = [self.engine.get_output(r) for r in ag.pending]
         first = min(o.metrics["first_token_time"] for o in outs)
         self.ttft.append(first - ag.submitted)
