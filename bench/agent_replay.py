@@ -234,6 +234,7 @@ def main() -> None:
         driver = Driver(engine, system, agents, sessions)
         wall = driver.run()
         results[mode] = (wall, driver.prefill_tokens, driver.ttft, [o for ag in agents for o in ag.outputs])
+        print(f"# {mode}: {wall:.1f} s, {driver.prefill_tokens} prefill tokens", flush=True)
     a, b = results["sessions"], results["stateless"]
     same = sum(x == y for x, y in zip(a[3], b[3]))
     print(f"agent replay: {args.agents} agents x {args.turns} turns, system prompt {len(system)} tokens, "
