@@ -100,7 +100,8 @@ def tiny_llm(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny") / "hf"
     config = tiny_config("llama")
     write_hf_model(folder, config, random_weights(config, seed=3))
-    return kog.LLM(str(folder), "float32", max_num_batched_tokens=16, kv_cache_gib=0.01, block_size=4)
+    return kog.LLM(str(folder), "float32", max_num_batched_tokens=16, kv_cache_gib=0.01, block_size=4,
+                   swap_space_gib=0.001)
 
 
 def test_real_model_session_equals_stateless_greedy(tiny_llm):
@@ -110,6 +111,7 @@ def test_real_model_session_equals_stateless_greedy(tiny_llm):
     tool = TOK.encode(' {"name": "get_weather"}')
     with llm.session(prompt_token_ids=prefix) as s:
         first = s.generate(params)
+        assert llm.engine.kv.num_host_blocks > 0 and s.suspend(offload=True) == "swapped"
         s.append(token_ids=tool)
         second = s.generate(params)
         context = prefix + first.outputs[0].token_ids + tool
