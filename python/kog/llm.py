@@ -4,6 +4,8 @@
     out = llm.generate(["The capital of France is"], kog.SamplingParams(max_tokens=16))
     print(out[0].outputs[0].text)
     llm.chat([{"role": "user", "content": "Hi!"}])
+    with llm.session(messages=[...], tools=[...]) as s:   # an agent session (docs/SESSIONS.md)
+        s.generate(params); s.append(messages=[...]); s.generate(params)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from kog.engine import EngineConfig, LLMEngine, RequestOutput, StreamDelta
 from kog.errors import InvalidRequest
 from kog.loader import ChatTemplate, Tokenizer, load_model
 from kog.sampling_params import SamplingParams
+from kog.session import Session
 
 PromptType = str | dict[str, Any]
 
@@ -37,11 +40,15 @@ class LLM:
         kv_cache_gib: memory for the paged KV cache.
         block_size: tokens per KV block.
         progress: progress bar while loading (None: when stderr is a TTY).
+        swap_space_gib: host memory for swapped-out KV (suspended sessions, preempted
+            sequences); 0 disables swapping.
+        enable_prefix_caching: reuse the KV of cached prompt prefixes across requests.
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, dtype: str | torch.dtype | None = None, *,
                  max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
-                 kv_cache_gib: float | None = None, block_size: int = 16, progress: bool | None = None) -> None:
+                 kv_cache_gib: float | None = None, block_size: int = 16, progress: bool | None = None,
+                 swap_space_gib: float = 0.0, enable_prefix_caching: bool = True) -> None:
         from kog.kvcache import KVLayout
         from kog.models.runner import ModelRunner
 
@@ -52,9 +59,13 @@ class LLM:
         wanted = max_num_seqs * -(-context // block_size)
         budget = int((kv_cache_gib or DEFAULT_KV_CACHE_GIB) * 2**30) // layout.bytes_per_block
         num_blocks = max(2, budget if kv_cache_gib else min(wanted, budget))
-        runner = ModelRunner(loaded, num_kv_blocks=num_blocks, block_size=block_size)
+        if swap_space_gib < 0:
+            raise InvalidRequest(f"swap_space_gib must be >= 0, got {swap_space_gib}")
+        num_host_blocks = int(swap_space_gib * 2**30) // layout.bytes_per_block
+        runner = ModelRunner(loaded, num_kv_blocks=num_blocks, block_size=block_size, num_host_blocks=num_host_blocks)
         engine = LLMEngine(runner, loaded.tokenizer, loaded.stop_token_ids, context,
-                           EngineConfig(max_num_seqs, max_num_batched_tokens, context, 0, str(loaded.path)))
+                           EngineConfig(max_num_seqs, max_num_batched_tokens, context, num_host_blocks,
+                                        str(loaded.path), enable_prefix_caching))
         self._init(engine, loaded.tokenizer, loaded.chat_template)
         self.model = loaded
 
@@ -71,6 +82,7 @@ class LLM:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self._ids = itertools.count()
+        self._session_ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
@@ -108,6 +120,36 @@ class LLM:
         finally:
             self.engine.release(rid)
 
+    def session(self, messages: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None,
+                prompt_token_ids: Sequence[int] | None = None, pin: bool = True,
+                chat_template_kwargs: dict[str, Any] | None = None) -> Session:
+        """Opens an agent session: its prefix is prefilled once (before this returns) and pinned.
+
+        Args:
+            messages: the opening conversation (system prompt...), rendered with the chat
+                template and tools; the session is then in chat mode.
+            tools: tool schemas for the template.
+            prompt_token_ids: the prefix as token ids instead of messages.
+            pin: keep the prefix's KV resident in the prefix cache while the session lives.
+            chat_template_kwargs: extra template variables.
+        Returns:
+            the Session (a context manager; close() frees its KV).
+        """
+        if (messages is None) == (prompt_token_ids is None):
+            raise InvalidRequest("session: pass exactly one of messages or prompt_token_ids")
+        ids = (list(prompt_token_ids) if prompt_token_ids is not None
+               else self.encode_chat(messages, tools, True, chat_template_kwargs))
+        sid = self._next_session_id()
+        rid = self.engine.open_session(sid, ids, pin)
+        try:
+            opened = self._run([rid])[0]
+        except BaseException:
+            self.engine.close_session(sid)
+            raise
+        session = Session(self, sid, messages, tools, chat_template_kwargs)
+        session.opened = opened
+        return session
+
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         if self.chat_template is None:
@@ -140,9 +182,15 @@ class LLM:
             text, ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         else:
             raise InvalidRequest(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
-        rid = str(next(self._ids))
+        rid = self._next_id()
         self.engine.add_request(rid, ids, params, prompt=text)
         return rid
+
+    def _next_id(self) -> str:
+        return str(next(self._ids))
+
+    def _next_session_id(self) -> str:
+        return f"session-{next(self._session_ids)}"
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         try:

@@ -38,7 +38,7 @@ __device__ __forceinline__ float mass_above(const float* x, int vocab, float t, 
 }
 
 // Largest threshold in [lo, hi] with mass_above(t) >= target (bisection on the logit).
-__device__ float bisect_threshold(const float* x, int vocab, float lo, float hi, float target, float x_max,
+__device__ inline float bisect_threshold(const float* x, int vocab, float lo, float hi, float target, float x_max,
                                   float inv_temp, bool mass, float* scratch) {
   for (int it = 0; it < 40 && hi > lo; ++it) {
     const float mid = 0.5f * (lo + hi);
@@ -50,7 +50,7 @@ __device__ float bisect_threshold(const float* x, int vocab, float lo, float hi,
 }
 
 // Returns the sampled token (every thread gets it). smem: kSampleSmemFloats floats.
-__device__ int sample_row(const float* x, int vocab, const SamplingRow& sp, uint64_t counter, float* smem) {
+__device__ inline int sample_row(const float* x, int vocab, const SamplingRow& sp, uint64_t counter, float* smem) {
   int* iscratch = reinterpret_cast<int*>(smem + kThreads);
   float best = -FLT_MAX, lowest = FLT_MAX;
   int arg = 0;

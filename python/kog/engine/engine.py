@@ -2,6 +2,10 @@
 
 A step = schedule (KV allocation, copies applied) -> one batched decode call + one batched
 prefill call on the runner -> sample -> detokenize and check stop conditions.
+
+Agent sessions (open/generate/append/fork/suspend/rollback/close, see kog.engine.session and
+docs/SESSIONS.md) are plain methods too. Nothing here is thread-safe: call every method from
+the thread that runs step(), between steps.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from kog.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from kog.engine.scheduler import Scheduler
 from kog.engine.sequence import Sequence
+from kog.engine.session import SessionManager
 from kog.engine.stop import apply_stop_strings, check_stop_token, streamable_text
 from kog.errors import InvalidRequest
 from kog.kvcache import KVCacheManager
@@ -31,8 +36,9 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None   # None: the model's context, capped by the KV capacity
-    num_host_blocks: int = 0
+    num_host_blocks: int = 0           # host swap pool (suspended sessions, swap preemption)
     namespace: str = ""                # seeds the prefix-cache hashes (the model id)
+    enable_prefix_caching: bool = True # admit requests with their longest cached prefix
 
 
 class Runner(Protocol):
@@ -65,7 +71,8 @@ class LLMEngine:
         self.kv_capacity_tokens = num_blocks * runner.block_size
         self.max_model_len = min(self.config.max_model_len or model_max_len, model_max_len, self.kv_capacity_tokens)
         self.scheduler = Scheduler(self.kv, runner.kv.apply, self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens)
+                                   self.config.max_num_batched_tokens, self.config.enable_prefix_caching)
+        self.sessions = SessionManager(self)
         self._requests: dict[str, list[Sequence]] = {}
         self._prompts: dict[str, str | None] = {}
         self._seq_ids = itertools.count()
@@ -76,28 +83,78 @@ class LLMEngine:
         """Queues a request. Raises InvalidRequest for an empty or too long prompt or bad ids."""
         if request_id in self._requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        ids = [int(t) for t in prompt_token_ids]
-        if not ids:
-            raise InvalidRequest("the prompt is empty")
-        vocab = self.runner.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"the prompt has {len(ids)} tokens but the context length is {self.max_model_len} "
-                f"(prompt plus at least one generated token must fit)")
+        ids = self._validate_prompt(prompt_token_ids)
         params.validate()
         seq = self._new_sequence(request_id, 0, ids, params, priority)
-        self._requests[request_id] = [seq]
-        self._prompts[request_id] = prompt
+        self._register(request_id, seq, prompt)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
-        """Stops a request at once and frees its KV (unknown ids are ignored)."""
+        """Stops a request at once and frees its KV (unknown ids are ignored). A session's
+        request keeps the session: its context goes back to what it was before the request."""
         for seq in self._requests.get(request_id, []):
             if not seq.is_finished:
                 seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
+                self._done(seq)
+
+    # ---- agent sessions (docs/SESSIONS.md) -----------------------------------------------------
+    def open_session(self, session_id: str, prompt_token_ids: Seq[int], pin: bool = True,
+                     priority: int = 0) -> str:
+        """Opens a session on a prefix (system prompt + tools) and queues its prefill.
+
+        The prefix's KV is computed once (all tokens but the last, which stays pending) and its
+        full blocks pinned in the prefix cache. The session is busy until then.
+
+        Returns:
+            the id of the prefill request (get_output(id).finished tells when it is done; it
+            reports prefill_tokens_computed and num_cached_tokens, and no output tokens).
+        """
+        return self.sessions.open(session_id, prompt_token_ids, pin, priority)
+
+    def session_generate(self, session_id: str, request_id: str, params: SamplingParams,
+                         priority: int = 0) -> None:
+        """add_request on a session: the prompt is the session's context, only its tokens
+        without KV are prefilled, and when the request ends normally its output tokens join the
+        context. params.n must be 1 (use fork_session for branches)."""
+        self.sessions.generate(session_id, request_id, params, priority)
+
+    def prefill_session(self, session_id: str, request_id: str, priority: int = 0) -> None:
+        """Queues a prefill-only request computing an idle session's pending tokens (all but
+        the last). Run it before fork_session after an append: each branch would otherwise
+        compute the appended tokens itself. Its output has no tokens."""
+        self.sessions.prefill(session_id, request_id, priority)
+
+    def append_session(self, session_id: str, token_ids: Seq[int]) -> None:
+        """Adds tokens (a tool result, the next user turn) to an idle session's context; they
+        are prefilled by its next generation."""
+        self.sessions.append(session_id, token_ids)
+
+    def fork_session(self, session_id: str, child_ids: Seq[str]) -> None:
+        """Opens one idle session per child id with the parent's context, sharing its KV
+        copy-on-write (O(1) per child, no copies) and pinning the same prefix."""
+        self.sessions.fork(session_id, child_ids)
+
+    def suspend_session(self, session_id: str, offload: bool = False) -> str:
+        """Declares an idle session waiting (a tool runs). Its KV is already out of the batch
+        and swappable under pressure; offload=True swaps it to the host pool now.
+
+        Returns:
+            where its KV is: "suspended" (device), "swapped" (host) or "dropped" (recomputed).
+        """
+        return self.sessions.suspend(session_id, offload)
+
+    def rollback_session(self, session_id: str, n_tokens: int) -> None:
+        """Keeps the first n_tokens of an idle session's context (backtracking); the KV past
+        them is released (allocator truncate)."""
+        self.sessions.rollback(session_id, n_tokens)
+
+    def close_session(self, session_id: str) -> None:
+        """Aborts the session's request in flight, frees its KV and unpins its prefix."""
+        self.sessions.close(session_id)
+
+    def session_info(self, session_id: str) -> dict:
+        """token_ids, num_computed (tokens with KV), kv_state, pinned_tokens, request_id."""
+        return self.sessions.info(session_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -127,7 +184,9 @@ class LLMEngine:
     def step(self) -> list[StreamDelta]:
         """Runs one engine step; returns what each sequence produced in it."""
         work = self.scheduler.schedule()
-        if work.empty:
+        for seq in work.prefilled:
+            self._prefill_done(seq)
+        if not work.decode and not work.prefill:
             return []
         rows: list[tuple[int, Sequence]] = []  # (row of the stacked logits, sequence to sample)
         parts: list[torch.Tensor] = []
@@ -144,7 +203,10 @@ class LLMEngine:
             for i, w in enumerate(work.prefill):
                 w.seq.num_computed += w.n
                 w.seq.num_prefill_computed += w.n
-                if w.seq.num_to_compute == 0:
+                if w.seq.prefill_only:
+                    if w.seq.num_to_prefill == 0:
+                        self._prefill_done(w.seq)
+                elif w.seq.num_to_compute == 0:
                     rows.append((base + i, w.seq))
                     rows.extend((base + i, child) for child in self._fork_children(w.seq))
         if not rows:
@@ -158,12 +220,44 @@ class LLMEngine:
         return deltas
 
     # ---- internal helpers ---------------------------------------------------------------------
+    def _validate_ids(self, token_ids: Seq[int]) -> list[int]:
+        ids = [int(t) for t in token_ids]
+        vocab = self.runner.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    def _validate_prompt(self, token_ids: Seq[int]) -> list[int]:
+        ids = self._validate_ids(token_ids)
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {len(ids)} tokens but the context length is {self.max_model_len} "
+                f"(prompt plus at least one generated token must fit)")
+        return ids
+
+    def _register(self, request_id: str, seq: Sequence, prompt: str | None) -> None:
+        self._requests[request_id] = [seq]
+        self._prompts[request_id] = prompt
+
     def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
-                      priority: int) -> Sequence:
+                      priority: int, seq_id: int | None = None) -> Sequence:
         seed = None if params.seed is None else params.seed + index
-        return Sequence(next(self._seq_ids), request_id, index, list(ids), params,
-                        self.tokenizer.detokenizer(params.skip_special_tokens), make_generator(seed),
+        return Sequence(next(self._seq_ids) if seq_id is None else seq_id, request_id, index, list(ids),
+                        params, self.tokenizer.detokenizer(params.skip_special_tokens), make_generator(seed),
                         priority=priority)
+
+    def _done(self, seq: Sequence) -> None:
+        """seq's request ended: a session keeps its KV (parked), any other sequence frees it."""
+        if seq.session_id is not None:
+            self.sessions.on_done(seq)
+        else:
+            self.scheduler.finish(seq)
+
+    def _prefill_done(self, seq: Sequence) -> None:
+        seq.finish_reason = "length"  # a prefill-only request: zero tokens were asked for
+        self._done(seq)
 
     def _fork_children(self, parent: Sequence) -> list[Sequence]:
         """The n - 1 siblings of a request, forked (KV shared copy-on-write) when its prompt is done."""
@@ -213,5 +307,5 @@ class LLMEngine:
         if seq.finish_reason is not None and not isinstance(seq.stop_reason, str) and seq.detok is not None:
             apply_stop_strings(seq, seq.detok.flush())
         if seq.finish_reason is not None:
-            self.scheduler.finish(seq)
+            self._done(seq)
         return StreamDelta(seq.request_id, seq.index, streamable_text(seq), [token], seq.finish_reason)

@@ -1,11 +1,20 @@
-"""Continuous batching at token granularity.
+"""Continuous batching at token granularity, and what happens when KV memory runs out.
 
 Each step decodes every running sequence that has one token to compute, then spends what is
 left of the token budget on prefill chunks: first of sequences already prefilling, then of
-waiting ones admitted in priority, then arrival, order. When the KV cache runs out, the
-allocator itself evicts cached blocks and swaps suspended sequences; if a decode still cannot
-get a block, the lowest-priority, latest running sequence is preempted (its KV freed, to be
-recomputed later). A request is never dropped for lack of memory.
+waiting ones admitted in priority, then arrival, order.
+
+Memory policy, in order, when a block is needed and none is free:
+  1. the allocator evicts unpinned prefix-cache blocks (LRU first);
+  2. the allocator swaps suspended sequences (idle sessions, swap-preempted sequences) to the
+     host pool, oldest suspension first (needs num_host_blocks > 0);
+  3. a decode preempts the lowest-priority, latest running sequence: swapped to the host pool
+     when it fits there (resumed bit-exact later), else its KV is freed and recomputed;
+  4. before preempting itself, it frees the KV of idle sessions (oldest first; they recompute
+     their context on their next generation).
+If a step could schedule nothing although work is queued, the same reclaim order runs until
+something fits. A request is never dropped for lack of memory; only pinned prefixes filling the
+whole pool raise KVCacheFull.
 """
 
 from __future__ import annotations
@@ -33,11 +42,12 @@ class SchedulerOutput:
     decode: list[Sequence] = field(default_factory=list)
     decode_slots: list[int] = field(default_factory=list)
     prefill: list[PrefillWork] = field(default_factory=list)
+    prefilled: list[Sequence] = field(default_factory=list)  # prefill-only, done at admission
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefill
+        return not self.decode and not self.prefill and not self.prefilled
 
 
 class Scheduler:
@@ -49,19 +59,26 @@ class Scheduler:
             allocator call that produced them, so copies happen in allocation order.
         max_num_seqs: most running sequences.
         max_num_batched_tokens: token budget of one step (decode tokens + prefill chunks).
+        enable_prefix_caching: admit new sequences with their longest cached prefix.
     """
 
     def __init__(self, kv: KVCacheManager, apply_moves: Callable[[KVMoves], None],
-                 max_num_seqs: int = 16, max_num_batched_tokens: int = 512) -> None:
+                 max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
+                 enable_prefix_caching: bool = True) -> None:
         self.kv = kv
         self.apply_moves = apply_moves
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        # NOTE: finished session sequences whose KV is kept, suspended in the allocator, oldest
+        # first; seq.num_computed is the session's number of tokens with KV (0 once dropped).
+        self.parked: dict[int, Sequence] = {}
 
     # ---- public API ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        """Queues seq; if the allocator already holds its KV (a session), admission resumes it."""
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
         self.waiting.sort(key=_order)
@@ -73,21 +90,51 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Removes a sequence (finished or aborted) and releases its KV."""
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
+        self._remove(seq)
         if seq.seq_id in self.kv:
             self.kv.free(seq.seq_id)
         seq.status = SeqStatus.FINISHED
+
+    def park(self, seq: Sequence) -> None:
+        """Ends seq's request but keeps its KV for a session: out of the batch, suspended in the
+        allocator (so memory pressure may swap it to the host pool or, last, drop it)."""
+        self._remove(seq)
+        if seq.seq_id in self.kv and self.kv.state(seq.seq_id) == "running":
+            self.kv.suspend(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+        self.parked[seq.seq_id] = seq
+
+    def unpark(self, seq: Sequence) -> None:
+        """Takes a parked sequence's KV back (to queue a new request on it, or to free it)."""
+        del self.parked[seq.seq_id]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        """Plans one step; every allocator call's copies are applied before it returns.
+
+        Raises KVCacheFull only when nothing can run even after reclaiming all KV but pins.
+        """
         out = SchedulerOutput()
+        self._fill(out)
+        # NOTE: every reclaim frees one sequence's tokens, and re-admission can take some back;
+        # the bound makes a pool held by pins an error instead of a hang.
+        tries = 2 * (len(self.parked) + len(self.waiting) + len(self.running)) + 2
+        while out.empty and self.has_work():
+            tries -= 1
+            if tries < 0 or not self._reclaim(out):
+                raise KVCacheFull("no sequence fits in the KV cache: pinned prefixes hold it; "
+                                  "close sessions or give the engine more KV memory")
+            self._fill(out)
+        return out
+
+    # ---- internal helpers ---------------------------------------------------------------------
+    def _fill(self, out: SchedulerOutput) -> None:
         budget = self.max_num_batched_tokens
-        for seq in sorted((s for s in self.running if s.num_to_compute == 1), key=_order):
+        preempted = len(out.preempted)
+        decoding = [s for s in self.running if s.num_to_compute == 1 and not s.prefill_only]
+        for seq in sorted(decoding, key=_order):
             if seq.status is not SeqStatus.RUNNING or budget <= 0:
                 continue  # preempted while making room for an earlier one
             slot = self._append_decode(seq, out)
@@ -95,7 +142,7 @@ class Scheduler:
                 out.decode.append(seq)
                 out.decode_slots.append(slot)
                 budget -= 1
-        for seq in sorted((s for s in self.running if s.num_to_compute > 1), key=_order):
+        for seq in sorted((s for s in self.running if s.num_to_prefill > 0 and s not in out.decode), key=_order):
             if budget <= 0:
                 break
             work = self._append_chunk(seq, budget)
@@ -103,29 +150,39 @@ class Scheduler:
                 break
             out.prefill.append(work)
             budget -= work.n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # NOTE: no admission after a decode preempted: the victim would only be swapped or
+        # recomputed straight back in, in place of the work that needed its blocks.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(out.preempted) == preempted:
             seq = self.waiting[0]
             if not self._admit(seq):
                 break
             self.waiting.pop(0)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            if seq.num_to_prefill == 0:  # a session prefix whose KV was all cached
+                out.prefilled.append(seq)
+                continue
             work = self._append_chunk(seq, budget)
             if work is None:  # admitted (sharing cached blocks) but no room for a chunk yet
                 break
             out.prefill.append(work)
             budget -= work.n
-        return out
 
-    # ---- internal helpers ---------------------------------------------------------------------
     def _admit(self, seq: Sequence) -> bool:
-        """Creates seq's KV from its longest cached prefix. Only blocks registered in earlier
-        steps can hit (their KV is computed); at least one token is left to compute, for logits."""
+        """Gives seq its KV: resumes KV the allocator kept (a session, a swapped preemption), or
+        starts from the longest cached prefix. Only blocks registered in earlier steps can hit
+        (their KV is computed); at least one token is left to compute, for logits."""
+        if seq.seq_id in self.kv:
+            try:
+                moves = self.kv.resume(seq.seq_id)
+            except KVCacheFull:
+                return False
+            self.apply_moves(moves)
+            return True
         ids = seq.all_ids
-        bs = self.kv.block_size
-        hit = self.kv.lookup(ids)
+        hit = self.kv.lookup(ids) if self.enable_prefix_caching else 0
         if hit >= len(ids):
-            hit -= bs
+            hit -= self.kv.block_size
         try:
             cached, moves = self.kv.add_sequence(seq.seq_id, ids[:hit])
         except KVCacheFull:
@@ -137,7 +194,7 @@ class Scheduler:
 
     def _append_chunk(self, seq: Sequence, budget: int) -> PrefillWork | None:
         start = seq.num_computed
-        n = min(seq.num_to_compute, budget)
+        n = min(seq.num_to_prefill, budget)
         while n > 0:
             try:
                 moves = self.kv.append(seq.seq_id, tokens=seq.all_ids[start : start + n])
@@ -154,6 +211,8 @@ class Scheduler:
                 moves = self.kv.append(seq.seq_id, tokens=[seq.all_ids[-1]])
             except KVCacheFull:
                 victim = max((s for s in self.running if s.num_computed > 0), key=_order)
+                if victim is seq and self._drop_parked():
+                    continue
                 self._preempt(victim, out)
                 if victim is seq:
                     return None
@@ -162,17 +221,71 @@ class Scheduler:
             return int(moves.slots[0])
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Frees seq's KV and queues it again; it will recompute all_ids (nothing is lost)."""
+        """Takes seq out of the batch and queues it first: its KV swapped to the host pool if it
+        fits there (resumed as is), else freed (it recomputes all_ids). Nothing is lost."""
         self.running.remove(seq)
-        self.kv.free(seq.seq_id)
-        seq.num_computed = 0
-        seq.status = SeqStatus.WAITING
-        self.waiting.insert(0, seq)
-        out.preempted.append(seq)
         if seq in out.decode:
             i = out.decode.index(seq)
             out.decode.pop(i)
             out.decode_slots.pop(i)
+            self.kv.truncate(seq.seq_id, seq.num_computed)  # drop this step's unfed slot
+        if not self._swap_out(seq):
+            self.kv.free(seq.seq_id)
+            seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.insert(0, seq)
+        out.preempted.append(seq)
+
+    def _swap_out(self, seq: Sequence) -> bool:
+        if self.kv.num_host_blocks == 0:
+            return False
+        self.kv.suspend(seq.seq_id)
+        try:
+            moves = self.kv.swap_out(seq.seq_id)
+        except KVCacheFull:
+            return False
+        self.apply_moves(moves)
+        return True
+
+    def _drop_parked(self) -> bool:
+        """Frees the KV of the oldest idle session (it recomputes later); False if none has KV."""
+        for seq in self.parked.values():
+            if self._holds_kv(seq):
+                self.kv.free(seq.seq_id)
+                seq.num_computed = 0
+                return True
+        return False
+
+    def _reclaim(self, out: SchedulerOutput) -> bool:
+        """Frees KV so a step that scheduled nothing can: idle sessions first, then queued
+        sequences holding KV (latest first), then the lowest-priority running sequence."""
+        if self._drop_parked():
+            return True
+        for seq in reversed(self.waiting):
+            if self._holds_kv(seq):
+                self.kv.free(seq.seq_id)
+                seq.num_computed = 0
+                return True
+        holding = [s for s in self.running if self._holds_kv(s)]
+        if holding:
+            victim = max(holding, key=_order)
+            self.running.remove(victim)
+            self.kv.free(victim.seq_id)
+            victim.num_computed = 0
+            victim.status = SeqStatus.WAITING
+            self.waiting.insert(0, victim)
+            out.preempted.append(victim)
+            return True
+        return False
+
+    def _holds_kv(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.kv and self.kv.num_tokens(seq.seq_id) > 0
+
+    def _remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
 
 
 def _order(seq: Sequence) -> tuple[int, float, int]:

@@ -13,9 +13,9 @@ from kog.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):
-    WAITING = "waiting"      # no KV yet (new, or preempted and to be recomputed)
+    WAITING = "waiting"      # queued: no KV yet, or KV kept suspended/swapped (a session, a swap preemption)
     RUNNING = "running"      # resident in the KV cache, scheduled every step
-    FINISHED = "finished"
+    FINISHED = "finished"    # done; a session's sequence keeps its KV parked (suspended) in the allocator
 
 
 @dataclass(eq=False)
@@ -47,6 +47,8 @@ class Sequence:
     cumulative_logprob: float = 0.0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    session_id: str | None = None               # set: the KV outlives the request (agent session)
+    prefill_only: bool = False                  # a session's opening prefix: KV of all but the last token
 
     @property
     def all_ids(self) -> list[int]:
@@ -59,6 +61,15 @@ class Sequence:
     @property
     def num_to_compute(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def num_to_prefill(self) -> int:
+        """Tokens still to compute before this sequence is done prefilling.
+
+        NOTE: a prefill-only sequence leaves its last token pending, like a decoding sequence
+        whose sampled token has no KV yet: the next generation feeds it and gets its logits.
+        """
+        return self.num_to_compute - (1 if self.prefill_only else 0)
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,171 @@
+"""kog.Session: an agent's conversation whose KV stays in the engine between turns.
+
+    with llm.session(messages=[{"role": "system", "content": SYSTEM}], tools=TOOLS) as s:
+        out = s.generate(kog.SamplingParams(max_tokens=64))    # a tool call
+        s.suspend()                                             # while the tool runs
+        s.append(messages=[{"role": "tool", "content": result}])
+        out = s.generate(params)                                # only the tool result is prefilled
+        branches = s.fork(3)                                    # KV shared copy-on-write
+
+A session opened with messages is in chat mode: generate() records the output as an assistant
+message and append(messages=...) adds exactly the tokens the chat template produces for the
+whole conversation (checked against a full render every time). Token-level appends and
+rollbacks leave chat mode. Semantics and memory policy: docs/SESSIONS.md.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+from kog.engine import RequestOutput
+from kog.errors import InvalidOperation, InvalidRequest
+from kog.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kog.llm import LLM
+
+
+class Session:
+    """One open session of an LLM (create it with LLM.session, not directly).
+
+    Attributes:
+        session_id: the engine's id for it.
+        opened: the RequestOutput of the prefix prefill (prefill_tokens_computed, num_cached_tokens).
+    """
+
+    def __init__(self, llm: LLM, session_id: str, messages: list[dict[str, Any]] | None = None,
+                 tools: list[dict[str, Any]] | None = None, chat_kwargs: dict[str, Any] | None = None) -> None:
+        self.llm = llm
+        self.session_id = session_id
+        self.opened: RequestOutput | None = None
+        self._messages = copy.deepcopy(messages) if messages is not None else None
+        self._tools = tools
+        self._chat_kwargs = dict(chat_kwargs or {})
+        # NOTE: tokens [0, _rendered) came from chat-template renders; a later render that
+        # changes one of them means the template is not incremental (an error, not a fix-up).
+        self._rendered = len(self.token_ids)
+        self._closed = False
+
+    # ---- public API ---------------------------------------------------------------------------
+    @property
+    def token_ids(self) -> list[int]:
+        """The session's whole context."""
+        return self.llm.engine.session_info(self.session_id)["token_ids"]
+
+    @property
+    def messages(self) -> list[dict[str, Any]] | None:
+        """The conversation (chat mode), or None after a token-level append or rollback."""
+        return copy.deepcopy(self._messages)
+
+    def generate(self, sampling_params: SamplingParams | None = None) -> RequestOutput:
+        """Continues the context; the output tokens join it (chat mode: as an assistant message).
+
+        Returns:
+            the RequestOutput: prefill_tokens_computed counts the tokens computed for this
+            turn (the appended ones plus the previous turn's last token), num_cached_tokens
+            those whose KV the session already held.
+        """
+        self._check_open()
+        rid = self.llm._next_id()
+        self.llm.engine.session_generate(self.session_id, rid, sampling_params or SamplingParams())
+        out = self.llm._run([rid])[0]
+        if self._messages is not None and out.outputs[0].finish_reason != "abort":
+            self._messages.append({"role": "assistant", "content": out.outputs[0].text})
+        return out
+
+    def append(self, messages: list[dict[str, Any]] | None = None, token_ids: list[int] | None = None) -> None:
+        """Adds a tool result / the next turn: messages (chat mode) or raw token ids.
+
+        Raises:
+            InvalidRequest: both or neither given; messages outside chat mode; a chat template
+                whose render of the whole conversation changes tokens already in the context.
+        """
+        self._check_open()
+        if (messages is None) == (token_ids is None):
+            raise InvalidRequest("append: pass exactly one of messages or token_ids")
+        if token_ids is not None:
+            self.llm.engine.append_session(self.session_id, list(token_ids))
+            self._messages = None
+            return
+        if self._messages is None:
+            raise InvalidRequest("append(messages=...) needs a session opened with messages "
+                                 "(and no token-level append or rollback since)")
+        conversation = self._messages + copy.deepcopy(list(messages))
+        full = self.llm.encode_chat(conversation, self._tools, True, self._chat_kwargs)
+        have = self.token_ids
+        k = _common_prefix(full, have)
+        if k == len(full):
+            raise InvalidRequest("append: the messages add no tokens to the rendered conversation")
+        if k < self._rendered:
+            raise InvalidRequest(
+                f"the chat template cannot be rendered incrementally: rendering the whole conversation "
+                f"changes token {k} of the {len(have)} already in the session (the first {self._rendered} "
+                f"came from the template); open a new session with the full conversation instead")
+        if k < len(have):  # the model's own output re-tokenizes differently: align with the render
+            self.llm.engine.rollback_session(self.session_id, k)
+        self.llm.engine.append_session(self.session_id, full[k:])
+        self._messages = conversation
+        self._rendered = len(full)
+
+    def fork(self, n: int) -> list[Session]:
+        """n new sessions with this context, sharing its KV copy-on-write (no copies). Tokens
+        appended since the last generation are prefilled first, once for all branches."""
+        self._check_open()
+        if n < 1:
+            raise InvalidRequest(f"fork: n must be >= 1, got {n}")
+        info = self.llm.engine.session_info(self.session_id)
+        if info["num_computed"] < len(info["token_ids"]) - 1:  # compute appended tokens once, not per branch
+            rid = self.llm._next_id()
+            self.llm.engine.prefill_session(self.session_id, rid)
+            self.llm._run([rid])
+        ids = [self.llm._next_session_id() for _ in range(n)]
+        self.llm.engine.fork_session(self.session_id, ids)
+        children = []
+        for sid in ids:
+            child = Session(self.llm, sid, self._messages, self._tools, self._chat_kwargs)
+            child._rendered = self._rendered
+            children.append(child)
+        return children
+
+    def suspend(self, offload: bool = False) -> str:
+        """Marks the session waiting (a tool runs): its KV is out of the batch and swappable
+        under memory pressure; offload=True swaps it to the host pool now.
+
+        Returns:
+            "suspended" (KV on the device), "swapped" (host pool) or "dropped" (recomputed later).
+        """
+        self._check_open()
+        return self.llm.engine.suspend_session(self.session_id, offload)
+
+    def rollback(self, n_tokens: int) -> None:
+        """Keeps the first n_tokens of the context (backtracking); leaves chat mode."""
+        self._check_open()
+        self.llm.engine.rollback_session(self.session_id, n_tokens)
+        self._messages = None
+        self._rendered = min(self._rendered, n_tokens)
+
+    def close(self) -> None:
+        """Frees the session's KV and unpins its prefix (idempotent)."""
+        if not self._closed:
+            self.llm.engine.close_session(self.session_id)
+            self._closed = True
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internal helpers ---------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidOperation(f"session {self.session_id!r} is closed")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
