@@ -43,12 +43,16 @@ class LLM:
         swap_space_gib: host memory for swapped-out KV (suspended sessions, preempted
             sequences); 0 disables swapping.
         enable_prefix_caching: reuse the KV of cached prompt prefixes across requests.
+        device: "cpu", or "cuda" to run on a GPU (ROCm devices are "cuda" in torch too): decode
+            through the persistent decode kernel, prefill through the GPU ops; needs a GPU
+            build of kog (KOG_BACKEND=cuda or rocm).
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, dtype: str | torch.dtype | None = None, *,
                  max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
                  kv_cache_gib: float | None = None, block_size: int = 16, progress: bool | None = None,
-                 swap_space_gib: float = 0.0, enable_prefix_caching: bool = True) -> None:
+                 swap_space_gib: float = 0.0, enable_prefix_caching: bool = True,
+                 device: str = "cpu") -> None:
         from kog.kvcache import KVLayout
         from kog.models.runner import ModelRunner
 
@@ -62,7 +66,8 @@ class LLM:
         if swap_space_gib < 0:
             raise InvalidRequest(f"swap_space_gib must be >= 0, got {swap_space_gib}")
         num_host_blocks = int(swap_space_gib * 2**30) // layout.bytes_per_block
-        runner = ModelRunner(loaded, num_kv_blocks=num_blocks, block_size=block_size, num_host_blocks=num_host_blocks)
+        runner = ModelRunner(loaded, num_kv_blocks=num_blocks, block_size=block_size, num_host_blocks=num_host_blocks,
+                             device=device)
         engine = LLMEngine(runner, loaded.tokenizer, loaded.stop_token_ids, context,
                            EngineConfig(max_num_seqs, max_num_batched_tokens, context, num_host_blocks,
                                         str(loaded.path), enable_prefix_caching))

@@ -91,3 +91,13 @@ def test_kog_generate_bad_sampling_value_is_a_clean_error():
     err = io.StringIO()
     assert run(cli_args("hi", "--temperature", "-1"), llm=make_llm(), out=io.StringIO(), err=err) == 1
     assert "temperature" in err.getvalue()
+
+
+def test_llm_refuses_an_unknown_device(tmp_path):
+    import kog
+    from kog.testing.tiny_models import random_weights, tiny_config, write_hf_model
+
+    c = tiny_config("llama")
+    folder = write_hf_model(tmp_path / "m", c, random_weights(c))
+    with pytest.raises(kog.InvalidRequest, match="device"):
+        kog.LLM(str(folder), device="tpu")

@@ -54,3 +54,15 @@ def test_engine_batches_more_sequences_than_one_launch_holds(device):
         outs[str(dev)] = [engine.get_output(str(i)).outputs[0].token_ids for i in range(11)]
         assert engine.kv.stats()["num_sequences"] == 0
     assert outs["cpu"] == outs[str(device)]
+
+
+def test_llm_on_the_gpu_generates_what_the_cpu_does(device, tmp_path):
+    import kog
+    from kog.testing.tiny_models import write_hf_model
+
+    c = tiny_config("llama", max_position_embeddings=1024)
+    folder = write_hf_model(tmp_path / "m", c, random_weights(c, seed=4))
+    params = kog.SamplingParams(max_tokens=24, ignore_eos=True)
+    cpu = kog.LLM(str(folder), device="cpu").generate(["hello world", "one two three"], params)
+    gpu = kog.LLM(str(folder), device="cuda").generate(["hello world", "one two three"], params)
+    assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]

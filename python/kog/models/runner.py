@@ -55,9 +55,12 @@ class ModelRunner:
         self.vocab_size = c.vocab_size
         # A sliding window is not implemented: cap sequences at it so results stay exact.
         self.max_model_len = min(c.max_position_embeddings, c.sliding_window or c.max_position_embeddings)
-        self.device = torch.device(device)
-        if self.device.type not in ("cpu", "cuda"):
-            raise InvalidRequest(f"device must be 'cpu' or a GPU ('cuda'), got {device!r}")
+        try:
+            self.device = torch.device(device)
+        except RuntimeError:
+            self.device = None
+        if self.device is None or self.device.type not in ("cpu", "cuda"):
+            raise InvalidRequest(f"device must be 'cpu' or a GPU ('cuda', 'cuda:N'), got {device!r}")
         self.weights = {k: v.to(self.device) for k, v in prepare_weights(c, model.weights, self.dtype).items()}
         layout = KVLayout(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, self.dtype)
         self.kv = KVCacheStorage(layout, num_kv_blocks, num_host_blocks, device=self.device)
