@@ -12,6 +12,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the user message (or raw text with --raw)")
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="run dtype")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda (a GPU build of kog)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--system", default=None, help="a system message (chat mode)")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace, llm=None, out: TextIO = sys.stdout, err: TextI
             from kog.llm import LLM
 
             t0 = time.perf_counter()
-            llm = LLM(args.model, args.dtype, max_num_seqs=1)
+            llm = LLM(args.model, args.dtype, max_num_seqs=1, device=args.device)
             print(f"[kog] loaded {llm.model.path.name} ({llm.model.dtype}) in {time.perf_counter() - t0:.1f}s",
                   file=err)
         if args.raw or llm.chat_template is None:
