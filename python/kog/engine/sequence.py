@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kog.loader.tokenizer import IncrementalDetokenizer
 from kog.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kog.spec.grammar import Constraint
 
 
 class SeqStatus(enum.Enum):
@@ -47,6 +51,9 @@ class Sequence:
     cumulative_logprob: float = 0.0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    # ---- structured output and speculation (kog.engine.structured, kog.engine.speculative)
+    constraint: Constraint | None = None        # grammar state; has consumed exactly output_ids
+    num_forward_passes: int = 0                 # target-model forwards that computed this sequence's tokens
 
     @property
     def all_ids(self) -> list[int]:

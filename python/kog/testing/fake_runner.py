@@ -35,7 +35,7 @@ class FakeRunner:
         self.block_size = block_size
         layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=block_size, dtype=torch.float32)
         self.kv = KVCacheStorage(layout, num_blocks, num_host_blocks)
-        self.calls = {"prefill": 0, "decode": 0, "prefill_tokens": 0}
+        self.calls = {"prefill": 0, "decode": 0, "prefill_tokens": 0, "verify": 0, "verify_tokens": 0}
 
     def _write(self, slots: np.ndarray, ids: list[int]) -> None:
         t = torch.tensor(ids, dtype=torch.float32).view(-1, 1, 1)
@@ -54,6 +54,19 @@ class FakeRunner:
             self._write(c.slots, list(c.token_ids))
             rows.append(context_logits(self._read(c.block_table, c.start_pos + len(c.token_ids)), self.vocab_size))
         return torch.stack(rows)
+
+    def verify(self, chunks) -> list[torch.Tensor]:
+        """Per chunk [len(chunk), vocab]: the logits after each of its tokens (speculation)."""
+        self.calls["verify"] += 1
+        out = []
+        for c in chunks:
+            assert len(c.slots) == len(c.token_ids)
+            self.calls["verify_tokens"] += len(c.token_ids)
+            self._write(c.slots, list(c.token_ids))
+            context = self._read(c.block_table, c.start_pos + len(c.token_ids))
+            out.append(torch.stack([context_logits(context[: c.start_pos + i + 1], self.vocab_size)
+                                    for i in range(len(c.token_ids))]))
+        return out
 
     def decode(self, tokens, positions, block_tables, seq_lens, slots) -> torch.Tensor:
         self.calls["decode"] += 1
