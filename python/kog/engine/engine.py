@@ -104,6 +104,7 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
+                self.speculator.finish(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -234,4 +235,5 @@ class LLMEngine:
             apply_stop_strings(seq, seq.detok.flush())
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
+            self.speculator.finish(seq)
         return StreamDelta(seq.request_id, seq.index, streamable_text(seq), [token], seq.finish_reason)

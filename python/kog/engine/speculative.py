@@ -59,7 +59,7 @@ class Speculator:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.drafter = None  # DraftModelDrafter for method "draft", set by use_draft_model
-        self._drafting: dict[int, Sequence] = {}  # sequences holding draft-model state
+        self._drafting: dict[int, Sequence] = {}  # sequences holding draft-model state (until finish)
         self.stats = {"steps": 0, "drafted": 0, "accepted": 0}
 
     # ---- public API ---------------------------------------------------------------------------
@@ -83,6 +83,11 @@ class Speculator:
             raise InvalidRequest("speculative.method 'draft' needs a draft model "
                                  "(kog.LLM(..., speculative_model=...) / --speculative-model)")
 
+    def finish(self, seq: Sequence) -> None:
+        """Frees a finished or aborted sequence's draft-model state."""
+        if self._drafting.pop(seq.seq_id, None) is not None:
+            self.drafter.release(seq.seq_id)
+
     def take(self, decode: list[Sequence], slots: list[int]) -> list[VerifyWork]:
         """Moves the sequences that speculate this step out of the decode batch (in place).
 
@@ -93,7 +98,6 @@ class Speculator:
         Returns:
             One VerifyWork per speculating sequence, its draft's slots allocated.
         """
-        self._release_finished()
         work: list[VerifyWork] = []
         keep: list[tuple[Sequence, int]] = []
         for seq, slot in zip(decode, slots):
@@ -198,9 +202,3 @@ class Speculator:
                 x = x.masked_fill(~masks.to(x.device), float("-inf"))
             return verify_greedy(x, w.draft)
         return rejection_sample(target_probs(rows, seq.params, masks), w.draft, w.draft_probs, seq.generator)
-
-    def _release_finished(self) -> None:
-        for seq_id, seq in list(self._drafting.items()):
-            if seq.is_finished:
-                self.drafter.release(seq_id)
-                del self._drafting[seq_id]

@@ -1,0 +1,177 @@
+"""Speculative decoding through the engine (kog.engine.speculative): greedy output identical to
+plain greedy (n-gram and draft model, with and without a grammar), sampled output distributed as
+the target (chi-square), KV truncated back after every verify and freed at the end."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2
+
+import kog
+from kog.engine import EngineConfig, LLMEngine
+from kog.loader import load_model
+from kog.models import ModelRunner
+from kog.sampler import filter_logits
+from kog.sampling_params import SamplingParams
+from kog.spec.params import SpeculativeParams, StructuredOutputParams
+from kog.testing.fake_runner import FakeRunner, context_logits
+from kog.testing.tiny_models import random_weights, tiny_config, tiny_tokenizer, write_hf_model
+
+TOK = tiny_tokenizer()
+EOS = TOK.eos_token_id
+V = TOK.vocab_size
+
+
+class CopyingRunner(FakeRunner):
+    """A fake model that mostly continues the latest earlier occurrence of its last token (an
+    induction head), so n-gram drafts are often right and sometimes wrong."""
+
+    def logits(self, context):
+        x = context_logits(context, V)
+        hits = [j for j in range(len(context) - 1) if context[j] == context[-1]]
+        if hits and hash(tuple(context)) % 4:  # 3 contexts in 4 copy
+            x[context[hits[-1] + 1]] += 12.0
+        return x
+
+
+def make_engine(runner_cls=CopyingRunner, num_blocks=512, budget=32, max_num_seqs=8):
+    runner = runner_cls(V, num_blocks, block_size=4)
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    return LLMEngine(runner, TOK, [EOS], 1024, cfg), runner
+
+
+def run(engine, requests):
+    for rid, ids, params in requests:
+        engine.add_request(rid, ids, params)
+    for _ in range(5000):
+        if not engine.has_unfinished():
+            return {rid: engine.get_output(rid) for rid, _, _ in requests}
+        engine.step()
+        # NOTE: between steps the allocator holds exactly the tokens with computed KV.
+        for seqs in engine._requests.values():
+            for s in seqs:
+                if not s.is_finished and s.seq_id in engine.kv:
+                    assert engine.kv.num_tokens(s.seq_id) == s.num_computed
+    pytest.fail("engine made no progress")
+
+
+def repetitive_prompt(seed, n=40):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(3, V, (n // 3,), generator=g).tolist()
+    return base + base[: n // 3] + base[:5]
+
+
+def outputs(engine, prompts, params):
+    outs = run(engine, [(f"r{i}", p, params) for i, p in enumerate(prompts)])
+    return [outs[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_ngram_speculation_equals_plain_greedy_token_for_token(k):
+    prompts = [repetitive_prompt(i) for i in range(10)]
+    plain = outputs(make_engine()[0], prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    engine, runner = make_engine()
+    fast = outputs(engine, prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                   speculative=SpeculativeParams("ngram", k)))
+    for a, b in zip(plain, fast):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].text == a.outputs[0].text
+    s = engine.speculator.stats
+    assert runner.calls["verify"] > 0 and 0 < s["accepted"] < s["drafted"]  # accepts and rejects both happen
+    assert sum(o.num_forward_passes for o in fast) < sum(o.num_forward_passes for o in plain)
+    assert engine.kv.stats()["blocks_used"] == 0
+
+
+def test_greedy_speculation_under_a_grammar_equals_plain_constrained_greedy():
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"enum": ["xy", "zw", "q"]},
+                                                     "maxItems": 12}},
+              "required": ["a"], "additionalProperties": False}
+    prompts = [repetitive_prompt(20 + i) + TOK.encode('{"a": ["xy", "zw", "xy", "q"]}') for i in range(8)]
+
+    def params(spec):
+        return SamplingParams(temperature=0, max_tokens=80, structured=StructuredOutputParams(json_schema=schema),
+                              speculative=SpeculativeParams("ngram", 5) if spec else None)
+
+    plain = outputs(make_engine()[0], prompts, params(False))
+    engine, _ = make_engine()
+    fast = outputs(engine, prompts, params(True))
+    for a, b in zip(plain, fast):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        if a.outputs[0].finish_reason == "stop":
+            assert isinstance(json.loads(b.outputs[0].text)["a"], list)
+    assert engine.speculator.stats["accepted"] > 0
+    assert engine.kv.stats()["blocks_used"] == 0
+
+
+def test_sampled_speculation_keeps_the_target_distribution():
+    """Token 2 of every request comes out of one verify (draft: what followed token 1 in the
+    prompt); over many seeds its frequencies must match the target's filtered softmax."""
+    x, y = 7, 9
+    prompt = repetitive_prompt(3)[:20] + [x, y] + repetitive_prompt(4)[:10]
+
+    class Runner(CopyingRunner):
+        def logits(self, context):
+            if context == prompt:  # the first token is always x
+                out = torch.full((V,), -30.0)
+                out[x] = 0.0
+                return out
+            if context == prompt + [x]:  # the draft y is likely, not certain: accepts and rejects
+                out = context_logits(context, V)
+                out[y] = out.max() + 0.5
+                return out
+            return super().logits(context)
+
+    params = SamplingParams(temperature=1.3, top_k=5, max_tokens=3, ignore_eos=True,
+                            speculative=SpeculativeParams("ngram", 1))
+    engine, runner = make_engine(Runner, num_blocks=2048, max_num_seqs=32, budget=512)
+    n = 400
+    outs = run(engine, [(str(i), prompt, SamplingParams(**{**params.__dict__, "seed": i})) for i in range(n)])
+    assert runner.calls["verify"] > 0 and engine.speculator.stats["drafted"] == n  # draft [y] each time
+    seconds = [o.outputs[0].token_ids[1] for o in outs.values()]
+    p = torch.softmax(filter_logits(Runner(V, 1).logits(prompt + [x]), params), -1)
+    support = torch.nonzero(p > 0).flatten().tolist()
+    assert set(seconds) <= set(support) and y in support
+    counts = np.array([seconds.count(t) for t in support])
+    expected = n * p[support].numpy()
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    assert stat < chi2.ppf(0.999, len(support) - 1), (counts, expected)
+
+
+def test_draft_model_speculation_needs_a_draft_model():
+    engine, _ = make_engine()
+    with pytest.raises(kog.InvalidRequest, match="draft model"):
+        engine.add_request("a", [5, 6], SamplingParams(speculative={"method": "draft"}))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    config = tiny_config("llama")
+    folder = tmp_path_factory.mktemp("tiny")
+    return {seed: load_model(write_hf_model(folder / str(seed), config, random_weights(config, seed=seed)))
+            for seed in (3, 4)}
+
+
+@pytest.mark.parametrize("draft_seed", [3, 4])  # the target's own weights, other weights
+def test_greedy_draft_model_speculation_equals_plain_greedy_on_a_tiny_model(tiny, draft_seed):
+    target = tiny[3]
+    prompts = [np.random.default_rng(i).integers(3, V, 10 + i).tolist() for i in range(8)]
+
+    def engine():
+        runner = ModelRunner(target, num_kv_blocks=64, block_size=16)
+        return LLMEngine(runner, target.tokenizer, target.stop_token_ids, 256, EngineConfig(max_num_seqs=4))
+
+    plain = outputs(engine(), prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    fast_engine = engine()
+    fast_engine.speculator.use_draft_model(ModelRunner(tiny[draft_seed], num_kv_blocks=64, block_size=16), 4)
+    fast = outputs(fast_engine, prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                        speculative=SpeculativeParams("draft", 4)))
+    for a, b in zip(plain, fast):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    s = fast_engine.speculator.stats
+    if draft_seed == 3:
+        assert s["accepted"] == s["drafted"] > 0
+        assert all(o.num_forward_passes <= 6 for o in fast)  # prompt, then 5 tokens per verify
+    assert fast_engine.kv.stats()["blocks_used"] == 0
+    assert len(fast_engine.speculator.drafter._free) == 4  # every draft slab released
