@@ -146,11 +146,15 @@ def test_draft_model_speculation_needs_a_draft_model():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_paths(tmp_path_factory):
     config = tiny_config("llama")
     folder = tmp_path_factory.mktemp("tiny")
-    return {seed: load_model(write_hf_model(folder / str(seed), config, random_weights(config, seed=seed)))
-            for seed in (3, 4)}
+    return {seed: write_hf_model(folder / str(seed), config, random_weights(config, seed=seed)) for seed in (3, 4)}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_paths):
+    return {seed: load_model(path) for seed, path in tiny_paths.items()}
 
 
 @pytest.mark.parametrize("draft_seed", [3, 4])  # the target's own weights, other weights
@@ -175,3 +179,13 @@ def test_greedy_draft_model_speculation_equals_plain_greedy_on_a_tiny_model(tiny
         assert all(o.num_forward_passes <= 6 for o in fast)  # prompt, then 5 tokens per verify
     assert fast_engine.kv.stats()["blocks_used"] == 0
     assert len(fast_engine.speculator.drafter._free) == 4  # every draft slab released
+
+
+def test_llm_loads_a_speculative_model_and_keeps_greedy_output(tiny_paths):
+    llm = kog.LLM(tiny_paths[3], speculative_model=tiny_paths[4], max_num_seqs=2, kv_cache_gib=0.01)
+    prompts = [{"prompt_token_ids": np.random.default_rng(i).integers(3, V, 12).tolist()} for i in range(3)]
+    plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    fast = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                speculative={"method": "draft", "num_tokens": 3}))
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.speculator.stats["drafted"] > 0
