@@ -10,9 +10,9 @@ import torch
 from scipy.stats import chi2
 
 import kog
-from kog.engine import EngineConfig, LLMEngine
+from kog.engine import EngineConfig, LLMEngine, chunks
 from kog.loader import load_model
-from kog.models import ModelRunner
+from kog.models import ModelRunner, PrefillChunk
 from kog.sampler import filter_logits
 from kog.sampling_params import SamplingParams
 from kog.spec.params import SpeculativeParams, StructuredOutputParams
@@ -68,8 +68,10 @@ def outputs(engine, prompts, params):
     return [outs[f"r{i}"] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("k", [1, 4])
-def test_greedy_ngram_speculation_equals_plain_greedy_token_for_token(k):
+@pytest.mark.parametrize("k,native", [(1, True), (4, True), (4, False)])
+def test_greedy_ngram_speculation_equals_plain_greedy_token_for_token(k, native, monkeypatch):
+    if not native:  # verify chunks through runner.verify instead of the decode path
+        monkeypatch.setattr(chunks, "MAX_CHUNK_TOKENS", 0)
     prompts = [repetitive_prompt(i) for i in range(10)]
     plain = outputs(make_engine()[0], prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     engine, runner = make_engine()
@@ -79,7 +81,7 @@ def test_greedy_ngram_speculation_equals_plain_greedy_token_for_token(k):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         assert b.outputs[0].text == a.outputs[0].text
     s = engine.speculator.stats
-    assert runner.calls["verify"] > 0 and 0 < s["accepted"] < s["drafted"]  # accepts and rejects both happen
+    assert (runner.calls["verify"] > 0) != native and 0 < s["accepted"] < s["drafted"]  # accepts and rejects
     assert sum(o.num_forward_passes for o in fast) < sum(o.num_forward_passes for o in plain)
     assert engine.kv.stats()["blocks_used"] == 0
 
@@ -128,7 +130,7 @@ def test_sampled_speculation_keeps_the_target_distribution():
     engine, runner = make_engine(Runner, num_blocks=2048, max_num_seqs=32, budget=512)
     n = 400
     outs = run(engine, [(str(i), prompt, SamplingParams(**{**params.__dict__, "seed": i})) for i in range(n)])
-    assert runner.calls["verify"] > 0 and engine.speculator.stats["drafted"] == n  # draft [y] each time
+    assert engine.speculator.stats["drafted"] == n  # the draft [y] each time
     seconds = [o.outputs[0].token_ids[1] for o in outs.values()]
     p = torch.softmax(filter_logits(Runner(V, 1).logits(prompt + [x]), params), -1)
     support = torch.nonzero(p > 0).flatten().tolist()
@@ -189,3 +191,31 @@ def test_llm_loads_a_speculative_model_and_keeps_greedy_output(tiny_paths):
                                                 speculative={"method": "draft", "num_tokens": 3}))
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in plain]
     assert llm.engine.speculator.stats["drafted"] > 0
+
+
+def test_short_chunks_through_the_decode_path_equal_prefill(tiny):
+    """engine/chunks.py: n decode rows sharing a block table compute the chunk's causal prefill."""
+    def fresh():
+        r = ModelRunner(tiny[3], num_kv_blocks=16, block_size=4)
+        return r, [np.arange(i * 8, i * 8 + 8, dtype=np.int32) for i in range(2)]
+
+    def chunk(table, tokens, start):
+        pos = np.arange(start, start + len(tokens))
+        return PrefillChunk(tokens, start, table, table[pos // 4].astype(np.int64) * 4 + pos % 4)
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, V, n).tolist() for n in (9, 14)]
+    runs = [rng.integers(3, V, n).tolist() for n in (5, 3)]
+    out = []
+    for native in (True, False):
+        r, tables = fresh()
+        r.prefill([chunk(t, p, 0) for t, p in zip(tables, prompts)])
+        cs = [chunk(t, run, len(p)) for t, run, p in zip(tables, runs, prompts)]
+        out.append(chunks.forward_chunks(r, cs, all_logits=True) if native else r.verify(cs))
+        if native:  # the last rows equal the non-all_logits answer
+            r2, t2 = fresh()
+            r2.prefill([chunk(t, p, 0) for t, p in zip(t2, prompts)])
+            last = chunks.forward_chunks(r2, [chunk(t, run, len(p)) for t, run, p in zip(t2, runs, prompts)])
+            assert torch.allclose(last, torch.stack([x[-1] for x in out[0]]), atol=1e-6)
+    for a, b in zip(*out):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4, rtol=1e-4)

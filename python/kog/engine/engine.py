@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kog.engine import structured
+from kog.engine.chunks import forward_chunks
 from kog.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from kog.engine.scheduler import Scheduler
 from kog.engine.sequence import Sequence
@@ -150,7 +151,8 @@ class LLMEngine:
             base = len(work.decode)
             chunks = [PrefillChunk(w.seq.all_ids[w.start : w.start + w.n], w.start,
                                    self.kv.block_table(w.seq.seq_id), w.slots) for w in work.prefill]
-            parts.append(self.runner.prefill(chunks))
+            # Jump-forward runs (sequences with output) may take the native decode path (engine/chunks.py).
+            parts.append(forward_chunks(self.runner, chunks, use_decode=all(w.seq.output_ids for w in work.prefill)))
             for i, w in enumerate(work.prefill):
                 w.seq.num_computed += w.n
                 w.seq.num_forward_passes += 1

@@ -22,6 +22,7 @@ from typing import Callable, Sequence as Seq
 import numpy as np
 import torch
 
+from kog.engine.chunks import forward_chunks
 from kog.engine.outputs import StreamDelta
 from kog.engine.sequence import Sequence
 from kog.errors import InvalidOperation, InvalidRequest, KVCacheFull
@@ -126,7 +127,7 @@ class Speculator:
             return []
         chunks = [PrefillChunk([w.seq.all_ids[-1]] + w.draft, w.seq.num_computed,
                                self.kv.block_table(w.seq.seq_id), w.slots) for w in work]
-        logits = self.runner.verify(chunks)  # per chunk: [k + 1, V]
+        logits = forward_chunks(self.runner, chunks, all_logits=True)  # per chunk: [k + 1, V]
         deltas = []
         for w, rows in zip(work, logits):
             seq = w.seq
