@@ -219,3 +219,16 @@ def test_short_chunks_through_the_decode_path_equal_prefill(tiny):
             assert torch.allclose(last, torch.stack([x[-1] for x in out[0]]), atol=1e-6)
     for a, b in zip(*out):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_abort_mid_speculation_frees_kv_and_the_draft_slab(tiny):
+    engine = LLMEngine(ModelRunner(tiny[3], num_kv_blocks=64, block_size=16), tiny[3].tokenizer,
+                       tiny[3].stop_token_ids, 256, EngineConfig(max_num_seqs=2))
+    engine.speculator.use_draft_model(ModelRunner(tiny[4], num_kv_blocks=64, block_size=16), 2)
+    engine.add_request("a", list(range(3, 20)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True,
+                                                                speculative={"method": "draft"}))
+    for _ in range(3):
+        engine.step()
+    assert engine.speculator.stats["steps"] > 0 and len(engine.speculator.drafter._free) == 1
+    engine.abort("a")
+    assert engine.kv.stats()["blocks_used"] == 0 and len(engine.speculator.drafter._free) == 2
