@@ -116,7 +116,7 @@ def test_jump_forward_computes_forced_runs_in_one_forward():
                                                                   parallel_tool_calls=False, jump_forward=jf))
         out = run(engine, [("a", prompt(3), params)])["a"]
         results[jf] = out, runner.calls
-    (plain, plain_calls), (fast, fast_calls) = results[False], results[True]
+    (plain, _), (fast, fast_calls) = results[False], results[True]
     n = len(plain.outputs[0].token_ids)
     assert plain.num_forward_passes == n  # the prompt's forward, then one per token but the last (EOS)
     forced = len(TOK.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "'))
