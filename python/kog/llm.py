@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from typing import Any, Iterator, Sequence
@@ -21,6 +22,7 @@ from kog.errors import InvalidRequest
 from kog.loader import ChatTemplate, Tokenizer, load_model
 from kog.sampling_params import SamplingParams
 from kog.session import Session
+from kog.spec.params import StructuredOutputParams
 
 PromptType = str | dict[str, Any]
 
@@ -46,13 +48,16 @@ class LLM:
         device: "cpu", or "cuda" to run on a GPU (ROCm devices are "cuda" in torch too): decode
             through the persistent decode kernel, prefill through the GPU ops; needs a GPU
             build of kog (KOG_BACKEND=cuda or rocm).
+        speculative_model: a small model with the same tokenizer that drafts tokens for
+            requests with `SamplingParams(speculative={"method": "draft"})` (None: only n-gram
+            drafting is available).
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, dtype: str | torch.dtype | None = None, *,
                  max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
                  kv_cache_gib: float | None = None, block_size: int = 16, progress: bool | None = None,
                  swap_space_gib: float = 0.0, enable_prefix_caching: bool = True,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", speculative_model: str | os.PathLike[str] | None = None) -> None:
         from kog.kvcache import KVLayout
         from kog.models.runner import ModelRunner
 
@@ -73,6 +78,10 @@ class LLM:
                                         str(loaded.path), enable_prefix_caching))
         self._init(engine, loaded.tokenizer, loaded.chat_template)
         self.model = loaded
+        if speculative_model is not None:
+            from kog.engine.draft import load_draft_model
+
+            load_draft_model(engine, speculative_model, loaded.dtype, context, block_size, max_num_seqs, progress)
 
     @classmethod
     def from_engine(cls, engine: LLMEngine, tokenizer: Tokenizer, chat_template: ChatTemplate | None = None) -> LLM:
@@ -107,11 +116,22 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Renders each conversation with the model's chat template, then generates."""
+             chat_template_kwargs: dict[str, Any] | None = None, tool_choice: str | dict[str, Any] | None = None,
+             parallel_tool_calls: bool = True) -> list[RequestOutput]:
+        """Renders each conversation with the model's chat template, then generates.
+
+        Args:
+            tool_choice: None leaves the output free; "auto", "required" or
+                `{"type": "function", "function": {"name": ...}}` constrain it to the tools' calls
+                (OpenAI's meaning; see StructuredOutputParams.from_openai). "none": free.
+            parallel_tool_calls: False allows one call per reply.
+        """
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.encode_chat(c, tools, add_generation_prompt, chat_template_kwargs)}
                    for c in convs]
+        if tool_choice is not None:
+            sampling_params = _with_tools(self._params_list(sampling_params, len(prompts)), tools, tool_choice,
+                                          parallel_tool_calls)
         return self.generate(prompts, sampling_params)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
@@ -205,3 +225,16 @@ class LLM:
         finally:
             for r in request_ids:
                 self.engine.release(r)
+
+
+def _with_tools(params: list[SamplingParams], tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any],
+                parallel_tool_calls: bool) -> list[SamplingParams]:
+    """Copies of params whose output is constrained to the tool calls tool_choice asks for."""
+    if not tools and tool_choice != "none":
+        raise InvalidRequest(f"tool_choice {tool_choice!r} needs tools")
+    structured = StructuredOutputParams.from_openai(None, tools, tool_choice, parallel_tool_calls)
+    if structured is None:
+        return params
+    if any(p.structured is not None for p in params):
+        raise InvalidRequest("tool_choice constrains the output: leave SamplingParams.structured unset")
+    return [dataclasses.replace(p, structured=structured) for p in params]

@@ -239,6 +239,6 @@ def test_copy_blocks_rejects_bad_ids():
     store = KVCacheStorage(layout(), 4, 2)
     bad = np.array([[0, 5]], dtype=np.int32)
     with pytest.raises(kog.InvalidRequest):
-        store._copy(store.kv, store.kv, bad)
+        store.copy_blocks(store.kv, store.kv, bad)
     with pytest.raises(kog.InvalidRequest):
-        store._copy(store.kv, store.kv, np.array([[0, 1], [1, 2]], dtype=np.int32))
+        store.copy_blocks(store.kv, store.kv, np.array([[0, 1], [1, 2]], dtype=np.int32))

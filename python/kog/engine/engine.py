@@ -18,10 +18,13 @@ from typing import Protocol, Sequence as Seq
 import numpy as np
 import torch
 
+from kog.engine import structured
+from kog.engine.chunks import forward_chunks
 from kog.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from kog.engine.scheduler import Scheduler
 from kog.engine.sequence import Sequence
 from kog.engine.session import SessionManager
+from kog.engine.speculative import Speculator
 from kog.engine.stop import apply_stop_strings, check_stop_token, streamable_text
 from kog.errors import InvalidRequest
 from kog.kvcache import KVCacheManager
@@ -47,6 +50,7 @@ class Runner(Protocol):
     vocab_size: int
 
     def prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor: ...
+    def verify(self, chunks: list[PrefillChunk]) -> list[torch.Tensor]: ...  # speculation only
     def decode(self, tokens, positions, block_tables, seq_lens, slots) -> torch.Tensor: ...
 
 
@@ -76,6 +80,7 @@ class LLMEngine:
         self._requests: dict[str, list[Sequence]] = {}
         self._prompts: dict[str, str | None] = {}
         self._seq_ids = itertools.count()
+        self.speculator = Speculator(runner, self.kv, runner.kv.apply, self.eos_token_ids, self.max_model_len)
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
@@ -85,7 +90,9 @@ class LLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         ids = self._validate_prompt(prompt_token_ids)
         params.validate()
+        self.speculator.check(params)
         seq = self._new_sequence(request_id, 0, ids, params, priority)
+        structured.admit(seq, self.tokenizer, self.eos_token_ids, self.runner.vocab_size)
         self._register(request_id, seq, prompt)
         self.scheduler.add(seq)
 
@@ -172,7 +179,8 @@ class LLMEngine:
         if parent.first_token_time is not None:
             metrics["first_token_time"] = parent.first_token_time
         return RequestOutput(request_id, self._prompts[request_id], list(parent.prompt_ids), outs, done,
-                             parent.num_cached_tokens, sum(s.num_prefill_computed for s in seqs), metrics)
+                             parent.num_cached_tokens, sum(s.num_prefill_computed for s in seqs), metrics,
+                             sum(s.num_forward_passes for s in seqs))
 
     def release(self, request_id: str) -> None:
         """Forgets a finished request's bookkeeping."""
@@ -188,20 +196,24 @@ class LLMEngine:
             self._prefill_done(seq)
         if not work.decode and not work.prefill:
             return []
+        verify = self.speculator.take(work.decode, work.decode_slots)  # speculating seqs leave the decode
         rows: list[tuple[int, Sequence]] = []  # (row of the stacked logits, sequence to sample)
         parts: list[torch.Tensor] = []
         if work.decode:
             parts.append(self._run_decode(work.decode, work.decode_slots))
             for i, seq in enumerate(work.decode):
                 seq.num_computed += 1
+                seq.num_forward_passes += 1
                 rows.append((i, seq))
         if work.prefill:
             base = len(work.decode)
             chunks = [PrefillChunk(w.seq.all_ids[w.start : w.start + w.n], w.start,
                                    self.kv.block_table(w.seq.seq_id), w.slots) for w in work.prefill]
-            parts.append(self.runner.prefill(chunks))
+            # Jump-forward runs (sequences with output) may take the native decode path (engine/chunks.py).
+            parts.append(forward_chunks(self.runner, chunks, use_decode=all(w.seq.output_ids for w in work.prefill)))
             for i, w in enumerate(work.prefill):
                 w.seq.num_computed += w.n
+                w.seq.num_forward_passes += 1
                 w.seq.num_prefill_computed += w.n
                 if w.seq.prefill_only:
                     if w.seq.num_to_prefill == 0:
@@ -209,14 +221,17 @@ class LLMEngine:
                 elif w.seq.num_to_compute == 0:
                     rows.append((base + i, w.seq))
                     rows.extend((base + i, child) for child in self._fork_children(w.seq))
-        if not rows:
-            return []
-        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
-        result = sample(logits[[r for r, _ in rows]], [self._sample_row(s) for _, s in rows])
         now = time.monotonic()
-        deltas = []
+        deltas = self.speculator.run(verify, lambda s, t: self._append_token(s, t, None, None, now),
+                                     lambda s, d: self._jump_forward(s, d, now))
+        if not rows:
+            return deltas
+        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
+        structured.prepare_masks([s for _, s in rows])
+        result = sample(logits[[r for r, _ in rows]], [self._sample_row(s) for _, s in rows])
         for k, (_, seq) in enumerate(rows):
-            deltas.append(self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k], now))
+            delta = self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k], now)
+            deltas.append(self._jump_forward(seq, delta, now))
         return deltas
 
     # ---- internal helpers ---------------------------------------------------------------------
@@ -250,6 +265,7 @@ class LLMEngine:
 
     def _done(self, seq: Sequence) -> None:
         """seq's request ended: a session keeps its KV (parked), any other sequence frees it."""
+        self.speculator.finish(seq)
         if seq.session_id is not None:
             self.sessions.on_done(seq)
         else:
@@ -267,6 +283,7 @@ class LLMEngine:
         children = []
         for index in range(1, parent.params.n):
             child = self._new_sequence(parent.request_id, index, parent.prompt_ids, parent.params, parent.priority)
+            child.constraint = structured.fork(parent)
             self.kv.fork(parent.seq_id, child.seq_id)
             child.num_computed = parent.num_computed
             child.num_cached_tokens = parent.num_cached_tokens
@@ -287,7 +304,12 @@ class LLMEngine:
                                   np.asarray(slots, dtype=np.int64))
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
-        return SampleRow(seq.params, seq.prompt_ids, seq.output_ids, self.eos_token_ids, seq.generator)
+        return SampleRow(seq.params, seq.prompt_ids, seq.output_ids, self.eos_token_ids, seq.generator,
+                         seq.constraint)
+
+    def _jump_forward(self, seq: Sequence, delta: StreamDelta, now: float) -> StreamDelta:
+        """Appends the tokens seq's grammar forces (kog.engine.structured.jump_forward)."""
+        return structured.jump_forward(seq, lambda t: self._append_token(seq, t, None, None, now), delta)
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None,
                       top: list[tuple[int, float]] | None, now: float) -> StreamDelta:
@@ -301,6 +323,7 @@ class LLMEngine:
             seq.cumulative_logprob += logprob
         delta = seq.detok.step(token) if seq.detok is not None else ""
         check_stop_token(seq, token, self.eos_token_ids, self.max_model_len)
+        structured.consume(seq, token, self.eos_token_ids)  # advances the grammar; stops at its EOS
         if seq.finish_reason == "stop" and seq.stop_reason == token:
             delta = ""  # a stop token ends the text; its id stays in token_ids
         apply_stop_strings(seq, delta)

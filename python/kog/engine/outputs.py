@@ -29,6 +29,7 @@ class RequestOutput:
     num_cached_tokens: int = 0          # prompt tokens whose KV came from the prefix cache
     prefill_tokens_computed: int = 0    # tokens prefilled for this request, recomputation included
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished (monotonic s)
+    num_forward_passes: int = 0         # target-model forwards over this request's sequences (summed)
 
 
 @dataclass

@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kog.loader.tokenizer import IncrementalDetokenizer
 from kog.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kog.spec.grammar import Constraint
 
 
 class SeqStatus(enum.Enum):
@@ -49,6 +53,9 @@ class Sequence:
     first_token_time: float | None = None
     session_id: str | None = None               # set: the KV outlives the request (agent session)
     prefill_only: bool = False                  # a session's opening prefix: KV of all but the last token
+    # ---- structured output and speculation (kog.engine.structured, kog.engine.speculative)
+    constraint: Constraint | None = None        # grammar state; has consumed exactly output_ids
+    num_forward_passes: int = 0                 # target-model forwards that computed this sequence's tokens
 
     @property
     def all_ids(self) -> list[int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence as Seq
 
+from kog.engine import structured
 from kog.engine.sequence import Sequence
 from kog.errors import InvalidOperation, InvalidRequest, KVCacheFull
 from kog.kvcache import Pin
@@ -177,8 +178,11 @@ class SessionManager:
 
     def _sequence(self, rid: str, session_id: str, ids: list[int], params: SamplingParams,
                   priority: int, seq_id: int | None = None) -> Sequence:
+        self.engine.speculator.check(params)
         seq = self.engine._new_sequence(rid, 0, list(ids), params, priority, seq_id)
         seq.session_id = session_id
+        # A grammar constrains this request's output only (the context is not re-parsed).
+        structured.admit(seq, self.engine.tokenizer, self.engine.eos_token_ids, self.engine.runner.vocab_size)
         return seq
 
     def _get(self, session_id: str) -> SessionState:

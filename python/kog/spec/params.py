@@ -39,6 +39,8 @@ class StructuredOutputParams:
         any_whitespace: allow any JSON whitespace between tokens; False (default) fixes the
             separators to ", " and ": " so a model cannot loop on blank lines.
         name: the schema's name (from `response_format.json_schema.name`), used in error messages.
+        jump_forward: the engine appends the tokens the grammar forces (a tool call's fixed
+            text) without sampling them, computing them in one forward; False: one step each.
     """
 
     json_schema: dict[str, Any] | str | None = None
@@ -50,6 +52,7 @@ class StructuredOutputParams:
     parallel_tool_calls: bool = True
     any_whitespace: bool = False
     name: str | None = None
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.json_schema, str):

@@ -35,7 +35,12 @@ class FakeRunner:
         self.block_size = block_size
         layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=block_size, dtype=torch.float32)
         self.kv = KVCacheStorage(layout, num_blocks, num_host_blocks)
-        self.calls = {"prefill": 0, "decode": 0, "prefill_tokens": 0}
+        self.max_model_len = 1 << 20  # as a draft model (kog.spec.draft_model): no position limit
+        self.calls = {"prefill": 0, "decode": 0, "prefill_tokens": 0, "verify": 0, "verify_tokens": 0}
+
+    def logits(self, context: list[int]) -> torch.Tensor:
+        """[vocab] next-token logits of a context (subclasses make other fake models)."""
+        return context_logits(context, self.vocab_size)
 
     def _write(self, slots: np.ndarray, ids: list[int]) -> None:
         t = torch.tensor(ids, dtype=torch.float32).view(-1, 1, 1)
@@ -52,12 +57,25 @@ class FakeRunner:
             assert len(c.slots) == len(c.token_ids)
             self.calls["prefill_tokens"] += len(c.token_ids)
             self._write(c.slots, list(c.token_ids))
-            rows.append(context_logits(self._read(c.block_table, c.start_pos + len(c.token_ids)), self.vocab_size))
+            rows.append(self.logits(self._read(c.block_table, c.start_pos + len(c.token_ids))))
         return torch.stack(rows)
+
+    def verify(self, chunks) -> list[torch.Tensor]:
+        """Per chunk [len(chunk), vocab]: the logits after each of its tokens (speculation)."""
+        self.calls["verify"] += 1
+        out = []
+        for c in chunks:
+            assert len(c.slots) == len(c.token_ids)
+            self.calls["verify_tokens"] += len(c.token_ids)
+            self._write(c.slots, list(c.token_ids))
+            context = self._read(c.block_table, c.start_pos + len(c.token_ids))
+            out.append(torch.stack([self.logits(context[: c.start_pos + i + 1])
+                                    for i in range(len(c.token_ids))]))
+        return out
 
     def decode(self, tokens, positions, block_tables, seq_lens, slots) -> torch.Tensor:
         self.calls["decode"] += 1
         self._write(np.asarray(slots), [int(t) for t in tokens])
-        rows = [context_logits(self._read(block_tables[i], int(seq_lens[i])), self.vocab_size)
+        rows = [self.logits(self._read(block_tables[i], int(seq_lens[i])))
                 for i in range(len(tokens))]
         return torch.stack(rows)

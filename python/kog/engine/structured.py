@@ -1,0 +1,90 @@
+"""Structured output in the engine: one grammar `Constraint` per sequence (kog.spec.grammar).
+
+The engine calls these hooks, in step order:
+
+    admit(seq, tokenizer, eos, vocab)   add_request: compile the grammar (InvalidRequest before any token)
+    fork(parent)                        _fork_children: each of n > 1 completions gets its own state
+    prepare_masks(seqs)                 before sampling: every constrained row's mask, in parallel
+    consume(seq, token, eos)            _append_token: advance the grammar; end the sequence at its EOS
+    jump_forward(seq, append)           after sampling: append the tokens the grammar forces
+
+NOTE: a constraint always holds exactly the sequence's output tokens (invariant kept by
+`consume`, the only place that advances it in the engine), so a preempted sequence keeps its
+state and speculation rolls back KV and grammar from the same count.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence as Seq
+
+from kog.engine.outputs import StreamDelta
+from kog.engine.sequence import Sequence
+from kog.loader.tokenizer import Tokenizer
+
+
+def admit(seq: Sequence, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...], vocab_size: int) -> None:
+    """Compiles seq.params.structured into seq.constraint (nothing when the output is free).
+
+    Raises:
+        InvalidRequest: the schema / grammar / tools do not compile (before any token).
+    """
+    if seq.params.structured is None:
+        return
+    from kog.spec.grammar import build_constraint  # llguidance only for requests that need it
+
+    seq.constraint = build_constraint(tokenizer, seq.params.structured, eos_token_ids, vocab_size)
+
+
+def fork(parent: Sequence) -> object | None:
+    """An independent copy of parent's grammar state for a sibling completion (None: free)."""
+    return None if parent.constraint is None else parent.constraint.fork()
+
+
+def prepare_masks(seqs: Seq[Sequence]) -> None:
+    """Computes the allowed-token masks of every constrained sequence about to be sampled, in
+    parallel on llguidance's threads; the sampler then reads them from each constraint's cache."""
+    constraints = [s.constraint for s in seqs if s.constraint is not None]
+    if constraints:
+        from kog.spec.grammar import batch_allowed
+
+        batch_allowed(constraints)
+
+
+def consume(seq: Sequence, token: int, eos_token_ids: tuple[int, ...]) -> None:
+    """Advances seq's grammar by the token just appended to seq.output_ids; when the token is an
+    EOS the grammar accepted, the output is complete: the sequence stops (finish reason "stop",
+    also under ignore_eos or before min_tokens: the grammar wins)."""
+    if seq.constraint is None:
+        return
+    seq.constraint.advance(token)
+    if token in eos_token_ids and seq.finish_reason != "stop":
+        seq.finish_reason, seq.stop_reason = "stop", token
+
+
+def jump_forward(seq: Sequence, append: Callable[[int], StreamDelta], delta: StreamDelta) -> StreamDelta:
+    """Appends the tokens seq's grammar forces next, without sampling them.
+
+    They join the sequence's tokens to compute, so the scheduler runs them (with the last
+    sampled token) as ONE prefill chunk next step, whose last logits give the next sampled
+    token. Skipped for requests asking for logprobs (a forced token has no model distribution
+    without a forward of its own) or with structured.jump_forward False.
+
+    Args:
+        seq: a sequence whose sampled token was just appended.
+        append: appends one token exactly like a sampled one (stop checks, detokenization).
+        delta: what the sampled token produced this step.
+
+    Returns:
+        delta extended with the forced tokens' text and ids.
+    """
+    if (seq.constraint is None or seq.finish_reason is not None or seq.params.logprobs is not None
+            or not seq.params.structured.jump_forward):
+        return delta
+    forced = seq.constraint.forced_tokens()
+    for token in forced:
+        d = append(token)
+        delta = StreamDelta(delta.request_id, delta.index, delta.text + d.text, delta.token_ids + d.token_ids,
+                            d.finish_reason)
+        if seq.finish_reason is not None:  # max_tokens, the context or a stop string cut the run
+            break
+    return delta
