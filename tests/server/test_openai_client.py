@@ -144,7 +144,8 @@ def test_sigterm_drains_in_flight_then_exits(tmp_path_factory):
         result = {}
 
         def stream():
-            body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 200, "n": 8, "ignore_eos": True,
+            # n > max_num_seqs: two waves, so the drain outlasts the checks below even on an idle machine
+            body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 200, "n": 32, "ignore_eos": True,
                     "stream": True}
             with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
                 result["events"] = [line for line in r.iter_lines() if line]
@@ -154,7 +155,7 @@ def test_sigterm_drains_in_flight_then_exits(tmp_path_factory):
         while srv.metric("kog_num_requests_running") == 0:
             time.sleep(0.02)
         srv.terminate()
-        time.sleep(0.3)
+        time.sleep(0.1)
         refused = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1})
         health = httpx.get(f"{srv.url}/health")
         t.join(60)
@@ -166,4 +167,4 @@ def test_sigterm_drains_in_flight_then_exits(tmp_path_factory):
     events = result["events"]
     assert events[-1] == "data: [DONE]"
     finishes = [ch["finish_reason"] for e in events[:-1] for ch in json.loads(e[6:])["choices"] if ch["finish_reason"]]
-    assert finishes == ["length"] * 8  # every in-flight choice ran to its end
+    assert finishes == ["length"] * 32  # every in-flight choice ran to its end
