@@ -6,27 +6,10 @@ import time
 import pytest
 
 import kog
-from kog.engine import EngineConfig, LLMEngine
 from kog.engine.async_engine import AsyncEngine
-from kog.testing.fake_runner import FakeRunner
-from kog.testing.tiny_models import tiny_tokenizer
+from server_helpers import TOK, make_engine
 
-TOK = tiny_tokenizer()
 PROMPT = TOK.encode("the quick brown fox jumps over the lazy dog")
-
-
-def make_engine(step_delay: float = 0.0, **config) -> LLMEngine:
-    """The fake-model engine; step_delay (s) makes each step as slow as a real model's."""
-    engine = LLMEngine(FakeRunner(TOK.vocab_size, 64, 4), TOK, [TOK.eos_token_id], 512, EngineConfig(**config))
-    if step_delay:
-        step = engine.step
-
-        def slow_step():
-            time.sleep(step_delay)
-            return step()
-
-        engine.step = slow_step
-    return engine
 
 
 def params(max_tokens=8, **kw):
