@@ -135,10 +135,6 @@ void bind_attention(py::module_& m) {
         arg("block_size"), arg("num_blocks"), arg("max_blocks_per_seq"),
         arg("block_tables_stride"), arg("q_stride"), arg("out_stride"), arg("max_seq_len"),
         arg("max_q_len"), arg("scale"), arg("dtype"), arg("device"), arg("stream"), arg("partials") = 0, nogil);
-  m.def("paged_attention_partials_floats", [](int64_t n_tokens, int64_t n_q_heads, int64_t head_dim,
-                                              int64_t max_seq_len) {
-    const int64_t parts = (max_seq_len + kog::kGpuAttentionPartitionTokens - 1) / kog::kGpuAttentionPartitionTokens;
-    return n_tokens * n_q_heads * parts * (head_dim + 2);
-  }, arg("n_tokens"), arg("n_q_heads"), arg("head_dim"), arg("max_seq_len"),
-        "Floats of device scratch the GPU paged attention needs.");
+  m.def("paged_attention_partials_floats", &kog::gpu_attention_partials_floats, arg("n_tokens"), arg("n_q_heads"),
+        arg("head_dim"), arg("max_seq_len"), "Floats of device scratch the GPU paged attention needs.");
 }

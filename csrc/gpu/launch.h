@@ -39,8 +39,7 @@ void silu_and_mul(const SiluAndMulParams& p, void* stream);
 void linear(const LinearParams& p, void* stream);
 void kv_append(const KVAppendParams& p, void* stream);
 // Paged attention, decode (p.query_start_loc null) or causal prefill. partials: device scratch
-// of paged_attention_partials_floats(p) floats. Metadata arrays are device memory.
-int64_t paged_attention_partials_floats(const PagedAttentionParams& p);
+// of gpu_attention_partials_floats (ops/attention.h) floats. Metadata arrays are device memory.
 void paged_attention(const PagedAttentionParams& p, float* partials, void* stream);
 // Samples one token per row of f32 logits [n_rows, vocab]; rows: [n_rows] SamplingRow
 // (gpu/decode/params.h) in device memory; counter: the draw counter; out: [n_rows] int32.

@@ -50,4 +50,11 @@ constexpr int64_t kAttentionPartitionTokens = 512;
 // head_dim + 2] f32 scratch, which the caller allocates.
 constexpr int64_t kGpuAttentionPartitionTokens = 256;
 
+// Floats of that scratch for n_tokens queries of n_q_heads heads over at most max_seq_len keys.
+inline int64_t gpu_attention_partials_floats(int64_t n_tokens, int64_t n_q_heads, int64_t head_dim,
+                                             int64_t max_seq_len) {
+  const int64_t parts = (max_seq_len + kGpuAttentionPartitionTokens - 1) / kGpuAttentionPartitionTokens;
+  return n_tokens * n_q_heads * parts * (head_dim + 2);
+}
+
 }  // namespace kog

@@ -59,10 +59,6 @@ __global__ void __launch_bounds__(kThreads) attention_combine_kernel(PagedAttent
 
 }  // namespace
 
-int64_t paged_attention_partials_floats(const PagedAttentionParams& p) {
-  return p.n_tokens * p.n_q_heads * decode::attn_parts(p.max_seq_len) * (p.head_dim + 2);
-}
-
 void paged_attention(const PagedAttentionParams& p, float* partials, void* stream) {
   KOG_CHECK(p.head_dim <= decode::kMaxHeadDim, "paged_attention: head_dim ", p.head_dim, " > ", decode::kMaxHeadDim);
   if (p.n_tokens == 0) return;
