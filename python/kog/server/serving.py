@@ -24,10 +24,19 @@ from kog.sampling_params import SamplingParams
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = "data: [DONE]\n\n"
 
+# Characters that str.splitlines() (and so httpx.iter_lines and many line readers) treats as
+# line ends, which JSON allows raw inside a string; escaped so one event stays one line.
+_LINE_BREAKING = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_json(payload: str) -> str:
+    """One server-sent event carrying a JSON document; the event is a single line for any line reader."""
+    return f"data: {payload.translate(_LINE_BREAKING)}\n\n"
+
 
 def sse(chunk: BaseModel) -> str:
     """One server-sent event carrying a JSON chunk."""
-    return f"data: {chunk.model_dump_json()}\n\n"
+    return sse_json(chunk.model_dump_json())
 
 
 def sse_error(exc: BaseException) -> str:
@@ -35,7 +44,7 @@ def sse_error(exc: BaseException) -> str:
     err = to_api_error(exc)
     detail = ErrorDetail(message=err.message, type="server_error" if err.status >= 500 else "invalid_request_error",
                          param=err.param, code=err.code)
-    return f"data: {ErrorResponse(error=detail).model_dump_json()}\n\n"
+    return sse_json(ErrorResponse(error=detail).model_dump_json())
 
 
 class Generation:
