@@ -48,14 +48,20 @@ def test_turns_equal_stateless_chat_and_compute_only_the_appended_tokens(client)
     assert first["choices"][0]["message"]["content"] == stateless["choices"][0]["message"]["content"]
     assert first["usage"]["prompt_tokens"] == opened["num_tokens"]
     context = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
-    assert info(client, opened["id"])["num_tokens"] == context
+    before = info(client, opened["id"])["token_ids"]
+    assert len(before) == context
 
     n = client.post(f"/v1/sessions/{opened['id']}/append", json={"messages": TOOL}).json()["num_tokens"]
+    after = info(client, opened["id"])["token_ids"]
+    # NOTE: the render may re-tokenize the model's own last tokens (it stopped before <|im_end|>):
+    # the session then rolled back to the first difference, and those few tokens are recomputed.
+    kept = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), len(before))
+    assert kept > len(before) - 8 and len(after) == n
     second = generate(client, opened["id"])
-    appended = n - context
     usage = second["usage"]
+    appended = n - kept
     assert usage["prefill_tokens_computed"] == appended + 1  # the tool result + the pending last token
-    assert usage["prompt_tokens_details"]["cached_tokens"] == context - 1 == usage["prompt_tokens"] - appended - 1
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - usage["prefill_tokens_computed"]
     conversation = SYSTEM + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]}] + TOOL
     stateless = client.post("/v1/chat/completions", json={"model": "kog", "messages": conversation, **GREEDY}).json()
     assert second["choices"][0]["message"]["content"] == stateless["choices"][0]["message"]["content"]

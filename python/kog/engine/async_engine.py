@@ -36,6 +36,7 @@ class _Add:
     submit: Callable[[LLMEngine], Any]  # queues the request in the engine (add_request, session_generate, ...)
     stream: RequestStream
     accepted: asyncio.Future = field(repr=False)
+    silent: bool = False  # prefill-only: produces no stream delta
 
 
 @dataclass
@@ -68,6 +69,7 @@ class AsyncEngine:
         self._closing = False         # the loop exits once no request is in flight
         self._dead: EngineStepError | None = None
         self._streams: dict[str, RequestStream] = {}  # loop thread only
+        self._silent: set[str] = set()  # loop thread only: prefill-only requests in _streams
         self._outbox: list[tuple[RequestStream | asyncio.Future, Any]] = []  # loop thread only
         self._ids = itertools.count()
         self._stats = self._collect_stats()
@@ -99,14 +101,15 @@ class AsyncEngine:
         session has a request in flight)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if params is None:
-            return await self._submit(rid, lambda e: e.prefill_session(session_id, rid, priority))
+            return await self._submit(rid, lambda e: e.prefill_session(session_id, rid, priority), silent=True)
         return await self._submit(rid, lambda e: e.session_generate(session_id, rid, params, priority))
 
     async def open_session(self, session_id: str, prompt_token_ids: Seq[int], pin: bool = True,
                            priority: int = 0) -> RequestStream:
         """LLMEngine.open_session; the stream ends when the prefix's KV is computed."""
         ids = list(prompt_token_ids)
-        return await self._submit(f"session-open:{session_id}", lambda e: e.open_session(session_id, ids, pin, priority))
+        return await self._submit(f"session-open:{session_id}", lambda e: e.open_session(session_id, ids, pin, priority),
+                                  silent=True)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs fn(*args) on the loop thread between two steps (any LLMEngine method, or a
@@ -122,10 +125,10 @@ class AsyncEngine:
             self._wake.notify()
         return await call.done
 
-    async def _submit(self, rid: str, submit: Callable[[LLMEngine], Any]) -> RequestStream:
+    async def _submit(self, rid: str, submit: Callable[[LLMEngine], Any], silent: bool = False) -> RequestStream:
         loop = asyncio.get_running_loop()
         stream = RequestStream(rid, loop, self.abort)
-        add = _Add(rid, submit, stream, loop.create_future())
+        add = _Add(rid, submit, stream, loop.create_future(), silent)
         with self._wake:
             self._check_accepting()
             if self._pending_adds + self._stats["waiting"] >= self.max_waiting:
@@ -258,6 +261,8 @@ class AsyncEngine:
                 self._outbox.append((cmd.accepted, e))
                 return
             self._streams[cmd.request_id] = cmd.stream
+            if cmd.silent:
+                self._silent.add(cmd.request_id)
             self._outbox.append((cmd.accepted, None))
         elif cmd[0] == "abort" and cmd[1] in self._streams:
             self._finish(cmd[1], abort=True)
@@ -274,6 +279,10 @@ class AsyncEngine:
         by_request: dict[str, list[StreamDelta]] = {}
         for d in deltas:
             by_request.setdefault(d.request_id, []).append(d)
+        # NOTE: prefill-only requests (session open/prefill) end without a delta: poll those.
+        for rid in [r for r in self._silent if r in self._streams and r not in by_request]:
+            if self.engine.get_output(rid).finished:
+                by_request[rid] = []
         for rid, ds in by_request.items():
             stream = self._streams.get(rid)
             if stream is None:
@@ -286,6 +295,7 @@ class AsyncEngine:
     def _finish(self, rid: str, abort: bool) -> None:
         """Ends a request: aborts it when asked (KV freed now), forgets it, closes its stream."""
         stream = self._streams.pop(rid)
+        self._silent.discard(rid)
         if abort:
             self.engine.abort(rid)
             self._outbox.append((stream, RequestUpdate([], self.engine.get_output(rid))))

@@ -66,6 +66,7 @@ class SessionInfo(BaseModel):
     id: str
     object: Literal["session"] = "session"
     num_tokens: int
+    token_ids: list[int]            # the context
     num_computed: int               # tokens with KV (the last one is always pending)
     kv_state: str
     pinned_tokens: int

@@ -147,7 +147,8 @@ async def get_session(session_id: str, request: Request) -> SessionInfo:
     state = get_state(request)
     session = _session(state, session_id)
     info = await state.engine.call(state.engine.engine.session_info, session_id)
-    return SessionInfo(id=session_id, num_tokens=len(info["token_ids"]), num_computed=info["num_computed"],
+    return SessionInfo(id=session_id, num_tokens=len(info["token_ids"]), token_ids=info["token_ids"],
+                       num_computed=info["num_computed"],
                        kv_state=str(info["kv_state"]), pinned_tokens=info["pinned_tokens"],
                        busy=info["request_id"] is not None, chat_mode=session.messages is not None,
                        messages=session.messages)
