@@ -166,7 +166,7 @@ def test_disconnect_mid_stream_leaves_the_context_over_a_real_server(tmp_path):
             assert before["num_tokens"] == first["usage"]["total_tokens"]
             aborted = _ended(srv, "abort")
             with c.stream("POST", f"/v1/sessions/{sid}/generate",
-                          json={"max_tokens": 500, "ignore_eos": True, "stream": True}) as r:
+                          json={"max_tokens": 150, "ignore_eos": True, "stream": True}) as r:
                 assert next(r.iter_lines()).startswith("data: ")
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and _ended(srv, "abort") == aborted:
