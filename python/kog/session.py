@@ -23,6 +23,7 @@ from kog.errors import InvalidOperation, InvalidRequest
 from kog.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kog.engine import LLMEngine
     from kog.llm import LLM
 
 
@@ -93,18 +94,7 @@ class Session:
                                  "(and no token-level append or rollback since)")
         conversation = self._messages + copy.deepcopy(list(messages))
         full = self.llm.encode_chat(conversation, self._tools, True, self._chat_kwargs)
-        have = self.token_ids
-        k = _common_prefix(full, have)
-        if k == len(full):
-            raise InvalidRequest("append: the messages add no tokens to the rendered conversation")
-        if k < self._rendered:
-            raise InvalidRequest(
-                f"the chat template cannot be rendered incrementally: rendering the whole conversation "
-                f"changes token {k} of the {len(have)} already in the session (the first {self._rendered} "
-                f"came from the template); open a new session with the full conversation instead")
-        if k < len(have):  # the model's own output re-tokenizes differently: align with the render
-            self.llm.engine.rollback_session(self.session_id, k)
-        self.llm.engine.append_session(self.session_id, full[k:])
+        append_render(self.llm.engine, self.session_id, full, self._rendered)
         self._messages = conversation
         self._rendered = len(full)
 
@@ -161,6 +151,33 @@ class Session:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidOperation(f"session {self.session_id!r} is closed")
+
+
+def append_render(engine: LLMEngine, session_id: str, full: list[int], rendered: int) -> None:
+    """Brings an idle session's context to `full` (a render of its whole conversation) by
+    appending what the render adds; shared by Session and the server's /v1/sessions.
+
+    Args:
+        engine: call it on the thread that runs step().
+        full: the tokens of the whole conversation rendered through the chat template.
+        rendered: how many of the context's tokens came from earlier renders.
+    Raises:
+        InvalidRequest: the render adds nothing, or changes a token of an earlier render (the
+            template is not incremental). A difference inside the model's own output is not an
+            error: the context is rolled back to it and the render appended from there.
+    """
+    have = engine.session_info(session_id)["token_ids"]
+    k = _common_prefix(full, have)
+    if k == len(full):
+        raise InvalidRequest("append: the messages add no tokens to the rendered conversation")
+    if k < rendered:
+        raise InvalidRequest(
+            f"the chat template cannot be rendered incrementally: rendering the whole conversation "
+            f"changes token {k} of the {len(have)} already in the session (the first {rendered} "
+            f"came from the template); open a new session with the full conversation instead")
+    if k < len(have):  # the model's own output re-tokenizes differently: align with the render
+        engine.rollback_session(session_id, k)
+    engine.append_session(session_id, full[k:])
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -33,12 +33,22 @@ log = logging.getLogger("kog.engine")
 @dataclass
 class _Add:
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None
-    priority: int
+    submit: Callable[[LLMEngine], Any]  # queues the request in the engine (add_request, session_generate, ...)
     stream: RequestStream
     accepted: asyncio.Future = field(repr=False)
+    silent: bool = False  # prefill-only: produces no stream delta
+
+
+@dataclass
+class _Call:
+    fn: Callable[..., Any]
+    args: tuple
+    done: asyncio.Future = field(repr=False)
+
+
+@dataclass
+class _Value:
+    value: Any  # a call's result, told apart from "no error" (None) and an exception
 
 
 class AsyncEngine:
@@ -53,12 +63,13 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self._wake = threading.Condition(threading.Lock())
-        self._commands: deque[_Add | tuple[str, str | None]] = deque()  # guarded by _wake
+        self._commands: deque[_Add | _Call | tuple[str, str | None]] = deque()  # guarded by _wake
         self._pending_adds = 0        # guarded by _wake: submitted, not yet seen by the loop
         self._accepting = True
         self._closing = False         # the loop exits once no request is in flight
         self._dead: EngineStepError | None = None
         self._streams: dict[str, RequestStream] = {}  # loop thread only
+        self._silent: set[str] = set()  # loop thread only: prefill-only requests in _streams
         self._outbox: list[tuple[RequestStream | asyncio.Future, Any]] = []  # loop thread only
         self._ids = itertools.count()
         self._stats = self._collect_stats()
@@ -78,10 +89,46 @@ class AsyncEngine:
             EngineDraining: shutdown() was called.
             EngineStepError: the engine failed earlier and cannot run anything.
         """
-        loop = asyncio.get_running_loop()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        ids = list(prompt_token_ids)
+        return await self._submit(rid, lambda e: e.add_request(rid, ids, params, prompt, priority))
+
+    async def add_session_request(self, session_id: str, params: SamplingParams | None, request_id: str | None = None,
+                                  priority: int = 0) -> RequestStream:
+        """A generation on a session (params) or, with params None, a prefill-only request over
+        its pending tokens. Closing the stream early aborts it: the session's context stays as
+        it was before (docs/SESSIONS.md). Errors as add_request, plus InvalidOperation (the
+        session has a request in flight)."""
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if params is None:
+            return await self._submit(rid, lambda e: e.prefill_session(session_id, rid, priority), silent=True)
+        return await self._submit(rid, lambda e: e.session_generate(session_id, rid, params, priority))
+
+    async def open_session(self, session_id: str, prompt_token_ids: Seq[int], pin: bool = True,
+                           priority: int = 0) -> RequestStream:
+        """LLMEngine.open_session; the stream ends when the prefix's KV is computed."""
+        ids = list(prompt_token_ids)
+        return await self._submit(f"session-open:{session_id}", lambda e: e.open_session(session_id, ids, pin, priority),
+                                  silent=True)
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs fn(*args) on the loop thread between two steps (any LLMEngine method, or a
+        closure making several calls atomically) and returns its result or raises its exception.
+
+        Raises:
+            EngineDraining, EngineStepError: the loop is stopping or stopped (fn never runs).
+        """
+        call = _Call(fn, args, asyncio.get_running_loop().create_future())
+        with self._wake:
+            self._check_accepting()
+            self._commands.append(call)
+            self._wake.notify()
+        return await call.done
+
+    async def _submit(self, rid: str, submit: Callable[[LLMEngine], Any], silent: bool = False) -> RequestStream:
+        loop = asyncio.get_running_loop()
         stream = RequestStream(rid, loop, self.abort)
-        add = _Add(rid, list(prompt_token_ids), params, prompt, priority, stream, loop.create_future())
+        add = _Add(rid, submit, stream, loop.create_future(), silent)
         with self._wake:
             self._check_accepting()
             if self._pending_adds + self._stats["waiting"] >= self.max_waiting:
@@ -182,6 +229,8 @@ class AsyncEngine:
             with self._wake:
                 self._stats = stats
                 exit_now = closing and not self._streams and not self._commands
+            if exit_now:  # NOTE: sessions outlive their requests; nobody can use them after this
+                self._guarded(self._close_sessions)
             self._send_replies()
             if exit_now:
                 return
@@ -195,18 +244,25 @@ class AsyncEngine:
             self._fail_all(e, fatal=True)
             return None
 
-    def _apply(self, cmd: _Add | tuple[str, str | None]) -> None:
-        if isinstance(cmd, _Add):
+    def _apply(self, cmd: _Add | _Call | tuple[str, str | None]) -> None:
+        if isinstance(cmd, _Call):
+            try:
+                self._outbox.append((cmd.done, _Value(cmd.fn(*cmd.args))))
+            except Exception as e:
+                self._outbox.append((cmd.done, e))
+        elif isinstance(cmd, _Add):
             with self._wake:
                 self._pending_adds -= 1
             try:
                 if self._dead is not None:
                     raise self._dead
-                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.prompt, cmd.priority)
+                cmd.submit(self.engine)
             except Exception as e:  # delivered to the submitter, who raises it
                 self._outbox.append((cmd.accepted, e))
                 return
             self._streams[cmd.request_id] = cmd.stream
+            if cmd.silent:
+                self._silent.add(cmd.request_id)
             self._outbox.append((cmd.accepted, None))
         elif cmd[0] == "abort" and cmd[1] in self._streams:
             self._finish(cmd[1], abort=True)
@@ -223,6 +279,10 @@ class AsyncEngine:
         by_request: dict[str, list[StreamDelta]] = {}
         for d in deltas:
             by_request.setdefault(d.request_id, []).append(d)
+        # NOTE: prefill-only requests (session open/prefill) end without a delta: poll those.
+        for rid in [r for r in self._silent if r in self._streams and r not in by_request]:
+            if self.engine.get_output(rid).finished:
+                by_request[rid] = []
         for rid, ds in by_request.items():
             stream = self._streams.get(rid)
             if stream is None:
@@ -235,11 +295,16 @@ class AsyncEngine:
     def _finish(self, rid: str, abort: bool) -> None:
         """Ends a request: aborts it when asked (KV freed now), forgets it, closes its stream."""
         stream = self._streams.pop(rid)
+        self._silent.discard(rid)
         if abort:
             self.engine.abort(rid)
             self._outbox.append((stream, RequestUpdate([], self.engine.get_output(rid))))
         self.engine.release(rid)
         self._outbox.append((stream, END))
+
+    def _close_sessions(self) -> None:
+        for sid in list(self.engine.sessions.sessions):
+            self.engine.close_session(sid)
 
     def _fail_all(self, cause: Exception, fatal: bool = False) -> None:
         log.exception("engine loop failed; failing %d request(s)", len(self._streams))
@@ -281,16 +346,16 @@ class AsyncEngine:
         }
 
 
-def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
-    """Completes an asyncio future from the loop thread."""
+def _resolve(future: asyncio.Future, item: BaseException | _Value | None) -> None:
+    """Completes an asyncio future from the loop thread: with an exception, a _Value's value, or None."""
 
     def set_it() -> None:
         if future.done():
             return
-        if error is None:
-            future.set_result(None)
+        if isinstance(item, BaseException):
+            future.set_exception(item)
         else:
-            future.set_exception(error)
+            future.set_result(item.value if isinstance(item, _Value) else None)
 
     try:
         future.get_loop().call_soon_threadsafe(set_it)

@@ -42,15 +42,22 @@ def encode_chat(req: ChatCompletionRequest, template: ChatTemplate | None, token
         APIError: the model has no chat template.
         InvalidRequest: the template rejected the conversation (TemplateError).
     """
+    return encode_messages([message_dict(m) for m in req.messages], template, tokenizer, tools,
+                           req.add_generation_prompt, req.chat_template_kwargs)
+
+
+def encode_messages(messages: list[dict[str, Any]], template: ChatTemplate | None, tokenizer: Tokenizer,
+                    tools: list[dict[str, Any]] | None, add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """encode_chat for messages already in template form (message_dict); same errors."""
     if template is None:
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    messages = [_message_dict(m) for m in req.messages]
-    text = template.render(messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
-                           **(req.chat_template_kwargs or {}))
+    text = template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                           **(chat_template_kwargs or {}))
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _message_dict(m: ChatMessage) -> dict[str, Any]:
+def message_dict(m: ChatMessage) -> dict[str, Any]:
     """The dict a chat template expects: text content as one string, tool-call arguments as
     objects (templates write them with tojson), unset fields left out."""
     out: dict[str, Any] = {"role": m.role}

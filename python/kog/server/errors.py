@@ -24,13 +24,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kog.errors import EngineDraining, EngineStepError, InvalidRequest, QueueFull
+from kog.errors import EngineDraining, EngineStepError, InvalidOperation, InvalidRequest, QueueFull
 from kog.server.responses import ErrorDetail, ErrorResponse
 
 log = logging.getLogger("kog.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
           429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
 
@@ -70,6 +70,8 @@ def to_api_error(exc: BaseException, retry_after_s: int = 1) -> APIError:
         return exc
     if isinstance(exc, InvalidRequest):
         return APIError(400, str(exc), param=_param_of(str(exc)))
+    if isinstance(exc, InvalidOperation):  # e.g. a session that has a request in flight
+        return APIError(409, str(exc))
     if isinstance(exc, QueueFull):
         return APIError(429, str(exc), headers={"Retry-After": str(retry_after_s)})
     if isinstance(exc, EngineDraining):
@@ -101,7 +103,7 @@ def install_error_handlers(app: FastAPI, retry_after_s: int = 1) -> None:
 
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
-    for cls in (APIError, InvalidRequest, QueueFull, EngineDraining, EngineStepError, Exception):
+    for cls in (APIError, InvalidRequest, InvalidOperation, QueueFull, EngineDraining, EngineStepError, Exception):
         app.add_exception_handler(cls, on_kog_error)
 
 

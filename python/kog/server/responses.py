@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SerializeAsAny
 
 from kog.server.protocol import ToolCall
 
@@ -18,6 +18,12 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class SessionUsage(Usage):
+    """Usage of a /v1/sessions generation (Kog extension)."""
+
+    prefill_tokens_computed: int = 0  # tokens computed for this turn (appended + the pending one)
 
 
 # ---- logprobs -------------------------------------------------------------------------------------
@@ -96,7 +102,7 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChatStreamChoice]
-    usage: Usage | None = None
+    usage: SerializeAsAny[Usage] | None = None
 
 
 # ---- text completions -----------------------------------------------------------------------------
@@ -113,7 +119,7 @@ class CompletionResponse(BaseModel):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None  # always set on whole responses; on a stream's last chunk if asked
+    usage: SerializeAsAny[Usage] | None = None  # always set on whole responses; on a stream's last chunk if asked
 
 
 # ---- models, health, errors -----------------------------------------------------------------------

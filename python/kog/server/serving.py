@@ -58,6 +58,7 @@ class Generation:
         self.state = state
         self.streams: list[RequestStream] = []
         self.timers: list[RequestTimer] = []
+        self.last: dict[int, RequestOutput] = {}  # prompt index -> its latest output
 
     async def start(self, prompts: list[list[int]], params: SamplingParams, request_id: str, priority: int,
                     texts: list[str | None] | None = None) -> None:
@@ -72,6 +73,20 @@ class Generation:
                 text = texts[i] if texts else None
                 self.streams.append(await self.state.engine.add_request(ids, params, rid, priority, text))
                 self.timers.append(self.state.metrics.timer(len(ids)))
+        except BaseException:
+            self.close()
+            raise
+
+    async def start_session(self, session_id: str, params: SamplingParams, request_id: str, priority: int,
+                            num_context: int) -> None:
+        """Submits a generation on a session (its context is the prompt, num_context tokens long).
+
+        Raises:
+            InvalidOperation: the session has a request in flight; else as start().
+        """
+        try:
+            self.streams.append(await self.state.engine.add_session_request(session_id, params, request_id, priority))
+            self.timers.append(self.state.metrics.timer(num_context))
         except BaseException:
             self.close()
             raise
@@ -142,6 +157,7 @@ class Generation:
             self.close()
 
     def _record(self, i: int, u: RequestUpdate) -> None:
+        self.last[i] = u.output
         timer = self.timers[i]
         timer.on_tokens(sum(len(d.token_ids) for d in u.deltas))
         if u.finished:

@@ -16,6 +16,7 @@ from kog.loader.chat_template import ChatTemplate
 from kog.loader.tokenizer import Tokenizer
 from kog.server.errors import APIError
 from kog.server.metrics import ServerMetrics
+from kog.server.session_store import ServerSession
 
 
 @dataclass
@@ -45,6 +46,7 @@ class ServerState:
     config: ServerConfig
     metrics: ServerMetrics
     created: int = field(default_factory=lambda: int(time.time()))
+    sessions: dict[str, ServerSession] = field(default_factory=dict)  # open /v1/sessions, by id
 
     @property
     def max_model_len(self) -> int:

@@ -1,7 +1,7 @@
 """The server's routers, one file per endpoint group; app.py includes them in this order."""
 
-from kog.server.routes import chat, completions, health, models
+from kog.server.routes import chat, completions, health, models, sessions
 
-ROUTERS = [chat.router, completions.router, models.router, health.router]
+ROUTERS = [chat.router, completions.router, sessions.router, models.router, health.router]
 
 __all__ = ["ROUTERS"]

@@ -17,7 +17,8 @@ from kog.server.logprobs import chat_logprobs
 from kog.server.params import check_context, sampling_params
 from kog.server.protocol import ChatCompletionRequest, NamedToolChoice, ToolCall, ToolCallFunction
 from kog.server.responses import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta,
-                                  ChatStreamChoice, DeltaFunction, DeltaToolCall, PromptTokensDetails, Usage)
+                                  ChatStreamChoice, DeltaFunction, DeltaToolCall, PromptTokensDetails, SessionUsage,
+                                  Usage)
 from kog.server.routes.common import ERROR_RESPONSES, STREAM_RESPONSE
 from kog.server.serving import SSE_DONE, SSE_HEADERS, Generation, sse, sse_error
 from kog.server.state import ServerState, get_state, require_api_key
@@ -56,8 +57,9 @@ class _Ctx:
     """What building a response needs besides the engine output."""
 
     def __init__(self, state: ServerState, body: ChatCompletionRequest, rid: str, n_prompt: int, k: int | None,
-                 tools: bool) -> None:
+                 tools: bool, session: bool = False) -> None:
         self.state, self.body, self.rid, self.n_prompt, self.k = state, body, rid, n_prompt, k
+        self.session = session  # usage reports prefill_tokens_computed
         self.parser = state.config.tool_call_parser if tools else None
         self.created = int(time.time())
 
@@ -131,8 +133,11 @@ def _chunk(ctx: _Ctx, choices: list[ChatStreamChoice], usage: Usage | None = Non
 
 def _usage(ctx: _Ctx, out: RequestOutput) -> Usage:
     completion = sum(len(c.token_ids) for c in out.outputs)
-    return Usage(prompt_tokens=ctx.n_prompt, completion_tokens=completion, total_tokens=ctx.n_prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+    fields = dict(prompt_tokens=ctx.n_prompt, completion_tokens=completion, total_tokens=ctx.n_prompt + completion,
+                  prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+    if ctx.session:
+        return SessionUsage(**fields, prefill_tokens_computed=out.prefill_tokens_computed)
+    return Usage(**fields)
 
 
 def _finish(reason: str | None, calls: list[ParsedToolCall]) -> str | None:
