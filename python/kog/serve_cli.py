@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="memory for the paged KV cache (default: enough for every sequence, at most 1 GiB)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of cached prompt prefixes across requests (default: on)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="most requests queued and not yet running; more get 429 with Retry-After")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="largest request body (413 above)")
@@ -53,18 +55,25 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
+def load_llm(args: argparse.Namespace):
+    """The engine `kog serve` serves, as its flags describe (kog.LLM; KogError on a bad model)."""
+    from kog.llm import LLM
+
+    return LLM(args.model, None if args.dtype == "auto" else args.dtype, max_model_len=args.max_model_len,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               kv_cache_gib=args.kv_cache_gib, block_size=args.block_size,
+               enable_prefix_caching=args.enable_prefix_caching, progress=False)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kog.engine.async_engine import AsyncEngine
-    from kog.llm import LLM
     from kog.server import ServerConfig, build_app
     from kog.server.draining import DrainingServer
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    llm = LLM(args.model, None if args.dtype == "auto" else args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_gib=args.kv_cache_gib, block_size=args.block_size, progress=False)
+    llm = load_llm(args)
     names = args.served_model_name or [llm.model.path.stem if llm.model.path.suffix else llm.model.path.name]
     engine = AsyncEngine(llm.engine, max_waiting=args.max_waiting)
     config = ServerConfig(served_model_names=names, api_key=args.api_key, max_body_bytes=args.max_body_bytes,

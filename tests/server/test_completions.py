@@ -78,6 +78,8 @@ def test_metrics_count_tokens_and_latencies(client):
     assert metric(text, "kog_kv_blocks_used") == 0 and metric(text, "kog_num_requests_running") == 0
     assert metric(text, "kog_prefix_cache_hits_total") >= sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages) > 0
     assert metric(text, "kog_prefix_cache_queries_total") >= metric(text, "kog_prefix_cache_hits_total")
+    computed = sum(u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert metric(text, "kog_prefill_tokens_computed_total") == computed < sum(u["prompt_tokens"] for u in usages)
     assert 'kog_requests_total{finish_reason="length"} 3.0' in text
 
 

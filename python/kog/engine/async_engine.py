@@ -343,6 +343,7 @@ class AsyncEngine:
             "in_flight": len(self._streams),
             "kv": kv,
             "kv_usage": kv["blocks_used"] / max(1, kv["num_blocks"]),
+            "prefill_tokens_computed": self.engine.num_prefill_tokens_computed,
         }
 
 

@@ -80,6 +80,7 @@ class LLMEngine:
         self._requests: dict[str, list[Sequence]] = {}
         self._prompts: dict[str, str | None] = {}
         self._seq_ids = itertools.count()
+        self.num_prefill_tokens_computed = 0  # every token run through a prefill chunk, ever (recomputation included)
         self.speculator = Speculator(runner, self.kv, runner.kv.apply, self.eos_token_ids, self.max_model_len)
 
     # ---- requests -----------------------------------------------------------------------------
@@ -215,6 +216,7 @@ class LLMEngine:
                 w.seq.num_computed += w.n
                 w.seq.num_forward_passes += 1
                 w.seq.num_prefill_computed += w.n
+                self.num_prefill_tokens_computed += w.n
                 if w.seq.prefill_only:
                     if w.seq.num_to_prefill == 0:
                         self._prefill_done(w.seq)

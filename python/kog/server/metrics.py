@@ -108,5 +108,7 @@ class _EngineCollector:
             ("kog_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", kv["prefix_query_tokens"]),
             ("kog_prefix_cache_hits", "Prompt tokens found in the prefix cache", kv["prefix_hit_tokens"]),
             ("kog_prefix_cache_lookups", "Prefix-cache lookups (one per admitted sequence)", kv["prefix_queries"]),
+            ("kog_prefill_tokens_computed", "Tokens computed by prefill (cache hits excluded, recomputation included)",
+             s["prefill_tokens_computed"]),
         ]:
             yield CounterMetricFamily(name, doc, value=value)
