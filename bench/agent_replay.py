@@ -7,6 +7,9 @@ the same model in the same process:
 
     PYTHONPATH=python python bench/agent_replay.py            # 8 agents x 10 turns, ~1.5k system
     PYTHONPATH=python python bench/agent_replay.py --quick    # 2 agents x 3 turns, ~200 system
+    PYTHONPATH=python python bench/agent_replay.py --http     # the same over HTTP: /v1/sessions vs
+                                                              # stateless /v1/chat/completions, each
+                                                              # against its own `kog serve` process
 
 Workload (seeded): a system prompt with tool schemas (~--system-tokens tokens, ChatML through
 the chat template); per agent a task; per turn the model generates a tool call of 20-40 tokens
@@ -42,6 +45,7 @@ class Turn:
     wait_s: float
     result: list[int]          # the tool result, rendered as a tool turn, as token ids
     fork: bool
+    result_text: str = ""      # the tool result (the content of the tool message)
 
 
 @dataclass
@@ -49,6 +53,8 @@ class Agent:
     name: str
     task: list[int]            # the agent's user message tokens (after the system prompt)
     turns: list[Turn]
+    system_text: str = ""      # the system prompt and the task, as text (the HTTP mode's messages)
+    task_text: str = ""
     context: list[int] = field(default_factory=list)
     session: str | None = None
     turn: int = 0
@@ -79,15 +85,16 @@ def build_workload(llm, args) -> tuple[list[int], list[Agent]]:
     fork_turns = {int(t) for t in args.fork_turns.split(",") if t != ""}
     agents = []
     for a in range(args.agents):
-        task = llm.tokenizer.encode(f"<|im_start|>user\nTask {a}: plan a trip to city {a} and book it.<|im_end|>\n"
-                                    "<|im_start|>assistant\n", add_special_tokens=False)
+        task_text = f"Task {a}: plan a trip to city {a} and book it."
+        task = llm.tokenizer.encode(f"<|im_start|>user\n{task_text}<|im_end|>\n<|im_start|>assistant\n",
+                                    add_special_tokens=False)
         turns = []
         for t in range(args.turns):
             result = json.dumps({"tool": f"call_{t}", "result": [rng.randint(0, 10**6) for _ in range(rng.randint(4, 12))]})
             tool_turn = llm.tokenizer.encode(f"<|im_end|>\n<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n",
                                              add_special_tokens=False)
-            turns.append(Turn(rng.randint(20, 40), rng.uniform(0.05, 0.5), tool_turn, t in fork_turns))
-        agents.append(Agent(f"agent{a}", task, turns))
+            turns.append(Turn(rng.randint(20, 40), rng.uniform(0.05, 0.5), tool_turn, t in fork_turns, result))
+        agents.append(Agent(f"agent{a}", task, turns, system, task_text))
     return system_ids, agents
 
 
@@ -217,6 +224,9 @@ def main() -> None:
     ap.add_argument("--fork-turns", default="3,7", help="comma-separated turn indexes that fork 3 branches")
     ap.add_argument("--quick", action="store_true", help="2 agents x 3 turns, ~200-token system prompt, fork at turn 1")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--http", action="store_true",
+                    help="run both modes over HTTP against real `kog serve` processes (see agent_replay_http.py)")
+    ap.add_argument("--max-num-seqs", type=int, default=32, help="the HTTP servers' --max-num-seqs")
     args = ap.parse_args()
     if args.quick:
         args.agents, args.turns, args.system_tokens, args.fork_turns = 2, 3, 200, "1"
@@ -227,18 +237,41 @@ def main() -> None:
     results = {}
     for mode, sessions in (("sessions", True), ("stateless", False)):
         _, agents = build_workload(llm, args)
-        cfg = llm.engine.config
-        engine = LLMEngine(llm.engine.runner, llm.tokenizer, llm.engine.eos_token_ids, llm.engine.max_model_len,
-                           EngineConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
-                                        cfg.num_host_blocks, cfg.namespace, enable_prefix_caching=sessions))
-        driver = Driver(engine, system, agents, sessions)
-        wall = driver.run()
-        results[mode] = (wall, driver.prefill_tokens, driver.ttft, [o for ag in agents for o in ag.outputs])
-        print(f"# {mode}: {wall:.1f} s, {driver.prefill_tokens} prefill tokens", flush=True)
+        if args.http:
+            results[mode] = run_http(args, agents, sessions)
+        else:
+            results[mode] = run_in_process(llm, system, agents, sessions)
+        print(f"# {mode}: {results[mode][0]:.1f} s, {results[mode][1]} prefill tokens", flush=True)
+    report(args, len(system), results, "HTTP, one `kog serve` per mode" if args.http else "in process")
+
+
+def run_in_process(llm, system, agents, sessions) -> tuple[float, int, list[float], list]:
+    """One mode on a fresh engine over the LLM's runner: (wall s, prefill tokens, TTFTs, turn outputs)."""
+    cfg = llm.engine.config
+    engine = LLMEngine(llm.engine.runner, llm.tokenizer, llm.engine.eos_token_ids, llm.engine.max_model_len,
+                       EngineConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
+                                    cfg.num_host_blocks, cfg.namespace, enable_prefix_caching=sessions))
+    driver = Driver(engine, system, agents, sessions)
+    wall = driver.run()
+    return wall, driver.prefill_tokens, driver.ttft, [o for ag in agents for o in ag.outputs]
+
+
+def run_http(args, agents, sessions) -> tuple[float, int, list[float], list]:
+    """One mode over HTTP against a fresh `kog serve`: (wall s, prefill tokens, TTFTs, turn outputs as text)."""
+    from agent_replay_http import HttpAgent, run_mode
+
+    http_agents = [HttpAgent(ag.system_text, ag.task_text, ag.turns) for ag in agents]
+    wall, prefill = run_mode(args.model, http_agents, sessions, args.max_num_seqs)
+    return wall, prefill, [x for ag in http_agents for x in ag.ttft], [o for ag in http_agents for o in ag.outputs]
+
+
+def report(args, system_tokens: int, results: dict, how: str) -> None:
+    import kog
+
     a, b = results["sessions"], results["stateless"]
     same = sum(x == y for x, y in zip(a[3], b[3]))
-    print(f"agent replay: {args.agents} agents x {args.turns} turns, system prompt {len(system)} tokens, "
-          f"fork turns {args.fork_turns or 'none'}; {kog.backend_info().get('cpu_isa', '')}")
+    print(f"agent replay ({how}): {args.agents} agents x {args.turns} turns, system prompt {system_tokens} "
+          f"tokens, fork turns {args.fork_turns or 'none'}; {kog.backend_info().get('cpu_isa', '')}")
     print(f"{'mode':<28}{'completion s':>13}{'prefill tokens':>16}{'TTFT p50 ms':>13}{'TTFT p90 ms':>13}")
     for name, (wall, pre, ttft, _) in (("(a) Kog sessions", a), ("(b) stateless, no prefix cache", b)):
         q = statistics.quantiles(ttft, n=10) if len(ttft) > 1 else ttft * 9
@@ -247,7 +280,6 @@ def main() -> None:
           f"{a[0] / b[0]:.3f} (speedup {b[0] / a[0]:.2f}x, target >= 2x), TTFT p50 "
           f"{statistics.median(a[2]) / statistics.median(b[2]):.3f}")
     print(f"turn outputs identical in both modes: {same}/{len(a[3])}")
-
 
 if __name__ == "__main__":
     main()
