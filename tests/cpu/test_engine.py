@@ -88,6 +88,20 @@ def test_prefix_cache_reuse_is_reported_and_correct():
     assert second["b"].outputs[0].token_ids == oracle(system + [7, 8, 9], GREEDY)
 
 
+@pytest.mark.parametrize("budget", [8, 64])  # the prefix takes several steps, or fits in one
+def test_a_shared_prefix_arriving_at_once_is_computed_once(budget):
+    # Running prefills take the budget first, so a later arrival is admitted only once the
+    # prefix's blocks are appended (registered) ahead of it: it hits them, never recomputes them.
+    engine, _ = make_engine(budget=budget)
+    system = prompt(4, 24)  # 6 full blocks
+    reqs = [(f"r{i}", system + prompt(200 + i, 5), GREEDY) for i in range(4)]
+    outs, _ = run(engine, reqs)
+    for rid, p, params in reqs:
+        assert outs[rid].outputs[0].token_ids == oracle(p, params), rid
+    assert [outs[f"r{i}"].num_cached_tokens for i in range(4)] == [0, 24, 24, 24]
+    assert sum(o.prefill_tokens_computed for o in outs.values()) == engine.num_prefill_tokens_computed == 24 + 4 * 5
+
+
 def test_identical_prompt_recomputes_only_the_last_block():
     engine, _ = make_engine()
     p = prompt(3, 16)
