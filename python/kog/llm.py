@@ -77,7 +77,9 @@ class LLM:
                            EngineConfig(max_num_seqs, max_num_batched_tokens, context, num_host_blocks,
                                         str(loaded.path), enable_prefix_caching))
         self._init(engine, loaded.tokenizer, loaded.chat_template)
-        self.model = loaded
+        # NOTE: the runner holds its own (prepared, possibly huge-page) copy of the weights;
+        # the loader's are released so that the model is in memory once.
+        self.model = dataclasses.replace(loaded, weights={})
         if speculative_model is not None:
             from kog.engine.draft import load_draft_model
 

@@ -23,6 +23,7 @@ from kog.errors import InvalidRequest
 from kog.kvcache import KVCacheStorage, KVLayout
 from kog.loader import LoadedModel
 from kog.models.decode import build_executor
+from kog.models.hugepages import to_hugepages
 from kog.models.weights import prepare_weights
 
 
@@ -61,7 +62,11 @@ class ModelRunner:
             self.device = None
         if self.device is None or self.device.type not in ("cpu", "cuda"):
             raise InvalidRequest(f"device must be 'cpu' or a GPU ('cuda', 'cuda:N'), got {device!r}")
-        self.weights = {k: v.to(self.device) for k, v in prepare_weights(c, model.weights, self.dtype).items()}
+        weights = prepare_weights(c, model.weights, self.dtype)
+        if self.device.type == "cpu":
+            self.weights = to_hugepages(weights)  # decode streams them: 2 MiB pages read faster
+        else:
+            self.weights = {k: v.to(self.device) for k, v in weights.items()}
         layout = KVLayout(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, self.dtype)
         self.kv = KVCacheStorage(layout, num_kv_blocks, num_host_blocks, device=self.device)
         # [head_dim / 2] f32 RoPE frequencies, on the device
