@@ -8,8 +8,10 @@ Logprobs are those of the model's raw distribution (log_softmax of the unprocess
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
@@ -36,6 +38,48 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float | None]  # of the sampled token, None when not asked for
     top_logprobs: list[list[tuple[int, float]] | None]  # best alternatives, most likely first
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch ops inside run on one thread.
+
+    NOTE: a vocabulary row (32k-256k floats) is too small to split: torch parallelizes softmax,
+    sort and multinomial above 32k elements, and the fork/join then costs more than the work
+    (softmax of 49k logits: 0.1 ms on one thread, 8 ms on two when a core is busy elsewhere).
+    The engine runs sampling on its one engine thread, so the global setting is restored
+    before any model GEMM runs again.
+    """
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def single_threaded(fn):
+    """Decorator: `fn` runs inside `one_thread()`."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with one_thread():
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from probs [V] (non-negative, any positive total) by inverse CDF.
+
+    One uniform from `generator` per draw. A token of probability 0 is never returned: the
+    token taken is the first whose cumulative mass exceeds u * total.
+    """
+    cdf = torch.cumsum(probs, dim=0, dtype=torch.float64)
+    u = float(torch.rand((), generator=generator, dtype=torch.float64))
+    i = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
+    return min(i, probs.shape[0] - 1)
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
@@ -73,16 +117,34 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         kth = torch.topk(out, p.top_k).values[-1]
         out = out.masked_fill(out < kth, float("-inf"))
     if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(out, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the mass before it already reaches top_p (the first always stays).
-        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
-        drop_sorted[0] = False  # NOTE: a top_p below float32's smallest value compares as 0
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        out = out.masked_fill(drop, float("-inf"))
+        out = _top_p(out, p.top_p)
     if p.min_p > 0.0:
         probs = torch.softmax(out, dim=-1)
         out = out.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return out
+
+
+_TOP_P_CANDIDATES = 1024
+
+
+def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Drops a token when the mass of the tokens before it (most likely first) reaches top_p.
+
+    The cut usually falls among the few most likely tokens: sort the best 1024 (topk) and fall
+    back to a full sort only when their mass stays below top_p. Ties at the cut keep topk's order.
+    """
+    probs = torch.softmax(logits, dim=-1)
+    k = min(_TOP_P_CANDIDATES, probs.shape[0])
+    top, order = torch.topk(probs, k)  # sorted, most likely first
+    before = torch.cumsum(top, dim=0) - top  # mass strictly before each candidate
+    if k < probs.shape[0] and float(before[-1] + top[-1]) < top_p:
+        top, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(top, dim=0) - top
+    keep = before < top_p
+    keep[0] = True  # NOTE: a top_p below float32's smallest value compares as 0
+    out = torch.full_like(logits, float("-inf"))
+    kept = order[keep]
+    out[kept] = logits[kept]
     return out
 
 
@@ -98,6 +160,7 @@ def apply_constraint(logits: torch.Tensor, raw: torch.Tensor, constraint: Constr
     return constraint.mask_logits(raw)
 
 
+@single_threaded
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
     """Pick one token per row.
 
@@ -130,7 +193,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
             token = int(torch.argmax(x))
         else:
             probs = torch.softmax(filter_logits(x, p), dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=row.generator))
+            token = draw(probs, row.generator)
         tokens.append(token)
         if p.logprobs is None:
             logprobs.append(None)

@@ -157,3 +157,51 @@ def test_seed_reproducible_and_independent_of_batch_neighbours():
     seeds = {tuple(t[0] for t in run(s)) for s in range(3)}
     assert len(seeds) == 1
     assert len({tuple(sample(logits, [row(p, seed=s)] * 3).token_ids) for s in range(8)}) > 1
+
+
+# ---- large vocabularies: top-p candidates, inverse-CDF draws, one thread ------------------
+def full_sort_top_p(logits, top_p):
+    """The definition: drop a token when the mass of the tokens before it reaches top_p."""
+    probs = torch.softmax(logits, dim=-1)
+    sorted_probs, order = torch.sort(probs, descending=True)
+    drop = (torch.cumsum(sorted_probs, 0) - sorted_probs) >= top_p
+    drop[0] = False
+    return logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+
+
+@pytest.mark.parametrize("scale, top_p", [(4.0, 0.9), (4.0, 0.5), (0.3, 0.95), (0.01, 0.999), (8.0, 1e-9)])
+def test_top_p_over_a_large_vocabulary_equals_the_full_sort(scale, top_p):
+    # scale 0.3/0.01: flat distributions whose cut lies beyond the first 1024 candidates.
+    g = torch.Generator().manual_seed(int(scale * 100) + int(top_p * 1000))
+    logits = torch.randn(50_000, generator=g) * scale
+    got = filter_logits(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    want = full_sort_top_p(logits, top_p)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(got[~torch.isinf(got)], logits[~torch.isinf(want)])
+
+
+def test_draws_from_a_large_vocabulary_follow_the_distribution_and_skip_zeros():
+    vocab = 40_000
+    logits = torch.full((vocab,), float("-inf"))
+    hot = torch.tensor([7, 1234, 20_000, 39_999])
+    logits[hot] = torch.tensor([0.0, 1.0, 2.0, 0.5])
+    counts = draw_counts(logits, SamplingParams(temperature=1.0), 2000, seed=3)
+    stat, df = chi_square(counts, torch.softmax(logits, -1))
+    assert stat < CHI2_999[df]
+
+
+def test_sampling_runs_on_one_thread_and_restores_the_setting():
+    from kog import sampler
+
+    before = torch.get_num_threads()
+    seen = []
+    real = sampler.filter_logits
+    try:
+        sampler.filter_logits = lambda x, p: (seen.append(torch.get_num_threads()), real(x, p))[1]
+        sample(torch.randn(2, 100), [row(SamplingParams(temperature=1.0), seed=1)] * 2)
+        with pytest.raises(ValueError):
+            sample(torch.randn(3, 100), [row(SamplingParams(temperature=1.0))])
+    finally:
+        sampler.filter_logits = real
+    assert seen == [1, 1]
+    assert torch.get_num_threads() == before

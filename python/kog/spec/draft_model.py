@@ -17,6 +17,7 @@ import torch
 
 from kog.errors import InvalidOperation, InvalidRequest
 from kog.models.runner import ModelRunner, PrefillChunk
+from kog.sampler import draw, one_thread
 
 if TYPE_CHECKING:
     from kog.spec.grammar import Constraint
@@ -85,8 +86,9 @@ class DraftModelDrafter:
             if temperature == 0:
                 tokens.append(int(logits.argmax()))
             else:
-                probs.append(torch.softmax(logits / temperature, dim=-1))
-                tokens.append(int(torch.multinomial(probs[-1], 1, generator=generator)))
+                with one_thread():
+                    probs.append(torch.softmax(logits / temperature, dim=-1))
+                tokens.append(draw(probs[-1], generator))
             if constraint is not None:
                 constraint.advance(tokens[-1])
             if j + 1 < k:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kog.errors import InvalidRequest
-from kog.sampler import filter_logits
+from kog.sampler import draw, filter_logits, single_threaded
 from kog.sampling_params import SamplingParams
 
 
@@ -53,6 +53,7 @@ def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> Verified:
     return Verified(list(draft[:n]) + [best[n]], n)
 
 
+@single_threaded
 def rejection_sample(target_probs: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None = None,
                      generator: torch.Generator | None = None) -> Verified:
     """Speculative sampling: the emitted tokens are distributed exactly as the target's p.
@@ -85,12 +86,13 @@ def rejection_sample(target_probs: torch.Tensor, draft: list[int], draft_probs: 
             residual = torch.clamp(p - draft_probs[i], min=0.0)
         # NOTE: the residual is all zero only when p == q up to rounding; then p itself is exact.
         dist = residual if float(residual.sum()) > 0 else p
-        token = int(torch.multinomial(dist, 1, generator=generator))
+        token = draw(dist, generator)
         return Verified(list(draft[:i]) + [token], i)
-    bonus = int(torch.multinomial(target_probs[k], 1, generator=generator))
+    bonus = draw(target_probs[k], generator)
     return Verified(list(draft) + [bonus], k)
 
 
+@single_threaded
 def target_probs(logits: torch.Tensor, params: SamplingParams, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """[k + 1, V] target logits -> the probabilities the sampler would draw from at each row.
 
