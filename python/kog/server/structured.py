@@ -12,6 +12,7 @@ grammar evicted from the cache in between is only slower, never unchecked.
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 from pydantic import BaseModel
@@ -20,6 +21,10 @@ from kog.errors import InvalidRequest
 from kog.server.errors import APIError
 from kog.server.state import ServerState
 from kog.spec.params import StructuredOutputParams
+
+# llguidance prefixes schema errors with a position in the Lark grammar Kog wraps the schema in,
+# which means nothing to the client: "at 1(8): failed to compile JSON schema: ..."
+_GRAMMAR_POSITION = re.compile(r"\bat \d+\(\d+\): ")
 
 
 def structured_params(response_format: BaseModel | None, tools: list[dict[str, Any]] | None,
@@ -64,7 +69,8 @@ async def check_compiles(state: ServerState, structured: StructuredOutputParams 
         await asyncio.to_thread(build_constraint, engine.tokenizer, structured, engine.eos_token_ids,
                                 engine.runner.vocab_size)
     except InvalidRequest as e:
-        raise APIError(400, str(e), param="tools" if structured.kind == "tools" else "response_format") from None
+        param = "tools" if structured.kind == "tools" else "response_format"
+        raise APIError(400, _GRAMMAR_POSITION.sub("", str(e)), param=param) from None
 
 
 def tool_parser(configured: str, structured: StructuredOutputParams | None) -> str:
