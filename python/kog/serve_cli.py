@@ -54,9 +54,9 @@ def speculative_spec(text: str):
     from kog.errors import InvalidRequest
     from kog.spec.params import SpeculativeParams
 
-    method, _, k = text.partition(":")
+    method, colon, k = text.partition(":")
     try:
-        return SpeculativeParams(method=method, num_tokens=int(k) if k else 4)
+        return SpeculativeParams(method=method, num_tokens=int(k) if colon else 4)
     except (ValueError, InvalidRequest) as e:
         raise argparse.ArgumentTypeError(f"{text!r}: expected ngram[:K] or draft[:K] with 1 <= K <= 16 ({e})") from None
 
