@@ -7,8 +7,15 @@ import json
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
-from server_helpers import TOK, ScriptedRunner, make_engine
+from kog.engine import AsyncEngine, LLMEngine
+from kog.loader.tokenizer import tokenizer_from_gguf
+from kog.server import ServerConfig, build_app
+from kog.testing.fake_runner import FakeRunner
+from kog.testing.tiny_models import tiny_tokenizer_metadata
+
+from server_helpers import TEMPLATE, TOK, ScriptedRunner, make_engine
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -129,3 +136,24 @@ def test_session_generate_tool_choice(make_client):
     [choice] = r.json()["choices"]
     assert choice["finish_reason"] == "tool_calls"
     assert_valid_calls(choice["message"]["tool_calls"], names=("get_time",))
+
+
+def test_tool_tags_that_are_special_tokens_still_parse():
+    """A tokenizer with <tool_call> as a special token: the grammar writes the tag as that token
+    and the reply keeps it in the text (skip_special_tokens would drop it), so the calls parse."""
+    meta = tiny_tokenizer_metadata()
+    meta["tokenizer.ggml.tokens"] = meta["tokenizer.ggml.tokens"] + ["<tool_call>", "</tool_call>"]
+    meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"] + [3, 3]  # control tokens
+    tok = tokenizer_from_gguf(meta, source="tiny tokenizer with tool tags")
+    engine = AsyncEngine(LLMEngine(FakeRunner(tok.vocab_size, 64, 4), tok, [tok.eos_token_id], 256))
+    body = {"model": "kog", "messages": MSGS, "tools": TOOLS, "tool_choice": "required", "temperature": 1.0,
+            "seed": 1, "max_tokens": 200}
+    try:
+        with TestClient(build_app(engine, tok, TEMPLATE, ServerConfig(tool_call_parser="hermes"))) as client:
+            [choice] = client.post("/v1/chat/completions", json=body).json()["choices"]
+            assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+            assert_valid_calls(choice["message"]["tool_calls"])
+            stream = client.post("/v1/chat/completions", json={**body, "stream": True}).text
+            assert '"tool_calls":[{"index":0' in stream and "<tool_call>" not in stream
+    finally:
+        engine.close(timeout=10)

@@ -18,8 +18,11 @@ from typing import Any
 from pydantic import BaseModel
 
 from kog.errors import InvalidRequest
+from kog.loader.tokenizer import Tokenizer
+from kog.sampling_params import SamplingParams
 from kog.server.errors import APIError
 from kog.server.state import ServerState
+from kog.server.tool_parsers import HERMES_END, HERMES_START
 from kog.spec.params import StructuredOutputParams
 
 # llguidance prefixes schema errors with a position in the Lark grammar Kog wraps the schema in,
@@ -79,6 +82,17 @@ def tool_parser(configured: str, structured: StructuredOutputParams | None) -> s
     if structured is not None and structured.kind == "tools" and configured == "llama3_json":
         return "auto"
     return configured
+
+
+def keep_tool_tags(params: SamplingParams, tokenizer: Tokenizer) -> None:
+    """Keeps special tokens' text in a tool-call reply whose tags are special tokens of the
+    tokenizer: the grammar writes the tags as those tokens, and skip_special_tokens would drop
+    them from the text, where the parser looks for them. (A stop token never reaches the text.)"""
+    if params.structured is None or params.structured.kind != "tools":
+        return
+    specials = {t.content for t in tokenizer.hf.get_added_tokens_decoder().values() if t.special}
+    if HERMES_START in specials or HERMES_END in specials:
+        params.skip_special_tokens = False
 
 
 def _blame(message: str) -> str:

@@ -22,7 +22,7 @@ from kog.server.responses import (AssistantMessage, ChatChoice, ChatCompletionCh
 from kog.server.routes.common import ERROR_RESPONSES, STREAM_RESPONSE
 from kog.server.serving import SSE_DONE, SSE_HEADERS, Generation, sse, sse_error
 from kog.server.state import ServerState, get_state, require_api_key
-from kog.server.structured import check_compiles, structured_params, tool_parser
+from kog.server.structured import check_compiles, keep_tool_tags, structured_params, tool_parser
 from kog.server.tool_parsers import ParsedToolCall, ToolStreamer, parse_tool_calls
 
 router = APIRouter(tags=["openai"], dependencies=[Depends(require_api_key)])
@@ -46,6 +46,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     k = (body.top_logprobs or 0) if body.logprobs else None
     speculative = speculative_params(body, state.config.speculative, state.has_draft_model)
     params = sampling_params(body, max_tokens, k, structured, speculative)
+    keep_tool_tags(params, state.tokenizer)
     await check_compiles(state, structured)
     gen = Generation(state)
     rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -27,7 +27,7 @@ from kog.server.session_protocol import (SessionAppendRequest, SessionCompletion
                                          SessionSuspendRequest, SessionTokens)
 from kog.server.session_store import ServerSession
 from kog.server.state import ServerState, get_state, require_api_key
-from kog.server.structured import check_compiles, structured_params, tool_parser
+from kog.server.structured import check_compiles, keep_tool_tags, structured_params, tool_parser
 from kog.session import append_render
 
 router = APIRouter(tags=["sessions"], dependencies=[Depends(require_api_key)])
@@ -75,6 +75,7 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
     structured = structured_params(body.response_format, session.tools, body.tool_choice, body.parallel_tool_calls)
     speculative = speculative_params(body, state.config.speculative, state.has_draft_model)
     params = sampling_params(body, max_tokens, k, structured, speculative)
+    keep_tool_tags(params, state.tokenizer)
     await check_compiles(state, structured)
     gen = Generation(state)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
