@@ -64,14 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen.set_defaults(func=_cmd_generate)
     p_serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     from kog.serve_cli import add_arguments as add_serve_arguments
+    from kog.serve_cli import check_arguments as check_serve_arguments
 
     add_serve_arguments(p_serve)
-    p_serve.set_defaults(func=_cmd_serve)
+    p_serve.set_defaults(func=_cmd_serve, check=lambda args: check_serve_arguments(p_serve, args))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "check"):  # checks across flags, after parsing (exits with status 2)
+        args.check(args)
     return args.func(args)
 
 

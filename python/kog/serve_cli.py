@@ -38,10 +38,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how tool calls are read from the model's text")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility; tool calls are always parsed when a request has tools")
+    p.add_argument("--speculative-model", default=None, metavar="PATH",
+                   help="a small model with the model's tokenizer that drafts tokens (speculative method 'draft')")
+    p.add_argument("--speculative", type=speculative_spec, default=None, metavar="METHOD[:K]",
+                   help="speculative decoding for requests that do not set `speculative`: METHOD ngram or draft "
+                        "(draft needs --speculative-model), K draft tokens per step (default 4); default: off")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds in-flight requests may take after SIGTERM")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def speculative_spec(text: str):
+    """`--speculative METHOD[:K]` as kog.spec.SpeculativeParams (argparse type)."""
+    from kog.errors import InvalidRequest
+    from kog.spec.params import SpeculativeParams
+
+    method, colon, k = text.partition(":")
+    try:
+        return SpeculativeParams(method=method, num_tokens=int(k) if colon else 4)
+    except (ValueError, InvalidRequest) as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ngram[:K] or draft[:K] with 1 <= K <= 16 ({e})") from None
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Checks between flags argparse cannot express; exits through parser.error (status 2)."""
+    if args.speculative is not None and args.speculative.method == "draft" and args.speculative_model is None:
+        parser.error("--speculative draft needs --speculative-model PATH (a draft model)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,7 +85,8 @@ def load_llm(args: argparse.Namespace):
     return LLM(args.model, None if args.dtype == "auto" else args.dtype, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                kv_cache_gib=args.kv_cache_gib, block_size=args.block_size,
-               enable_prefix_caching=args.enable_prefix_caching, progress=False)
+               enable_prefix_caching=args.enable_prefix_caching, progress=False,
+               speculative_model=args.speculative_model)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -77,7 +101,8 @@ def _serve(args: argparse.Namespace) -> int:
     names = args.served_model_name or [llm.model.path.stem if llm.model.path.suffix else llm.model.path.name]
     engine = AsyncEngine(llm.engine, max_waiting=args.max_waiting)
     config = ServerConfig(served_model_names=names, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                          tool_call_parser=args.tool_call_parser, drain_timeout_s=args.drain_timeout)
+                          tool_call_parser=args.tool_call_parser, drain_timeout_s=args.drain_timeout,
+                          speculative=args.speculative)
     app = build_app(engine, llm.tokenizer, llm.chat_template, config)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                timeout_graceful_shutdown=int(args.drain_timeout) + 1)

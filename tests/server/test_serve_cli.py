@@ -31,3 +31,42 @@ def test_prefix_caching_flag(model, flag, enabled):
         while llm.engine.has_unfinished():
             llm.engine.step()
     assert (llm.engine.get_output("r1").num_cached_tokens > 0) is enabled
+
+
+# ---- speculative decoding ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, method, k", [("ngram", "ngram", 4), ("ngram:2", "ngram", 2), ("draft:16", "draft", 16)])
+def test_speculative_flag_parses_method_and_k(value, method, k):
+    spec = parse("--speculative", value, "--speculative-model", "d.gguf").speculative
+    assert (spec.method, spec.num_tokens) == (method, k)
+    assert parse().speculative is None and parse().speculative_model is None
+
+
+@pytest.mark.parametrize("value", ["medusa", "ngram:0", "ngram:17", "ngram:x", "draft:", ""])
+def test_bad_speculative_flag_is_an_argparse_error(value, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse("--speculative", value)
+    assert e.value.code == 2 and "--speculative" in capsys.readouterr().err
+
+
+def test_draft_needs_a_speculative_model(capsys):
+    from kog.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--speculative", "draft:3"])
+    assert e.value.code == 2
+    assert "--speculative draft needs --speculative-model" in capsys.readouterr().err
+
+
+def test_speculative_model_reaches_the_engine(model):
+    llm = load_llm(parse(model, "--speculative-model", model, "--max-num-seqs", "2", "--kv-cache-gib", "0.01"))
+    assert llm.engine.speculator.drafter is not None
+    ids = list(range(5, 25))
+    for rid, spec in [("plain", None), ("draft", {"method": "draft", "num_tokens": 3})]:
+        llm.engine.add_request(rid, ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, speculative=spec))
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+    assert llm.engine.get_output("draft").outputs[0].token_ids == llm.engine.get_output("plain").outputs[0].token_ids
+    assert llm.engine.speculator.stats["accepted"] > 0
+    assert load_llm(parse(model, "--kv-cache-gib", "0.01")).engine.speculator.drafter is None

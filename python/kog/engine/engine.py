@@ -21,10 +21,10 @@ import torch
 from kog.engine import structured
 from kog.engine.chunks import forward_chunks
 from kog.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
-from kog.engine.scheduler import Scheduler
+from kog.engine.scheduler import Scheduler, SchedulerOutput
 from kog.engine.sequence import Sequence
 from kog.engine.session import SessionManager
-from kog.engine.speculative import Speculator
+from kog.engine.speculative import Speculator, VerifyWork
 from kog.engine.stop import apply_stop_strings, check_stop_token, streamable_text
 from kog.errors import InvalidRequest
 from kog.kvcache import KVCacheManager
@@ -198,6 +198,18 @@ class LLMEngine:
         if not work.decode and not work.prefill:
             return []
         verify = self.speculator.take(work.decode, work.decode_slots)  # speculating seqs leave the decode
+        # The grammar masks of sequences with output are computed while the forwards run (a prompt's
+        # first mask is not: its constraint may be forked for n > 1 siblings meanwhile).
+        masks = structured.prefetch_masks(work.decode + [w.seq for w in work.prefill if w.seq.output_ids])
+        try:
+            return self._forward_and_sample(work, verify, masks)
+        finally:
+            masks.wait()  # NOTE: on every exit: the next step may touch these constraints
+
+    def _forward_and_sample(self, work: SchedulerOutput, verify: list[VerifyWork],
+                            masks: structured.MaskPrefetch) -> list[StreamDelta]:
+        """The step after scheduling: forwards (decode, prefill chunks, verify chunks), then one
+        token sampled for every sequence whose tokens are all computed."""
         rows: list[tuple[int, Sequence]] = []  # (row of the stacked logits, sequence to sample)
         parts: list[torch.Tensor] = []
         if work.decode:
@@ -229,7 +241,8 @@ class LLMEngine:
         if not rows:
             return deltas
         logits = torch.cat(parts) if len(parts) > 1 else parts[0]
-        structured.prepare_masks([s for _, s in rows])
+        masks.wait()
+        structured.prepare_masks([s for _, s in rows])  # the rows not prefetched
         result = sample(logits[[r for r, _ in rows]], [self._sample_row(s) for _, s in rows])
         for k, (_, seq) in enumerate(rows):
             delta = self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k], now)

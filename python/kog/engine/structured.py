@@ -4,6 +4,7 @@ The engine calls these hooks, in step order:
 
     admit(seq, tokenizer, eos, vocab)   add_request: compile the grammar (InvalidRequest before any token)
     fork(parent)                        _fork_children: each of n > 1 completions gets its own state
+    prefetch_masks(seqs)                before the forwards: start the masks on a worker thread
     prepare_masks(seqs)                 before sampling: every constrained row's mask, in parallel
     consume(seq, token, eos)            _append_token: advance the grammar; end the sequence at its EOS
     jump_forward(seq, append)           after sampling: append the tokens the grammar forces
@@ -15,6 +16,7 @@ state and speculation rolls back KV and grammar from the same count.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence as Seq
 
 from kog.engine.outputs import StreamDelta
@@ -38,6 +40,39 @@ def admit(seq: Sequence, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...], v
 def fork(parent: Sequence) -> object | None:
     """An independent copy of parent's grammar state for a sibling completion (None: free)."""
     return None if parent.constraint is None else parent.constraint.fork()
+
+
+# NOTE: one worker: prefetches run in submission order, so two never touch one constraint at once.
+_MASK_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kog-grammar-masks")
+
+
+class MaskPrefetch:
+    """Masks being computed on the worker thread (prefetch_masks); wait() before touching their constraints."""
+
+    def __init__(self, future: Future | None) -> None:
+        self._future = future
+
+    def wait(self) -> None:
+        """Returns once the masks are in their constraints' caches (idempotent); re-raises the worker's error."""
+        future, self._future = self._future, None
+        if future is not None:
+            future.result()
+
+
+def prefetch_masks(seqs: Seq[Sequence]) -> MaskPrefetch:
+    """Starts computing the allowed-token masks of seqs' constraints on a worker thread, so that
+    they overlap the step's forwards (which release the GIL) instead of following them.
+
+    A mask depends only on the tokens a constraint consumed, all known before the forward, so it
+    is the mask prepare_masks would compute after it. The caller must not touch these constraints
+    (advance, fork, rollback, masks) until MaskPrefetch.wait() returns.
+    """
+    constraints = [s.constraint for s in seqs if s.constraint is not None]
+    if not constraints:
+        return MaskPrefetch(None)
+    from kog.spec.grammar import batch_allowed
+
+    return MaskPrefetch(_MASK_WORKER.submit(batch_allowed, constraints))
 
 
 def prepare_masks(seqs: Seq[Sequence]) -> None:

@@ -1,5 +1,6 @@
 """OpenAI request bodies, validated by pydantic (field names and ranges as OpenAI's, a few of
-vLLM's extensions: top_k, min_p, repetition_penalty, min_tokens, ignore_eos, priority, ...).
+vLLM's extensions: top_k, min_p, repetition_penalty, min_tokens, ignore_eos, priority, ...) and
+Kog's `speculative`.
 
 Unknown fields are ignored, as OpenAI-compatible servers do. Response shapes: responses.py.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from kog.spec.params import MAX_SPECULATIVE_TOKENS
 
 MAX_TOP_LOGPROBS = 20
 NAME_PATTERN = r"^[a-zA-Z0-9_.\-]{1,64}$"
@@ -58,7 +61,7 @@ class ToolCall(_Body):
     function: ToolCallFunction
 
 
-# ---- response_format (shape checked; decoding is not constrained yet, see docs/SERVER.md) -----
+# ---- response_format: decoding is constrained to it (server/structured.py, docs/STRUCTURED.md) ---
 class ResponseFormatText(_Body):
     type: Literal["text"]
 
@@ -81,6 +84,18 @@ class ResponseFormatJsonSchema(_Body):
 
 ResponseFormat = Annotated[Union[ResponseFormatText, ResponseFormatJsonObject, ResponseFormatJsonSchema],
                            Field(discriminator="type")]
+
+
+# ---- speculative decoding (Kog extension) -----------------------------------------------------
+class SpeculativeSpec(_Body):
+    """kog.spec.SpeculativeParams of one request; unknown keys are an error (a typo would
+    otherwise silently fall back to the defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+    method: Literal["ngram", "draft"] = "ngram"
+    num_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS, strict=True)
+    ngram_max: int = Field(3, ge=1, strict=True)
+    ngram_min: int = Field(1, ge=1, strict=True)
 
 
 # ---- messages -------------------------------------------------------------------------------------
@@ -123,6 +138,8 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     priority: int = 0  # lower runs first (vLLM's convention)
     user: str | None = None
+    # NOTE: absent = the server's --speculative default; null = off (model_fields_set tells them apart)
+    speculative: SpeculativeSpec | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

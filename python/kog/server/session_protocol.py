@@ -6,7 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from kog.server.protocol import (MAX_TOP_LOGPROBS, ChatMessage, SamplingFields, Tool, ToolChoice, _Body)
+from kog.server.protocol import (MAX_TOP_LOGPROBS, ChatMessage, ResponseFormat, SamplingFields, Tool, ToolChoice,
+                                 _Body)
 from kog.server.responses import ChatCompletionResponse, SessionUsage
 
 
@@ -24,7 +25,8 @@ class SessionOpenRequest(_Body):
 
 class SessionGenerateRequest(SamplingFields):
     """A chat completion on the session's context: no messages (append them first), n is 1
-    (fork for branches); tool calls are parsed when the session was opened with tools."""
+    (fork for branches); tool calls are parsed (and tool_choice constrains them) when the session
+    was opened with tools."""
 
     model: str | None = None
     n: Literal[1] = 1
@@ -33,6 +35,7 @@ class SessionGenerateRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
 
 class SessionAppendRequest(_Body):

@@ -17,6 +17,7 @@ from kog.loader.tokenizer import Tokenizer
 from kog.server.errors import APIError
 from kog.server.metrics import ServerMetrics
 from kog.server.session_store import ServerSession
+from kog.spec.params import SpeculativeParams
 
 
 @dataclass
@@ -28,6 +29,8 @@ class ServerConfig:
         retry_after_s: the Retry-After of a 429.
         tool_call_parser: "auto", "hermes" or "llama3_json" (see tool_parsers.py).
         drain_timeout_s: on SIGTERM, how long in-flight requests may take before the exit.
+        speculative: the speculative decoding of requests that do not set `speculative`
+            (`kog serve --speculative`); None: none.
     """
 
     served_model_names: list[str] = field(default_factory=lambda: ["kog"])
@@ -36,6 +39,7 @@ class ServerConfig:
     retry_after_s: int = 1
     tool_call_parser: str = "auto"
     drain_timeout_s: float = 60.0
+    speculative: SpeculativeParams | None = None
 
 
 @dataclass
@@ -51,6 +55,11 @@ class ServerState:
     @property
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
+
+    @property
+    def has_draft_model(self) -> bool:
+        """Whether requests may ask for speculative method "draft" (kog.LLM(speculative_model=...))."""
+        return self.engine.engine.speculator.drafter is not None
 
     @property
     def model_name(self) -> str:

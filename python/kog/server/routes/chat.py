@@ -14,7 +14,7 @@ from kog.engine.outputs import CompletionOutput, RequestOutput
 from kog.server.chat_prompt import active_tools, encode_chat
 from kog.server.errors import APIError
 from kog.server.logprobs import chat_logprobs
-from kog.server.params import check_context, sampling_params
+from kog.server.params import check_context, sampling_params, speculative_params
 from kog.server.protocol import ChatCompletionRequest, NamedToolChoice, ToolCall, ToolCallFunction
 from kog.server.responses import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta,
                                   ChatStreamChoice, DeltaFunction, DeltaToolCall, PromptTokensDetails, SessionUsage,
@@ -22,6 +22,7 @@ from kog.server.responses import (AssistantMessage, ChatChoice, ChatCompletionCh
 from kog.server.routes.common import ERROR_RESPONSES, STREAM_RESPONSE
 from kog.server.serving import SSE_DONE, SSE_HEADERS, Generation, sse, sse_error
 from kog.server.state import ServerState, get_state, require_api_key
+from kog.server.structured import check_compiles, keep_tool_tags, structured_params, tool_parser
 from kog.server.tool_parsers import ParsedToolCall, ToolStreamer, parse_tool_calls
 
 router = APIRouter(tags=["openai"], dependencies=[Depends(require_api_key)])
@@ -30,22 +31,28 @@ router = APIRouter(tags=["openai"], dependencies=[Depends(require_api_key)])
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
              responses={**STREAM_RESPONSE, **ERROR_RESPONSES})
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
-    """OpenAI chat completions. `response_format` is validated but not enforced yet (no
-    constrained decoding): the model is only asked, through the prompt, to follow it."""
+    """OpenAI chat completions. `response_format`, `tool_choice` "required" / named / "auto"
+    constrain decoding (server/structured.py): a bad schema is a 400 before any token."""
     state = get_state(request)
     state.check_model(body.model)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     tools = active_tools(body)
+    all_tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    structured = structured_params(body.response_format, all_tools, body.tool_choice, body.parallel_tool_calls)
     ids = encode_chat(body, state.chat_template, state.tokenizer, tools)
     max_tokens = body.max_completion_tokens or body.max_tokens
     check_context(len(ids), max_tokens, state.max_model_len)
     k = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens, k)
+    speculative = speculative_params(body, state.config.speculative, state.has_draft_model)
+    params = sampling_params(body, max_tokens, k, structured, speculative)
+    keep_tool_tags(params, state.tokenizer)
+    await check_compiles(state, structured)
     gen = Generation(state)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     await gen.start([ids], params, rid, body.priority)
-    ctx = _Ctx(state, body, rid, len(ids), k, tools is not None)
+    parser = tool_parser(state.config.tool_call_parser, structured) if tools is not None else None
+    ctx = _Ctx(state, body, rid, len(ids), k, parser)
     if body.stream:
         return StreamingResponse(_stream(gen, ctx), media_type="text/event-stream", headers=SSE_HEADERS)
     [out] = await gen.run_to_end(request)
@@ -57,10 +64,10 @@ class _Ctx:
     """What building a response needs besides the engine output."""
 
     def __init__(self, state: ServerState, body: ChatCompletionRequest, rid: str, n_prompt: int, k: int | None,
-                 tools: bool, session: bool = False) -> None:
+                 parser: str | None, session: bool = False) -> None:
         self.state, self.body, self.rid, self.n_prompt, self.k = state, body, rid, n_prompt, k
         self.session = session  # usage reports prefill_tokens_computed
-        self.parser = state.config.tool_call_parser if tools else None
+        self.parser = parser  # the tool-call parser (tool_parsers.PARSERS); None: the reply is all content
         self.created = int(time.time())
 
 

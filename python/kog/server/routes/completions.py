@@ -12,19 +12,21 @@ from fastapi.responses import StreamingResponse
 from kog.engine.outputs import CompletionOutput, RequestOutput
 from kog.server.errors import APIError
 from kog.server.logprobs import completion_logprobs
-from kog.server.params import check_context, sampling_params
+from kog.server.params import check_context, sampling_params, speculative_params
 from kog.server.protocol import CompletionRequest
 from kog.server.responses import CompletionChoice, CompletionResponse, PromptTokensDetails, Usage
 from kog.server.routes.common import ERROR_RESPONSES, STREAM_RESPONSE
 from kog.server.serving import SSE_DONE, SSE_HEADERS, Generation, sse, sse_error
 from kog.server.state import ServerState, get_state, require_api_key
+from kog.server.structured import check_compiles, structured_params
 
 router = APIRouter(tags=["openai"], dependencies=[Depends(require_api_key)])
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses={**STREAM_RESPONSE, **ERROR_RESPONSES})
 async def create_completion(body: CompletionRequest, request: Request):
-    """OpenAI text completions. Choice i * n + j is completion j of prompt i."""
+    """OpenAI text completions. Choice i * n + j is completion j of prompt i; `response_format`
+    constrains every choice's text."""
     state = get_state(request)
     state.check_model(body.model)
     if body.echo and body.logprobs is not None:
@@ -32,7 +34,10 @@ async def create_completion(body: CompletionRequest, request: Request):
     texts, prompts = _prompts(body, state)
     for ids in prompts:
         check_context(len(ids), body.max_tokens, state.max_model_len, "prompt")
-    params = sampling_params(body, body.max_tokens, body.logprobs)
+    structured = structured_params(body.response_format, None, None, True)
+    speculative = speculative_params(body, state.config.speculative, state.has_draft_model)
+    params = sampling_params(body, body.max_tokens, body.logprobs, structured, speculative)
+    await check_compiles(state, structured)
     gen = Generation(state)
     ctx = _Ctx(state, body, f"cmpl-{uuid.uuid4().hex}", texts, prompts)
     await gen.start(prompts, params, ctx.rid, body.priority, texts)

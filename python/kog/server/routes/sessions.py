@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from kog.engine.request_stream import RequestStream
 from kog.server.chat_prompt import encode_messages, message_dict
 from kog.server.errors import APIError
-from kog.server.params import check_context, sampling_params
+from kog.server.params import check_context, sampling_params, speculative_params
 from kog.server.routes.chat import _Ctx, _choice, _stream, _usage
 from kog.server.routes.common import ERROR_RESPONSES, STREAM_RESPONSE
 from kog.server.serving import SSE_HEADERS, Generation
@@ -27,6 +27,7 @@ from kog.server.session_protocol import (SessionAppendRequest, SessionCompletion
                                          SessionSuspendRequest, SessionTokens)
 from kog.server.session_store import ServerSession
 from kog.server.state import ServerState, get_state, require_api_key
+from kog.server.structured import check_compiles, keep_tool_tags, structured_params, tool_parser
 from kog.session import append_render
 
 router = APIRouter(tags=["sessions"], dependencies=[Depends(require_api_key)])
@@ -59,7 +60,8 @@ async def open_session(body: SessionOpenRequest, request: Request) -> SessionObj
              responses={**STREAM_RESPONSE, **_ERRORS})
 async def generate(session_id: str, body: SessionGenerateRequest, request: Request):
     """A chat completion continuing the session; its output joins the context (chat mode: as an
-    assistant message). usage.prefill_tokens_computed counts the tokens computed for it."""
+    assistant message). usage.prefill_tokens_computed counts the tokens computed for it.
+    `response_format` and `tool_choice` (over the session's tools) constrain decoding."""
     state = get_state(request)
     session = _session(state, session_id)
     if body.model is not None:
@@ -70,12 +72,17 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
     max_tokens = body.max_completion_tokens or body.max_tokens
     check_context(n_context, max_tokens, state.max_model_len)
     k = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens, k)
+    structured = structured_params(body.response_format, session.tools, body.tool_choice, body.parallel_tool_calls)
+    speculative = speculative_params(body, state.config.speculative, state.has_draft_model)
+    params = sampling_params(body, max_tokens, k, structured, speculative)
+    keep_tool_tags(params, state.tokenizer)
+    await check_compiles(state, structured)
     gen = Generation(state)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     await gen.start_session(session_id, params, rid, body.priority, n_context)
     parse = session.tools is not None and body.tool_choice != "none"
-    ctx = _Ctx(state, body, rid, n_context, k, parse, session=True)
+    parser = tool_parser(state.config.tool_call_parser, structured) if parse else None
+    ctx = _Ctx(state, body, rid, n_context, k, parser, session=True)
     if body.stream:
         return StreamingResponse(_stream_and_record(gen, ctx, session), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
