@@ -57,8 +57,12 @@ def test_required_gives_valid_tool_calls(client, seed):
 def test_named_choice_calls_that_tool_only(client, parallel):
     body = chat(client, tool_choice=NAMED, parallel_tool_calls=parallel, temperature=1.0, seed=1, n=3,
                 max_tokens=200)
+    finished = [c for c in body["choices"] if c["finish_reason"] == "tool_calls"]
+    assert finished
     for choice in body["choices"]:
-        assert choice["finish_reason"] == "tool_calls"
+        if choice["finish_reason"] == "length":  # parallel calls may go on until max_tokens, cut mid-call
+            assert parallel and "get_weather" not in json.dumps(choice["message"])
+            continue
         calls = choice["message"]["tool_calls"]
         assert_valid_calls(calls, names=("get_time",))
         if not parallel:

@@ -154,7 +154,10 @@ class Scheduler:
         # recomputed straight back in, in place of the work that needed its blocks.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(out.preempted) == preempted:
             seq = self.waiting[0]
-            if not self._admit(seq):
+            # NOTE: a victim of this step waits for the next one: re-admitted now it would take
+            # back the blocks its preemption freed (all of them when it only shared a prefix),
+            # and reclaiming would pick it again and again instead of the next victim.
+            if any(seq is victim for victim in out.preempted) or not self._admit(seq):
                 break
             self.waiting.pop(0)
             seq.status = SeqStatus.RUNNING
