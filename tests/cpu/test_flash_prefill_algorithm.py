@@ -52,11 +52,12 @@ def flash_prefill_model(q, kv_cache, block_tables, seq_lens, query_start_loc, sc
     max_q_len = int(np.diff(qsl).max())
     out = np.full(q.shape, np.nan, dtype=np.float32)
     n_tiles = -(-max_q_len * group // k_rows)
-    for block_y in range(len(lens) * n_kv):  # grid (tiles, n_seqs * n_kv_heads)
-        seq, kvh = divmod(block_y, n_kv)
-        for tile in reversed(range(n_tiles)):
-            workgroup(q, cache, tables[seq], int(lens[seq]), int(qsl[seq]), int(qsl[seq + 1]), kvh, group, bs,
-                      np.float32(scale), tile, k_rows, k_keys, out)
+    pairs = len(lens) * n_kv
+    for block in range(n_tiles * pairs):  # one-dimensional grid, (sequence, KV head) fastest
+        tile = n_tiles - 1 - block // pairs
+        seq, kvh = divmod(block % pairs, n_kv)
+        workgroup(q, cache, tables[seq], int(lens[seq]), int(qsl[seq]), int(qsl[seq + 1]), kvh, group, bs,
+                  np.float32(scale), tile, k_rows, k_keys, out)
     return torch.from_numpy(out)
 
 

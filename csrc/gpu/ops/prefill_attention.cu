@@ -14,10 +14,9 @@ template <typename T, int kD>
 void launch(const PagedAttentionParams& p, gpuStream_t stream) {
   const int64_t rows = p.max_q_len * (p.n_q_heads / p.n_kv_heads);
   const int64_t tiles = (rows + prefill::Tile<kD>::kRows - 1) / prefill::Tile<kD>::kRows;
-  KOG_CHECK(tiles <= INT_MAX && p.n_seqs * p.n_kv_heads <= 65535,
-            "prefill_attention: too many query tiles or (sequence, KV head) pairs for one launch");
-  const dim3 grid(unsigned(tiles), unsigned(p.n_seqs * p.n_kv_heads));
-  prefill::prefill_attention_kernel<T, kD><<<grid, prefill::kThreads, 0, stream>>>(p);
+  const int64_t workgroups = tiles * p.n_seqs * p.n_kv_heads;
+  KOG_CHECK(workgroups <= INT_MAX, "prefill_attention: ", workgroups, " workgroups exceed one launch");
+  prefill::prefill_attention_kernel<T, kD><<<unsigned(workgroups), prefill::kThreads, 0, stream>>>(p);
   KOG_GPU_CHECK_LAUNCH();
 }
 

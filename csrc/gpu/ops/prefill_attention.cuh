@@ -183,13 +183,15 @@ __device__ void prefill_tile(const PagedAttentionParams& p, int64_t tile, int64_
   }
 }
 
-// Grid (query tiles of the longest chunk, n_seqs * n_kv_heads); kThreads threads; head_dim <= kD.
+// Grid: (query tiles of the longest chunk) x n_seqs x n_kv_heads workgroups in one dimension, the
+// (sequence, KV head) pair fastest; kThreads threads; head_dim <= kD.
 template <typename T, int kD>
 __global__ void __launch_bounds__(kThreads, 1) prefill_attention_kernel(PagedAttentionParams p) {
   __shared__ Shared<kD> sm;
-  // Reversed: a chunk's last tiles see the most keys, so they start first.
-  const int64_t tile = int64_t(gridDim.x) - 1 - blockIdx.x;
-  prefill_tile<T, kD>(p, tile, blockIdx.y / p.n_kv_heads, int(blockIdx.y % p.n_kv_heads), sm);
+  const int64_t pairs = p.n_seqs * p.n_kv_heads, pair = blockIdx.x % pairs;
+  // Tiles in reverse: the last tiles of a chunk see the most keys, so they start first.
+  const int64_t tile = int64_t(gridDim.x) / pairs - 1 - blockIdx.x / pairs;
+  prefill_tile<T, kD>(p, tile, pair / p.n_kv_heads, int(pair % p.n_kv_heads), sm);
 }
 
 }  // namespace kog::gpu::prefill
