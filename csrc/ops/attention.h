@@ -25,10 +25,10 @@ struct PagedAttentionParams {
   const int32_t* seq_lens;         // [n_seqs] cached tokens per sequence incl. this step's, >= q_len
   const int32_t* query_start_loc;  // [n_seqs + 1] cumulative query counts, first 0, last n_tokens;
                                    //   nullptr = decode: one query per sequence, n_tokens == n_seqs
-  int64_t n_seqs;
+  int64_t n_seqs;                  // sequences: rows of block_tables, entries of seq_lens
   int64_t n_tokens;                // query tokens in q and out
   int64_t n_q_heads;               // a multiple of n_kv_heads
-  int64_t n_kv_heads;
+  int64_t n_kv_heads;              // KV heads of the cache; query head h reads h / (n_q_heads / n_kv_heads)
   int64_t head_dim;                // a multiple of 16, <= 256
   int64_t block_size;              // tokens per KV block
   int64_t num_blocks;              // blocks in this layer's cache: block ids are < num_blocks
@@ -37,7 +37,8 @@ struct PagedAttentionParams {
   int64_t q_stride;                // elements between tokens of q
   int64_t out_stride;              // elements between tokens of out
   int64_t max_seq_len;             // max(seq_lens), known on the host: sizes split-context work
-  int64_t max_q_len;               // max query tokens of one sequence (1 for decode)
+  int64_t max_q_len;               // max query tokens of one sequence (1 for decode): picks the GPU
+                                   //   prefill kernel and sizes the flash kernel's grid
   float scale;                     // softmax scale, usually head_dim^-0.5
   DType dtype;                     // f32, f16 or bf16: q, out and kv_cache alike
 };
