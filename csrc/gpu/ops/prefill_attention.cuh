@@ -29,6 +29,7 @@ struct Shared {
 };
 
 // 16-lane reductions (masks < 16 stay inside a row group of one warp on every target).
+static_assert(KOG_WARP_SIZE % kRowLanes == 0 && kThreads % kMaxWarpSize == 0, "row groups inside whole warps");
 __device__ __forceinline__ float row_max(float v) {
 #pragma unroll
   for (int m = kRowLanes / 2; m > 0; m >>= 1) v = fmaxf(v, gpu_shfl_xor(v, m));
