@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a machine with a GPU: builds Kog for it (CUDA if nvcc is found, else ROCm via
 # hipcc), runs the GPU op tests, the CPU tests against that build, compute-sanitizer memcheck and
-# racecheck over a subset of the GPU tests (CUDA only), and bench/decode_latency.py if present.
+# racecheck over a subset of the GPU tests (CUDA only), bench/decode_latency.py if present and
+# bench/gpu_prefill_attention.py.
 # Every step runs under a timeout inside one overall budget; a failed step is recorded and the
 # next one still runs. Results: $OUT/summary.md (a table) and one log per step.
 # Usage: [OUT=dir] [KOG_DEVICE_BUDGET_S=420] [KOG_GPU_ARCHS=...] bench/device_check.sh
@@ -108,12 +109,12 @@ if ((built)); then
     # each launch is slow. Only kog's kernels are checked (torch's own are filtered out).
     subset="strided or extremes or small_positions or stream"
     subset+=" or (reference and (7-4-2-128-128 or 3-7 or 5-129))"
-    subset+=" or (one_step and lens0 and llama) or loop_mode"
+    subset+=" or (one_step and lens0 and llama) or loop_mode or prefill_other_head_dims"
     sanitize=(env PYTHONPATH="$stage" "$sanitizer" --error-exitcode 99 --kernel-name kns=kog)
     step memcheck 150 "${sanitize[@]}" --tool memcheck \
       "$PY" -m pytest -q -p no:cacheprovider -x tests/gpu -k "$subset"
     step racecheck 90 "${sanitize[@]}" --tool racecheck \
-      "$PY" -m pytest -q -p no:cacheprovider -x tests/gpu -k "rmsnorm_in_place or rope_small"
+      "$PY" -m pytest -q -p no:cacheprovider -x tests/gpu -k "rmsnorm_in_place or rope_small or out_aliases_q"
   else
     note sanitizer "not run (no compute-sanitizer for backend $backend)"
   fi
@@ -122,6 +123,7 @@ if ((built)); then
   else
     note decode_latency "not run (bench/decode_latency.py does not exist yet)"
   fi
+  step prefill_attention 60 env PYTHONPATH="$stage" "$PY" bench/gpu_prefill_attention.py --iters 10
 else
   note tests "not run (no build)"
 fi

@@ -39,8 +39,15 @@ void silu_and_mul(const SiluAndMulParams& p, void* stream);
 void linear(const LinearParams& p, void* stream);
 void kv_append(const KVAppendParams& p, void* stream);
 // Paged attention, decode (p.query_start_loc null) or causal prefill. partials: device scratch
-// of gpu_attention_partials_floats (ops/attention.h) floats. Metadata arrays are device memory.
-void paged_attention(const PagedAttentionParams& p, float* partials, void* stream);
+// of gpu_attention_partials_floats (ops/attention.h) floats (none when the launch takes the flash
+// prefill kernel; `kernel` as given there). Metadata arrays are device memory.
+void paged_attention(const PagedAttentionParams& p, float* partials, void* stream,
+                     GpuPrefillKernel kernel = GpuPrefillKernel::kAuto);
+// Flash-style causal prefill (gpu/ops/prefill_attention.cuh), what paged_attention runs for
+// chunks of at least kGpuFlashPrefillMinQueryLen tokens: needs p.query_start_loc and a 16-byte
+// aligned cache (prefill_attention_supported); no scratch.
+bool prefill_attention_supported(const PagedAttentionParams& p);
+void prefill_attention(const PagedAttentionParams& p, void* stream);
 // Samples one token per row of f32 logits [n_rows, vocab]; rows: [n_rows] SamplingRow
 // (gpu/decode/params.h) in device memory; counter: the draw counter; out: [n_rows] int32.
 void sample(const float* logits, int64_t n_rows, int64_t vocab, const void* rows, uint64_t counter, int32_t* out,

@@ -25,10 +25,10 @@ struct PagedAttentionParams {
   const int32_t* seq_lens;         // [n_seqs] cached tokens per sequence incl. this step's, >= q_len
   const int32_t* query_start_loc;  // [n_seqs + 1] cumulative query counts, first 0, last n_tokens;
                                    //   nullptr = decode: one query per sequence, n_tokens == n_seqs
-  int64_t n_seqs;
+  int64_t n_seqs;                  // sequences: rows of block_tables, entries of seq_lens
   int64_t n_tokens;                // query tokens in q and out
   int64_t n_q_heads;               // a multiple of n_kv_heads
-  int64_t n_kv_heads;
+  int64_t n_kv_heads;              // KV heads of the cache; query head h reads h / (n_q_heads / n_kv_heads)
   int64_t head_dim;                // a multiple of 16, <= 256
   int64_t block_size;              // tokens per KV block
   int64_t num_blocks;              // blocks in this layer's cache: block ids are < num_blocks
@@ -37,7 +37,8 @@ struct PagedAttentionParams {
   int64_t q_stride;                // elements between tokens of q
   int64_t out_stride;              // elements between tokens of out
   int64_t max_seq_len;             // max(seq_lens), known on the host: sizes split-context work
-  int64_t max_q_len;               // max query tokens of one sequence (1 for decode)
+  int64_t max_q_len;               // max query tokens of one sequence (1 for decode): picks the GPU
+                                   //   prefill kernel and sizes the flash kernel's grid
   float scale;                     // softmax scale, usually head_dim^-0.5
   DType dtype;                     // f32, f16 or bf16: q, out and kv_cache alike
 };
@@ -50,9 +51,26 @@ constexpr int64_t kAttentionPartitionTokens = 512;
 // head_dim + 2] f32 scratch, which the caller allocates.
 constexpr int64_t kGpuAttentionPartitionTokens = 256;
 
-// Floats of that scratch for n_tokens queries of n_q_heads heads over at most max_seq_len keys.
+// Which GPU kernel computes a prefill launch: kAuto picks by gpu_prefill_uses_flash; the others
+// force one (tests compare both paths). Decode always takes the split kernel.
+enum class GpuPrefillKernel : int { kAuto = 0, kSplit = 1, kFlash = 2 };
+// A prefill launch whose longest chunk has at least this many query tokens takes the flash-style
+// prefill kernel (gpu/ops/prefill_attention.cuh: query tiles share each K/V tile load, no
+// scratch); shorter chunks (speculative verification, small tails) keep the split kernel, whose
+// partitions of the context keep the multiprocessors busy with few queries.
+constexpr int64_t kGpuFlashPrefillMinQueryLen = 16;
+
+inline bool gpu_prefill_uses_flash(bool decode, int64_t max_q_len, GpuPrefillKernel kernel) {
+  if (decode || kernel == GpuPrefillKernel::kSplit) return false;
+  return kernel == GpuPrefillKernel::kFlash || max_q_len >= kGpuFlashPrefillMinQueryLen;
+}
+
+// Floats of that scratch for n_tokens queries of n_q_heads heads over at most max_seq_len keys;
+// 0 when the launch takes the flash prefill kernel, which needs none.
 inline int64_t gpu_attention_partials_floats(int64_t n_tokens, int64_t n_q_heads, int64_t head_dim,
-                                             int64_t max_seq_len) {
+                                             int64_t max_seq_len, bool decode = true, int64_t max_q_len = 1,
+                                             GpuPrefillKernel kernel = GpuPrefillKernel::kAuto) {
+  if (gpu_prefill_uses_flash(decode, max_q_len, kernel)) return 0;
   const int64_t parts = (max_seq_len + kGpuAttentionPartitionTokens - 1) / kGpuAttentionPartitionTokens;
   return n_tokens * n_q_heads * parts * (head_dim + 2);
 }

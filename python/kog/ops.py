@@ -384,7 +384,7 @@ def paged_attention_decode(
 def paged_attention_prefill(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor, scale: float | None = None, out: torch.Tensor | None = None,
-    validate_indices: bool = True,
+    validate_indices: bool = True, kernel: str = "auto",
 ) -> torch.Tensor:
     """Causal attention of a batch of query chunks over their cached context.
 
@@ -398,16 +398,26 @@ def paged_attention_prefill(
             (out [n_tokens, n_q_heads, head_dim], may be q itself).
         seq_lens: [n_seqs] int32 cached tokens per sequence incl. this chunk, >= q_len.
         query_start_loc: [n_seqs + 1] int32, non-decreasing, first 0, last n_tokens.
+        kernel: GPU only: "auto" takes the flash-style prefill kernel when the longest chunk has
+            at least _C.GPU_FLASH_PREFILL_MIN_QUERY_LEN tokens and the split (FlashDecoding)
+            kernel otherwise; "flash" or "split" forces one (tests compare them).
 
     Returns:
         out: [n_tokens, n_q_heads, head_dim].
     """
     if query_start_loc is None:
         raise InvalidRequest("query_start_loc is required (use paged_attention_decode for one token per sequence)")
-    return _paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, validate_indices)
+    if kernel not in _PREFILL_KERNEL:
+        raise InvalidRequest(f"kernel must be one of {sorted(_PREFILL_KERNEL)}, got {kernel!r}")
+    return _paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, validate_indices,
+                            _PREFILL_KERNEL[kernel])
 
 
-def _paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, validate):
+# GpuPrefillKernel (csrc/ops/attention.h).
+_PREFILL_KERNEL = {"auto": 0, "split": 1, "flash": 2}
+
+
+def _paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, validate, kernel=0):
     decode = query_start_loc is None
     num_blocks, n_kv_heads, block_size, head_dim = _kv_cache_shape(kv_cache)
     code = _DTYPE_CODE[kv_cache.dtype]
@@ -450,16 +460,19 @@ def _paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale
             raise InvalidRequest(f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
     device, stream = _device_and_stream(kv_cache)
     partials = None
-    if device >= 0:  # the GPU kernels' split-context scratch, on the same stream
-        floats = _C.paged_attention_partials_floats(n_tokens, n_q_heads, head_dim, max(max_seq_len, 1))
-        partials = torch.empty(floats, dtype=torch.float32, device=q.device)
+    if device >= 0:  # the split kernel's scratch (none for the flash prefill kernel), on the same stream
+        if kernel == 0 and kv_cache.data_ptr() % 16:
+            kernel = 1  # the flash kernel loads 16-byte vectors of the cache
+        floats = _C.paged_attention_partials_floats(n_tokens, n_q_heads, head_dim, max(max_seq_len, 1), decode,
+                                                    max_q_len, kernel)
+        partials = torch.empty(floats, dtype=torch.float32, device=q.device) if floats else None
     _C.paged_attention(
         decode, out.data_ptr(), q.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(),
         seq_lens.data_ptr(), 0 if decode else query_start_loc.data_ptr(), n_seqs, n_tokens,
         n_q_heads, n_kv_heads, head_dim, block_size, num_blocks, max_blocks,
         block_tables.stride(0) if n_seqs > 1 else max_blocks, _token_stride(q), _token_stride(out),
         max_seq_len, max_q_len, float(scale), code, device, stream,
-        partials.data_ptr() if partials is not None else 0,
+        partials.data_ptr() if partials is not None else 0, kernel,
     )
     return out
 

@@ -1,4 +1,5 @@
-// Tile sizes and occupancy of the GPU decode kernels, per vendor and architecture, in one place.
+// Tile sizes and occupancy of the GPU attention and decode kernels, per vendor and architecture,
+// in one place.
 // Device-pass values may depend on KOG_WARP_SIZE; values the host uses to size launches may not
 // (one binary serves targets of both widths).
 #pragma once
@@ -28,3 +29,53 @@ constexpr int kWarps = kThreads / KOG_WARP_SIZE;
 static_assert(kThreads % kMaxWarpSize == 0, "whole warps on every target");
 
 }  // namespace kog::gpu::decode
+
+// ---- flash-style prefill attention (gpu/ops/prefill_attention.cuh) -----------------------------
+// The host sizes the grid by Tile<>::kRows, so these may differ per vendor (KOG_GPU_HIP is defined
+// in both passes) but not per architecture of one vendor (one binary serves several).
+namespace kog::gpu::prefill {
+
+constexpr int kThreads = 256;
+// Threads sharing one query row: a 16-lane shuffle group, inside one warp on every target.
+constexpr int kRowLanes = 16;
+constexpr int kRowGroups = kThreads / kRowLanes;
+constexpr int64_t kMinQueryLen = kGpuFlashPrefillMinQueryLen;  // dispatch threshold (ops/attention.h)
+
+// Per padded head dim kD: kRows query rows ((token, head of the GQA group) pairs) per workgroup
+// and kKeys keys per K/V tile. Shared memory holds the scaled Q tile, one K-or-V tile (f32, rows
+// padded by one float) and the kRows x kKeys probabilities: (kRows + kKeys)(kD + 1) + kRows
+// (kKeys + 1) floats, within 48 KiB of static shared memory on NVIDIA and 64 KiB of LDS per
+// workgroup on CDNA. Per thread: kRows / 16 rows x kD / 16 output columns of fp32 accumulators.
+template <int kD>
+struct Tile;
+template <>
+struct Tile<64> {
+  static constexpr int kRows = 64, kKeys = 32;  // 33.4 KB
+};
+template <>
+struct Tile<128> {
+  static constexpr int kRows = 32, kKeys = 32;  // 37.2 KB
+};
+#if defined(KOG_GPU_HIP)
+template <>
+struct Tile<256> {
+  static constexpr int kRows = 32, kKeys = 16;  // 51.5 KB of the 64 KiB LDS
+};
+constexpr int kSharedBytesLimit = 64 * 1024;
+#else
+template <>
+struct Tile<256> {
+  static constexpr int kRows = 16, kKeys = 16;  // 34 KB (32 rows would pass the 48 KiB static limit)
+};
+constexpr int kSharedBytesLimit = 48 * 1024;
+#endif
+
+template <int kD>
+constexpr int shared_floats() {
+  return (Tile<kD>::kRows + Tile<kD>::kKeys) * (kD + 1) + Tile<kD>::kRows * (Tile<kD>::kKeys + 1);
+}
+static_assert(shared_floats<64>() * 4 <= kSharedBytesLimit && shared_floats<128>() * 4 <= kSharedBytesLimit &&
+                  shared_floats<256>() * 4 <= kSharedBytesLimit,
+              "prefill tiles fit in shared memory");
+
+}  // namespace kog::gpu::prefill

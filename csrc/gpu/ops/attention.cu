@@ -3,6 +3,7 @@
 // partials of every (query token, head, context partition), a second merges them per
 // (query token, head). Query token i of sequence s sits at position seq_len - q_len + i and sees
 // keys [0, position] (causal over the block table); a decode query sees its whole context.
+// Prefill launches of long chunks go to the flash-style kernel instead (prefill_attention.cu).
 #include "gpu/decode/attention_item.cuh"
 #include "gpu/launch.h"
 
@@ -59,9 +60,11 @@ __global__ void __launch_bounds__(kThreads) attention_combine_kernel(PagedAttent
 
 }  // namespace
 
-void paged_attention(const PagedAttentionParams& p, float* partials, void* stream) {
+void paged_attention(const PagedAttentionParams& p, float* partials, void* stream, GpuPrefillKernel kernel) {
   KOG_CHECK(p.head_dim <= decode::kMaxHeadDim, "paged_attention: head_dim ", p.head_dim, " > ", decode::kMaxHeadDim);
   if (p.n_tokens == 0) return;
+  if (gpu_prefill_uses_flash(p.query_start_loc == nullptr, p.max_q_len, kernel)) return prefill_attention(p, stream);
+  KOG_CHECK(partials != nullptr, "paged_attention: the split kernel needs a partials scratch buffer");
   const int max_parts = decode::attn_parts(p.max_seq_len);
   const int64_t partial_items = p.n_tokens * p.n_q_heads * max_parts, heads = p.n_tokens * p.n_q_heads;
   KOG_CHECK(partial_items < (int64_t(1) << 31), "paged_attention: too many work items for one launch");
