@@ -8,6 +8,8 @@
 #include <immintrin.h>
 #endif
 
+#include <type_traits>
+
 #include "cpu/kernels.h"
 #include "cpu/vec.h"
 
@@ -30,6 +32,14 @@ static inline vec_t vload(const bf16_t* p) {
 static inline vec_t vload(const f16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// 2 x kLanes bf16 -> two fp32 vectors by interleaving with zeros inside each 128-bit lane (the
+// bf16 bits land in the high half, which is the fp32 value): one uop per vector, no lane crossing.
+// The elements come out in pair order (see pair_index).
+static inline void vload2(const bf16_t* p, vec_t& lo, vec_t& hi) {
+  const __m512i h = _mm512_loadu_si512(p), z = _mm512_setzero_si512();
+  lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, h));
+  hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, h));
+}
 static inline vec_t vfma(vec_t a, vec_t b, vec_t c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vec_t vadd(vec_t a, vec_t b) { return _mm512_add_ps(a, b); }
 static inline float vsum(vec_t v) { return _mm512_reduce_add_ps(v); }
@@ -44,6 +54,11 @@ static inline vec_t vload(const bf16_t* p) {
 }
 static inline vec_t vload(const f16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline void vload2(const bf16_t* p, vec_t& lo, vec_t& hi) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), z = _mm256_setzero_si256();
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
 }
 static inline vec_t vfma(vec_t a, vec_t b, vec_t c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vec_t vadd(vec_t a, vec_t b) { return _mm256_add_ps(a, b); }
@@ -83,6 +98,58 @@ void row_dot(const T* w, const float* const* x, int64_t k, float* acc) {
     for (int64_t j = i; j < k; ++j) s += to_f32(w[j]) * x[c][j];
     acc[c] = s;
   }
+}
+// Pair order of a group of kPair = 2 x kLanes elements: vload2 yields, per 128-bit lane L, the
+// group's elements 8L..8L+3 in `lo` and 8L+4..8L+7 in `hi`. So x for bf16 weights is stored
+// permuted: position j of a group holds element pair_index(j). Groups cover k / kPair * kPair
+// elements; the tail stays in natural order.
+constexpr int kPair = 2 * kLanes;
+static inline int pair_index(int j) {
+  const int half = j / kLanes, lane = (j % kLanes) / 4, e = j % 4;
+  return 8 * lane + 4 * half + e;
+}
+
+template <int NC>
+void row_dot_bf16_pairs(const bf16_t* w, const float* const* x, int64_t k, float* acc) {
+  constexpr int kChains = NC == 1 ? 2 : 1;  // x 2 vectors per load
+  constexpr int64_t kStep = int64_t(kChains) * kPair;
+  vec_t a[NC][2 * kChains];
+  for (int c = 0; c < NC; ++c)
+    for (int u = 0; u < 2 * kChains; ++u) a[c][u] = vzero();
+  int64_t i = 0;
+  for (; i + kStep <= k; i += kStep)
+    for (int u = 0; u < kChains; ++u) {
+      vec_t lo, hi;
+      vload2(w + i + u * kPair, lo, hi);
+      for (int c = 0; c < NC; ++c) {
+        a[c][2 * u] = vfma(lo, vload(x[c] + i + u * kPair), a[c][2 * u]);
+        a[c][2 * u + 1] = vfma(hi, vload(x[c] + i + u * kPair + kLanes), a[c][2 * u + 1]);
+      }
+    }
+  for (; i + kPair <= k; i += kPair) {
+    vec_t lo, hi;
+    vload2(w + i, lo, hi);
+    for (int c = 0; c < NC; ++c) {
+      a[c][0] = vfma(lo, vload(x[c] + i), a[c][0]);
+      a[c][1] = vfma(hi, vload(x[c] + i + kLanes), a[c][1]);
+    }
+  }
+  for (int c = 0; c < NC; ++c) {
+    for (int u = 1; u < 2 * kChains; ++u) a[c][0] = vadd(a[c][0], a[c][u]);
+    float s = vsum(a[c][0]);
+    for (int64_t j = i; j < k; ++j) s += to_f32(w[j]) * x[c][j];  // tail: natural order
+    acc[c] = s;
+  }
+}
+template <>
+void row_dot<1, bf16_t>(const bf16_t* w, const float* const* x, int64_t k, float* acc) { row_dot_bf16_pairs<1>(w, x, k, acc); }
+template <>
+void row_dot<2, bf16_t>(const bf16_t* w, const float* const* x, int64_t k, float* acc) { row_dot_bf16_pairs<2>(w, x, k, acc); }
+template <>
+void row_dot<3, bf16_t>(const bf16_t* w, const float* const* x, int64_t k, float* acc) { row_dot_bf16_pairs<3>(w, x, k, acc); }
+template <>
+void row_dot<kCols, bf16_t>(const bf16_t* w, const float* const* x, int64_t k, float* acc) {
+  row_dot_bf16_pairs<kCols>(w, x, k, acc);
 }
 #else
 template <int NC, typename T>
@@ -127,11 +194,20 @@ void linear_rows(const LinearParams& p, const float* xf, int64_t row_begin, int6
     }
   }
 }
+// xf [m, k] = x in fp32; for bf16 weights in the vector build, each full group of kPair in pair
+// order (row_dot_bf16_pairs reads it so).
 template <typename T>
 void convert_x(const LinearParams& p, float* xf) {
   for (int64_t c = 0; c < p.m; ++c) {
     const T* xr = static_cast<const T*>(p.x) + c * p.x_stride;
-    for (int64_t j = 0; j < p.k; ++j) xf[c * p.k + j] = to_f32(xr[j]);
+    float* xc = xf + c * p.k;
+    int64_t j = 0;
+#ifndef KOG_LINEAR_SCALAR
+    if constexpr (std::is_same_v<T, bf16_t>)
+      for (; j + kPair <= p.k; j += kPair)
+        for (int e = 0; e < kPair; ++e) xc[j + e] = to_f32(xr[j + pair_index(e)]);
+#endif
+    for (; j < p.k; ++j) xc[j] = to_f32(xr[j]);
   }
 }
 
