@@ -136,8 +136,8 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
   // NOTE: the step runs inside one parallel region per segment (the CPU analogue of the
   // persistent GPU kernel): every LINEAR is split over the threads, the small ops run on thread
   // 0 (their own parallel loops run serial when nested), and a barrier ends each instruction,
-  // which orders every dependency of the schedule. Only attention over long contexts leaves
-  // the region, to use the attention kernel's own split over the context.
+  // which orders every dependency of the schedule. Only attention with enough work for all
+  // threads leaves the region, to use the attention kernel's own split (runs_alone).
   const int n_threads = omp_get_max_threads();
   for (int64_t i = 0; i < n;) {
     if (runs_alone(program_[i])) {
@@ -164,8 +164,12 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
   }
 }
 
+// NOTE: attention leaves the region exactly when the kernel would use all threads itself
+// (inside the region it runs on thread 0 while the others wait at the barrier): from ~450
+// cached tokens for SmolLM2 (9 heads x 64), ~64 for Llama-3-8B (32 x 128).
 bool DecodeExecutor::runs_alone(const Instruction& ins) const {
-  return ins.op == Opcode::kAttnDecode && batch_ * max_seq_len_ > kAttentionAloneTokens;
+  return ins.op == Opcode::kAttnDecode &&
+         batch_ * max_seq_len_ * d_.n_q_heads * d_.head_dim >= kCpuAttentionParallelMinWork;
 }
 
 void DecodeExecutor::exec(const Instruction& ins, const DecodeStep& s) {

@@ -105,8 +105,6 @@ class DecodeExecutor {
   std::vector<char> arena_;
   std::vector<float> scratch_;  // linear: [threads, B, max k] f32, one slice per thread
   int64_t scratch_stride_ = 0;  // B * max k
-  // Above this many cached tokens in the batch, attention uses its own threads.
-  static constexpr int64_t kAttentionAloneTokens = 4096;
   char* base_[int(Buffer::kNumBuffers)] = {};
   std::mutex mu_;
 };

@@ -47,6 +47,9 @@ struct PagedAttentionParams {
 // blocks), computed in parallel and merged by log-sum-exp (FlashDecoding), so a single long
 // sequence keeps every core busy.
 constexpr int64_t kAttentionPartitionTokens = 512;
+// The CPU split kernel uses all threads from this many multiply-adds (context tokens x query
+// heads x head_dim, summed over the batch); below it one thread does the whole call.
+constexpr int64_t kCpuAttentionParallelMinWork = 1 << 18;
 // The GPU kernels' partition (gpu/decode/tuning.cuh): sizes their [tokens, heads, partitions,
 // head_dim + 2] f32 scratch, which the caller allocates.
 constexpr int64_t kGpuAttentionPartitionTokens = 256;

@@ -59,11 +59,11 @@ def run_schedule_in_python(r: ModelRunner, tokens, positions, tables, seq_lens, 
     return bufs[Buffer.LOGITS].float()
 
 
-def fill(r: ModelRunner, prompts):
+def fill(r: ModelRunner, prompts, blocks_per_seq: int = 16):
     """Prefills prompts into disjoint block ranges; returns the decode inputs of the next step."""
-    tables = np.zeros((len(prompts), 16), dtype=np.int32)
+    tables = np.zeros((len(prompts), blocks_per_seq), dtype=np.int32)
     for i, p in enumerate(prompts):
-        tables[i] = np.arange(16 * i, 16 * (i + 1))
+        tables[i] = np.arange(blocks_per_seq * i, blocks_per_seq * (i + 1))
     slots = lambda i, s, e: tables[i][np.arange(s, e) // BS] * BS + np.arange(s, e) % BS  # noqa: E731
     r.prefill([PrefillChunk(p, 0, tables[i], slots(i, 0, len(p))) for i, p in enumerate(prompts)])
     pos = np.array([len(p) for p in prompts])
@@ -87,6 +87,24 @@ def test_executor_equals_the_python_schedule(arch, dtype):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     torch.testing.assert_close(r.kv.kv, kv_python, rtol=0, atol=0)
     assert sampled.tolist() == got.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_executor_with_attention_outside_the_region_equals_the_python_schedule(dtype):
+    # batch x longest context x query heads x head_dim = 3 x 600 x 8 x 64, well above the
+    # 2^18 multiply-adds from which the step runs attention on all threads, outside its region
+    # (DecodeExecutor::runs_alone); 600 tokens also span two context partitions.
+    r = tiny_runner("llama", dtype, num_blocks=3 * 160, hidden_size=256, num_attention_heads=8,
+                    num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (599, 300, 17)]
+    step = fill(r, prompts, blocks_per_seq=160)
+    kv_before = r.kv.kv.clone()
+    want = run_schedule_in_python(r, step["tokens"], step["positions"], step["block_tables"],
+                                  step["seq_lens"], step["slots"])
+    r.kv.kv.copy_(kv_before)
+    got = r.decode(**step)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def test_executor_equals_one_token_prefill():

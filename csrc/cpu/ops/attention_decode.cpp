@@ -16,9 +16,6 @@ namespace {
 
 using namespace attn;
 
-// Below this many multiply-adds (tokens x query heads x head_dim) one thread does it all.
-constexpr int64_t kParallelMinWork = 1 << 18;
-
 template <typename T>
 void split_context(const PagedAttentionParams& p, const int64_t* seqs, int64_t n_sel) {
   const int64_t D = p.head_dim, G = p.n_q_heads / p.n_kv_heads, Hkv = p.n_kv_heads;
@@ -47,7 +44,7 @@ void split_context(const PagedAttentionParams& p, const int64_t* seqs, int64_t n
   // partials: [n_partial_rows, n_q_heads, D + 2]: acc (unnormalized), then m, then l.
   const int64_t stride = D + 2;
   Scratch<float> partials(n_partial_rows * Hq * stride);
-  const int nthreads = work >= kParallelMinWork ? omp_get_max_threads() : 1;
+  const int nthreads = work >= kCpuAttentionParallelMinWork ? omp_get_max_threads() : 1;
   const int64_t max_rows = max_q * G, per_thread = rows_scratch(max_rows, D);
   Scratch<float> scratch(nthreads * per_thread);
   Scratch<int64_t> limits(nthreads * max_rows);
