@@ -26,6 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16, help="most sequences running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="run dtype")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default), or cuda / cuda:N for a GPU build of kog (ROCm GPUs are cuda too)")
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="memory for the paged KV cache (default: enough for every sequence, at most 1 GiB)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -86,7 +88,7 @@ def load_llm(args: argparse.Namespace):
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                kv_cache_gib=args.kv_cache_gib, block_size=args.block_size,
                enable_prefix_caching=args.enable_prefix_caching, progress=False,
-               speculative_model=args.speculative_model)
+               speculative_model=args.speculative_model, device=args.device)
 
 
 def _serve(args: argparse.Namespace) -> int:

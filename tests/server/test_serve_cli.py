@@ -3,6 +3,7 @@
 import argparse
 
 import pytest
+import torch
 
 from kog import SamplingParams
 from kog.serve_cli import add_arguments, load_llm
@@ -70,3 +71,17 @@ def test_speculative_model_reaches_the_engine(model):
     assert llm.engine.get_output("draft").outputs[0].token_ids == llm.engine.get_output("plain").outputs[0].token_ids
     assert llm.engine.speculator.stats["accepted"] > 0
     assert load_llm(parse(model, "--kv-cache-gib", "0.01")).engine.speculator.drafter is None
+
+
+def test_device_flag_reaches_the_runner(model):
+    assert parse(model).device == "cpu"
+    llm = load_llm(parse(model, "--device", "cpu", "--kv-cache-gib", "0.01"))
+    assert llm.engine.runner.device.type == "cpu"
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x"] + ([] if torch.cuda.is_available() else ["cuda", "cuda:1"]))
+def test_a_bad_device_is_a_clear_error_and_exit_status_1(model, device, capsys):
+    from kog.serve_cli import run
+
+    assert run(parse(model, "--device", device, "--kv-cache-gib", "0.01")) == 1
+    assert "device" in capsys.readouterr().err

@@ -62,6 +62,8 @@ class ModelRunner:
             self.device = None
         if self.device is None or self.device.type not in ("cpu", "cuda"):
             raise InvalidRequest(f"device must be 'cpu' or a GPU ('cuda', 'cuda:N'), got {device!r}")
+        if self.device.type == "cuda":
+            _check_gpu(self.device)
         weights = prepare_weights(c, model.weights, self.dtype)
         if self.device.type == "cpu":
             self.weights = to_hugepages(weights)  # decode streams them: 2 MiB pages read faster
@@ -245,3 +247,16 @@ def _mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> t
     if x.dtype == torch.float32 or x.shape[0] < 16 or x.device.type != "cpu":
         return F.linear(x, w, bias)
     return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+def _check_gpu(device: torch.device) -> None:
+    """InvalidRequest, saying why, unless kog's native build and torch can both use `device`."""
+    from kog import _C
+
+    if not _C.has_gpu_backend:
+        raise InvalidRequest(f"device {str(device)!r}: kog._C was built with KOG_BACKEND={_C.build_info()['backend']}; "
+                             f"install a CUDA or ROCm build of kog to run on a GPU")
+    if not torch.cuda.is_available():
+        raise InvalidRequest(f"device {str(device)!r}: torch sees no GPU (torch.cuda.is_available() is False)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise InvalidRequest(f"device {str(device)!r}: only {torch.cuda.device_count()} GPU(s) visible")
