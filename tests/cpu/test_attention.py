@@ -55,6 +55,17 @@ def test_decode_batch_one_long_context_float16(cpu_isa, gen):
     torch.testing.assert_close(out, ref.paged_attention(q, cache, table, lens, scale=0.3), **TOL[torch.float16])
 
 
+@pytest.mark.parametrize("seq_len, bs", [(600, 16), (300, 16), (1000, 5), (512, 32)])
+def test_decode_few_work_items_split_into_finer_partitions(cpu_isa, gen, seq_len, bs):
+    # One sequence over one KV head with 8 x 128 query columns: enough work for every thread,
+    # but fewer items than 2 per thread at 512-token partitions, so the kernel halves them
+    # (whole blocks, also an odd block size); the merge must give the same result.
+    cache, table, lens = make_cache(gen, [seq_len], 1, 128, bs, torch.float32)
+    q = randn(gen, 1, 8, 128, dtype=torch.float32) * 2
+    out = ops.paged_attention_decode(q, cache, table, lens)
+    torch.testing.assert_close(out, ref.paged_attention(q, cache, table, lens), **TOL[torch.float32])
+
+
 def test_decode_sharp_softmax_and_strided_q(cpu_isa, gen):
     # Large scores (a near one-hot softmax) stress the running max and the partition merge.
     cache, table, lens = make_cache(gen, [3000, 600], 2, 64, 16, torch.float32)

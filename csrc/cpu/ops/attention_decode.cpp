@@ -16,16 +16,43 @@ namespace {
 
 using namespace attn;
 
+// Tokens per context partition: kAttentionPartitionTokens, halved (in whole blocks) while the
+// work items (sequences x partitions x KV heads) would leave threads without two items each,
+// e.g. one sequence over 3 KV heads on 2 threads. Results equal for any partition size up to
+// float reassociation (the merge is exact log-sum-exp).
+int64_t balanced_partition_tokens(const PagedAttentionParams& p, const int64_t* seqs, int64_t n_sel, int nthreads) {
+  int64_t part = partition_tokens(p.block_size);
+  const int64_t min_part = 4 * p.block_size > 64 ? 4 * p.block_size : 64;
+  auto items = [&](int64_t pt) {
+    int64_t n = 0;
+    for (int64_t x = 0; x < n_sel; ++x) {
+      const int64_t len = p.seq_lens[seqs[x]];
+      n += (len > 0 ? (len + pt - 1) / pt : 1) * p.n_kv_heads;
+    }
+    return n;
+  };
+  while (nthreads > 1 && part / 2 >= min_part && items(part) < 2 * int64_t(nthreads))
+    part = (part / 2 + p.block_size - 1) / p.block_size * p.block_size;
+  return part;
+}
+
 template <typename T>
 void split_context(const PagedAttentionParams& p, const int64_t* seqs, int64_t n_sel) {
   const int64_t D = p.head_dim, G = p.n_q_heads / p.n_kv_heads, Hkv = p.n_kv_heads;
-  const int64_t Hq = p.n_q_heads, part_tokens = partition_tokens(p.block_size);
+  const int64_t Hq = p.n_q_heads;
   const int32_t* qsl = p.query_start_loc;  // nullptr: decode, sequence s owns q row s
+  int64_t work = 0;
+  for (int64_t x = 0; x < n_sel; ++x) {
+    const int64_t s = seqs[x];
+    work += int64_t(p.seq_lens[s]) * (qsl ? qsl[s + 1] - qsl[s] : 1) * Hq * D;
+  }
+  const int nthreads = work >= kCpuAttentionParallelMinWork ? omp_get_max_threads() : 1;
+  const int64_t part_tokens = balanced_partition_tokens(p, seqs, n_sel, nthreads);
   // Work list and partial slots: selected sequence x has n_parts partitions (items
   // first_item[x] ..); if more than one, the partials of its row i in partition k are
   // partial row part_base[x] + k * q_len + i.
   Scratch<int64_t> first_item(n_sel + 1), part_base(n_sel);
-  int64_t n_items = 0, n_partial_rows = 0, work = 0, max_q = 1;
+  int64_t n_items = 0, n_partial_rows = 0, max_q = 1;
   for (int64_t x = 0; x < n_sel; ++x) {
     const int64_t s = seqs[x], len = p.seq_lens[s];
     const int64_t q_len = qsl ? qsl[s + 1] - qsl[s] : 1;
@@ -34,7 +61,6 @@ void split_context(const PagedAttentionParams& p, const int64_t* seqs, int64_t n
     part_base.p[x] = n_parts > 1 ? n_partial_rows : -1;
     n_items += n_parts;
     n_partial_rows += n_parts > 1 ? n_parts * q_len : 0;
-    work += len * q_len * Hq * D;
     max_q = q_len > max_q ? q_len : max_q;
   }
   first_item.p[n_sel] = n_items;
@@ -44,7 +70,6 @@ void split_context(const PagedAttentionParams& p, const int64_t* seqs, int64_t n
   // partials: [n_partial_rows, n_q_heads, D + 2]: acc (unnormalized), then m, then l.
   const int64_t stride = D + 2;
   Scratch<float> partials(n_partial_rows * Hq * stride);
-  const int nthreads = work >= kCpuAttentionParallelMinWork ? omp_get_max_threads() : 1;
   const int64_t max_rows = max_q * G, per_thread = rows_scratch(max_rows, D);
   Scratch<float> scratch(nthreads * per_thread);
   Scratch<int64_t> limits(nthreads * max_rows);
