@@ -25,10 +25,6 @@ constexpr int kLanes = 16;
 using vec_t = __m512;
 static inline vec_t vzero() { return _mm512_setzero_ps(); }
 static inline vec_t vload(const float* p) { return _mm512_loadu_ps(p); }
-static inline vec_t vload(const bf16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 static inline vec_t vload(const f16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -48,10 +44,6 @@ constexpr int kLanes = 8;
 using vec_t = __m256;
 static inline vec_t vzero() { return _mm256_setzero_ps(); }
 static inline vec_t vload(const float* p) { return _mm256_loadu_ps(p); }
-static inline vec_t vload(const bf16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 static inline vec_t vload(const f16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -73,32 +65,6 @@ static inline float vsum(vec_t v) {
 #endif
 
 #ifndef KOG_LINEAR_SCALAR
-// acc[c] = dot(w, x[c]) for c < NC. kChains independent accumulators per input hide the FMA
-// latency: 4 for one input, 2 each for more (2 x 4 registers at most).
-template <int NC, typename T>
-void row_dot(const T* w, const float* const* x, int64_t k, float* acc) {
-  constexpr int kChains = NC == 1 ? 4 : 2;
-  constexpr int64_t kStep = int64_t(kChains) * kLanes;
-  vec_t a[NC][kChains];
-  for (int c = 0; c < NC; ++c)
-    for (int u = 0; u < kChains; ++u) a[c][u] = vzero();
-  int64_t i = 0;
-  for (; i + kStep <= k; i += kStep)
-    for (int u = 0; u < kChains; ++u) {
-      const vec_t wv = vload(w + i + u * kLanes);
-      for (int c = 0; c < NC; ++c) a[c][u] = vfma(wv, vload(x[c] + i + u * kLanes), a[c][u]);
-    }
-  for (; i + kLanes <= k; i += kLanes) {
-    const vec_t wv = vload(w + i);
-    for (int c = 0; c < NC; ++c) a[c][0] = vfma(wv, vload(x[c] + i), a[c][0]);
-  }
-  for (int c = 0; c < NC; ++c) {
-    for (int u = 1; u < kChains; ++u) a[c][0] = vadd(a[c][0], a[c][u]);
-    float s = vsum(a[c][0]);
-    for (int64_t j = i; j < k; ++j) s += to_f32(w[j]) * x[c][j];
-    acc[c] = s;
-  }
-}
 // Pair order of a group of kPair = 2 x kLanes elements: vload2 yields, per 128-bit lane L, the
 // group's elements 8L..8L+3 in `lo` and 8L+4..8L+7 in `hi`. So x for bf16 weights is stored
 // permuted: position j of a group holds element pair_index(j). Groups cover k / kPair * kPair
@@ -141,15 +107,36 @@ void row_dot_bf16_pairs(const bf16_t* w, const float* const* x, int64_t k, float
     acc[c] = s;
   }
 }
-template <>
-void row_dot<1, bf16_t>(const bf16_t* w, const float* const* x, int64_t k, float* acc) { row_dot_bf16_pairs<1>(w, x, k, acc); }
-template <>
-void row_dot<2, bf16_t>(const bf16_t* w, const float* const* x, int64_t k, float* acc) { row_dot_bf16_pairs<2>(w, x, k, acc); }
-template <>
-void row_dot<3, bf16_t>(const bf16_t* w, const float* const* x, int64_t k, float* acc) { row_dot_bf16_pairs<3>(w, x, k, acc); }
-template <>
-void row_dot<kCols, bf16_t>(const bf16_t* w, const float* const* x, int64_t k, float* acc) {
-  row_dot_bf16_pairs<kCols>(w, x, k, acc);
+
+// acc[c] = dot(w, x[c]) for c < NC. kChains independent accumulators per input hide the FMA
+// latency: 4 for one input, 2 each for more (2 x 4 registers at most).
+template <int NC, typename T>
+void row_dot(const T* w, const float* const* x, int64_t k, float* acc) {
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    row_dot_bf16_pairs<NC>(w, x, k, acc);
+  } else {
+    constexpr int kChains = NC == 1 ? 4 : 2;
+    constexpr int64_t kStep = int64_t(kChains) * kLanes;
+    vec_t a[NC][kChains];
+    for (int c = 0; c < NC; ++c)
+      for (int u = 0; u < kChains; ++u) a[c][u] = vzero();
+    int64_t i = 0;
+    for (; i + kStep <= k; i += kStep)
+      for (int u = 0; u < kChains; ++u) {
+        const vec_t wv = vload(w + i + u * kLanes);
+        for (int c = 0; c < NC; ++c) a[c][u] = vfma(wv, vload(x[c] + i + u * kLanes), a[c][u]);
+      }
+    for (; i + kLanes <= k; i += kLanes) {
+      const vec_t wv = vload(w + i);
+      for (int c = 0; c < NC; ++c) a[c][0] = vfma(wv, vload(x[c] + i), a[c][0]);
+    }
+    for (int c = 0; c < NC; ++c) {
+      for (int u = 1; u < kChains; ++u) a[c][0] = vadd(a[c][0], a[c][u]);
+      float s = vsum(a[c][0]);
+      for (int64_t j = i; j < k; ++j) s += to_f32(w[j]) * x[c][j];
+      acc[c] = s;
+    }
+  }
 }
 #else
 template <int NC, typename T>
