@@ -32,6 +32,22 @@ def backend_info() -> dict[str, Any]:
     return info
 
 
+def gpu_unavailable_reason(index: int | None = None) -> str | None:
+    """Why Kog cannot run on GPU `index` (default: the current one) here, or None when it can."""
+    import torch
+
+    from kog import _C
+
+    if not _C.has_gpu_backend:
+        return (f"kog._C was built with KOG_BACKEND={_C.build_info()['backend']}; "
+                f"install or rebuild kog with KOG_BACKEND=cuda or rocm")
+    if not torch.cuda.is_available():
+        return "torch sees no GPU (torch.cuda.is_available() is False)"
+    if index is not None and index >= torch.cuda.device_count():
+        return f"only {torch.cuda.device_count()} GPU(s) visible"
+    return None
+
+
 def format_backend_info(info: dict[str, Any]) -> str:
     """Render backend_info() as the aligned text `kog info` prints."""
     lines = []

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from kog import ops
 from kog.config import ModelConfig
 from kog.errors import InvalidRequest
+from kog.info import gpu_unavailable_reason
 from kog.kvcache import KVCacheStorage, KVLayout
 from kog.loader import LoadedModel
 from kog.models.decode import build_executor
@@ -62,8 +63,8 @@ class ModelRunner:
             self.device = None
         if self.device is None or self.device.type not in ("cpu", "cuda"):
             raise InvalidRequest(f"device must be 'cpu' or a GPU ('cuda', 'cuda:N'), got {device!r}")
-        if self.device.type == "cuda":
-            _check_gpu(self.device)
+        if self.device.type == "cuda" and (reason := gpu_unavailable_reason(self.device.index)) is not None:
+            raise InvalidRequest(f"device {str(self.device)!r}: {reason}")
         weights = prepare_weights(c, model.weights, self.dtype)
         if self.device.type == "cpu":
             self.weights = to_hugepages(weights)  # decode streams them: 2 MiB pages read faster
@@ -248,15 +249,3 @@ def _mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> t
         return F.linear(x, w, bias)
     return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
 
-
-def _check_gpu(device: torch.device) -> None:
-    """InvalidRequest, saying why, unless kog's native build and torch can both use `device`."""
-    from kog import _C
-
-    if not _C.has_gpu_backend:
-        raise InvalidRequest(f"device {str(device)!r}: kog._C was built with KOG_BACKEND={_C.build_info()['backend']}; "
-                             f"install a CUDA or ROCm build of kog to run on a GPU")
-    if not torch.cuda.is_available():
-        raise InvalidRequest(f"device {str(device)!r}: torch sees no GPU (torch.cuda.is_available() is False)")
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise InvalidRequest(f"device {str(device)!r}: only {torch.cuda.device_count()} GPU(s) visible")
