@@ -15,15 +15,14 @@ def active_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     """The tools the model is shown: none for tool_choice "none", only the named one for a named
     choice, all of them for "auto"/"required" (the default is "auto" when tools are given).
 
+    A tool_choice without tools is refused by server.structured.structured_params, which the
+    chat route calls first.
+
     Raises:
-        APIError: tool_choice asks for a tool that was not given.
+        APIError: tool_choice names a tool that was not given.
     """
     choice = req.tool_choice
-    if not req.tools:
-        if choice == "required" or isinstance(choice, NamedToolChoice):
-            raise APIError(400, "tool_choice needs `tools`", param="tool_choice")
-        return None
-    if choice == "none":
+    if not req.tools or choice == "none":
         return None
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     if isinstance(choice, NamedToolChoice):

@@ -37,9 +37,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state.check_model(body.model)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    tools = active_tools(body)
     all_tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     structured = structured_params(body.response_format, all_tools, body.tool_choice, body.parallel_tool_calls)
+    tools = active_tools(body)
     ids = encode_chat(body, state.chat_template, state.tokenizer, tools)
     max_tokens = body.max_completion_tokens or body.max_tokens
     check_context(len(ids), max_tokens, state.max_model_len)
