@@ -6,6 +6,7 @@ import torch
 import kog
 from kog import ops
 from kog.testing import reference as ref
+from kog.testing.paged import random_paged_cache
 from kog.testing.tolerances import assert_close
 
 # fp32: different summation orders and a polynomial exp, both ~1e-7 relative per term.
@@ -20,16 +21,7 @@ CONFIGS = [(4, 4, 64, 16), (6, 2, 128, 16), (16, 2, 64, 32), (8, 1, 128, 32), (3
 
 def make_cache(gen, seq_lens, n_kv_heads, head_dim, block_size, dtype, spare_blocks=7):
     """Random cache with shuffled, non-contiguous block tables padded with -1 past each sequence."""
-    need = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(need) + spare_blocks
-    cache = torch.randn(num_blocks, 2, n_kv_heads, block_size, head_dim, generator=gen).to(dtype)
-    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
-    table = torch.full((len(seq_lens), max(need) + 2), -1, dtype=torch.int32)
-    at = 0
-    for s, n in enumerate(need):
-        table[s, :n] = ids[at : at + n]
-        at += n
-    return cache, table, torch.tensor(seq_lens, dtype=torch.int32)
+    return random_paged_cache(gen, seq_lens, n_kv_heads, head_dim, block_size, dtype, spare_blocks, spare_columns=2)
 
 
 def randn(gen, *shape, dtype):

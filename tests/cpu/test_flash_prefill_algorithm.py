@@ -17,6 +17,7 @@ import torch
 from kog import _C, ops
 from kog.errors import InvalidRequest
 from kog.testing import reference as ref
+from kog.testing.paged import random_prefill_case
 from kog.testing.tolerances import assert_close
 
 TUNING = Path(__file__).resolve().parents[2] / "csrc" / "gpu" / "decode" / "tuning.cuh"
@@ -104,22 +105,6 @@ def load_kv_tile(cache, table, kvh, keys, kv_end, bs):
     return k_tile, v_tile
 
 
-def make_case(gen, q_lens, seq_lens, n_q, n_kv, hd, bs, dtype):
-    """Random cache with shuffled block tables and a random q of sum(q_lens) tokens (CPU tensors)."""
-    need = [-(-n // bs) for n in seq_lens]
-    num_blocks = sum(need) + 3
-    cache = torch.randn(num_blocks, 2, n_kv, bs, hd, generator=gen).to(dtype)
-    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
-    table = torch.full((len(seq_lens), max(need) + 1), -1, dtype=torch.int32)
-    at = 0
-    for s, n in enumerate(need):
-        table[s, :n] = ids[at:at + n]
-        at += n
-    qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
-    q = torch.randn(int(qsl[-1]), n_q, hd, generator=gen).to(dtype)
-    return q, cache, table, torch.tensor(seq_lens, dtype=torch.int32), qsl
-
-
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(1234)
@@ -140,7 +125,7 @@ CASES = [  # (q_lens, seq_lens): whole prompts, chunked prefill over a context, 
 @pytest.mark.parametrize("bs", [16, 5])
 @pytest.mark.parametrize("lens", CASES)
 def test_model_matches_reference_f32(gen, tiles, hd, n_q, n_kv, bs, lens):
-    q, cache, table, seq_lens, qsl = make_case(gen, *lens, n_q, n_kv, hd, bs, torch.float32)
+    q, cache, table, seq_lens, qsl = random_prefill_case(gen, *lens, n_q, n_kv, hd, bs, torch.float32)
     got = flash_prefill_model(q, cache, table, seq_lens, qsl, hd ** -0.5, tiles)
     assert_close(got, ref.paged_attention(q, cache, table, seq_lens, qsl))  # fp32: 1e-5
 
@@ -149,14 +134,14 @@ def test_model_matches_reference_f32(gen, tiles, hd, n_q, n_kv, bs, lens):
 @pytest.mark.parametrize("hd", [64, 128])
 def test_model_matches_reference_16bit(gen, dtype, hd):
     """16-bit I/O: fp32 math on the stored values, one rounding of the output (tolerances.py)."""
-    q, cache, table, seq_lens, qsl = make_case(gen, [40, 17], [90, 17], 8, 2, hd, 16, dtype)
+    q, cache, table, seq_lens, qsl = random_prefill_case(gen, [40, 17], [90, 17], 8, 2, hd, 16, dtype)
     got = flash_prefill_model(q, cache, table, seq_lens, qsl, hd ** -0.5, TILES_CUDA).to(dtype)
     assert_close(got, ref.paged_attention(q, cache, table, seq_lens, qsl))
 
 
 def test_model_matches_the_cpu_kernel(gen):
     """Large scores (scale 1) exercise the rescaling: many running-max updates per row."""
-    q, cache, table, seq_lens, qsl = make_case(gen, [50, 21], [130, 21], 4, 2, 64, 16, torch.float32)
+    q, cache, table, seq_lens, qsl = random_prefill_case(gen, [50, 21], [130, 21], 4, 2, 64, 16, torch.float32)
     q = q * 3
     got = flash_prefill_model(q, cache, table, seq_lens, qsl, 1.0, TILES_CUDA)
     expected = ops.paged_attention_prefill(q, cache, table, seq_lens, qsl, scale=1.0)
@@ -188,6 +173,6 @@ def test_dispatch_threshold_and_scratch():
 
 
 def test_unknown_kernel_is_rejected(gen):
-    q, cache, table, seq_lens, qsl = make_case(gen, [4], [4], 2, 2, 16, 16, torch.float32)
+    q, cache, table, seq_lens, qsl = random_prefill_case(gen, [4], [4], 2, 2, 16, 16, torch.float32)
     with pytest.raises(InvalidRequest):
         ops.paged_attention_prefill(q, cache, table, seq_lens, qsl, kernel="fast")

@@ -9,6 +9,7 @@ from kog import _C, ops
 from kog.models.gpu_decode import SAMPLING_ROW
 from kog.testing import reference as ref
 from kog.testing.gpu import gpu_test_marks
+from kog.testing.paged import random_paged_cache
 from kog.testing.tolerances import assert_close
 
 pytestmark = gpu_test_marks()
@@ -19,17 +20,8 @@ ATTN_TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol
 
 
 def make_cache(gen, seq_lens, n_kv, hd, bs, dtype, spare=5):
-    """Random one-layer cache and shuffled block tables (CPU tensors)."""
-    need = [-(-n // bs) for n in seq_lens]
-    num_blocks = sum(need) + spare
-    cache = torch.randn(num_blocks, 2, n_kv, bs, hd, generator=gen).to(dtype)
-    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
-    table = torch.zeros((len(seq_lens), max(need) + 1), dtype=torch.int32)
-    at = 0
-    for s, n in enumerate(need):
-        table[s, :n] = ids[at : at + n]
-        at += n
-    return cache, table, torch.tensor(seq_lens, dtype=torch.int32)
+    """One layer's cache and shuffled block tables (CPU tensors), padded with block 0."""
+    return random_paged_cache(gen, seq_lens, n_kv, hd, bs, dtype, spare_blocks=spare, pad=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -6,13 +6,13 @@ that are and are not multiples of the key tile, chunked prefill over a cached co
 sequences of different lengths, chunks whose rows do not fill the last query tile.
 """
 
-import numpy as np
 import pytest
 import torch
 
 from kog import _C, ops
 from kog.testing import reference as ref
 from kog.testing.gpu import gpu_test_marks
+from kog.testing.paged import random_prefill_case
 from kog.testing.tolerances import assert_close
 
 pytestmark = gpu_test_marks()
@@ -31,19 +31,8 @@ CASES = [  # (q_lens, seq_lens)
 
 
 def make_case(gen, q_lens, seq_lens, n_q, n_kv, hd, bs, dtype):
-    """Random one-layer cache with shuffled block tables and q of sum(q_lens) tokens (CPU)."""
-    need = [-(-n // bs) for n in seq_lens]
-    num_blocks = sum(need) + 3
-    cache = torch.randn(num_blocks, 2, n_kv, bs, hd, generator=gen).to(dtype)
-    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
-    table = torch.zeros((len(seq_lens), max(need) + 1), dtype=torch.int32)
-    at = 0
-    for s, n in enumerate(need):
-        table[s, :n] = ids[at:at + n]
-        at += n
-    qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
-    q = torch.randn(int(qsl[-1]), n_q, hd, generator=gen).to(dtype)
-    return q, cache, table, torch.tensor(seq_lens, dtype=torch.int32), qsl
+    """A launch whose table padding is block 0 (a valid block: a stray read stays in bounds)."""
+    return random_prefill_case(gen, q_lens, seq_lens, n_q, n_kv, hd, bs, dtype, pad=0)
 
 
 def run(device, q, cache, table, seq_lens, qsl, **kw):
