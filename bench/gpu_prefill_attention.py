@@ -17,23 +17,15 @@ import torch.nn.functional as F
 
 from kog import ops
 
+from decode_latency import timed_us  # bench/ is on sys.path when run as a script
+
 HQ, HK, D, BS = 32, 8, 128, 16
 CASES = [(128, 128), (512, 512), (2048, 2048), (512, 8192)]  # (q_len, seq_len): prompts, a chunk
 
 
 def best_ms(fn, iters: int) -> float:
     """Fastest of `iters` calls, each timed with device events."""
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return best
+    return min(timed_us(fn, iters)) / 1e3
 
 
 def case(q_len: int, seq_len: int, dtype: torch.dtype, dev: torch.device):
