@@ -17,18 +17,13 @@ from kog.sampling_params import SamplingParams
 from kog.spec.grammar import build_constraint
 from kog.spec.params import StructuredOutputParams
 from kog.testing.fake_runner import FakeRunner, context_logits
+from kog.testing.structured import PERSON_SCHEMA as PERSON
 from kog.testing.tiny_models import CHATML_TEMPLATE, tiny_tokenizer
 
 jsonschema = pytest.importorskip("jsonschema")
 
 TOK = tiny_tokenizer()
 EOS = TOK.eos_token_id
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 8},
-    "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    "city": {"enum": ["Paris", "London", "Tokyo"]},
-    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
-    "required": ["name", "age", "city", "tags"], "additionalProperties": False}
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                                      "unit": {"enum": ["celsius", "fahrenheit"]}},

@@ -7,19 +7,13 @@ import random
 
 import pytest
 
-from kog.testing.structured import random_schema
+from kog.testing.structured import PERSON_SCHEMA as PERSON, random_schema
 
 from server_helpers import TOK, ScriptedRunner, make_engine
 
 jsonschema = pytest.importorskip("jsonschema")
 
 MSGS = [{"role": "user", "content": "Describe a person as JSON."}]
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 8},
-    "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    "city": {"enum": ["Paris", "London", "Tokyo"]},
-    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
-    "required": ["name", "age", "city", "tags"], "additionalProperties": False}
 SCHEMAS = [PERSON, {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9}, "minItems": 1,
                     "maxItems": 3},
            {"type": "object", "properties": {"ok": {"type": "boolean"}, "code": {"type": "string",

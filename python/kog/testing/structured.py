@@ -15,6 +15,13 @@ from kog.sampler import SampleRow, sample
 from kog.sampling_params import SamplingParams
 from kog.spec.grammar import Constraint
 
+# A small object schema with a bounded string, a bounded integer, an enum and an array.
+PERSON_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "city": {"enum": ["Paris", "London", "Tokyo"]},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+    "required": ["name", "age", "city", "tags"], "additionalProperties": False}
 PATTERNS = [r"^[a-z]{2,6}$", r"^[A-Z][a-z]{1,4}-[0-9]{2}$", r"^(red|green|blue)$", r"^\d{3}-\d{4}$",
             r"^[a-f0-9]{4,8}$", r"^(\+|-)?[0-9]{1,3}(\.[0-9]{1,2})?$", r"^v[0-9]\.[0-9]{1,2}$"]
 WORDS = ["alpha", "beta", "gamma", "delta", "Paris", "naïve", "東京", "a b", "x\"y"]
