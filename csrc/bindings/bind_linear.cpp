@@ -1,11 +1,16 @@
 // kog._C.linear: the decode-batch linear layer (CPU kernels, or the GPU GEMV when device >= 0).
 #include <pybind11/pybind11.h>
 
+#include <omp.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
 #include "common/errors.h"
 #include "cpu/kernels.h"
+#include "cpu/row_queue.h"
 #include "gpu/launch.h"
 
 namespace py = pybind11;
@@ -33,6 +38,42 @@ void linear(uintptr_t out, uintptr_t x, uintptr_t weight, uintptr_t bias, int64_
   kog::cpu::kernels().linear(p, scratch.data());
 }
 
+// Test hook for cpu::RowQueue: n_threads threads split n_chunks chunks for each of n_epochs
+// epochs (no barrier between epochs' starts beyond the one the executor has: one per epoch);
+// thread `slow` spins `slow_us` per chunk so the others steal. Returns, per epoch, the thread
+// that took each chunk (-1: nobody) and how many times each chunk was taken.
+std::pair<std::vector<std::vector<int>>, std::vector<std::vector<int>>> row_queue_claims(
+    int n_threads, int64_t n_chunks, int n_epochs, int slow, double slow_us) {
+  KOG_CHECK(n_threads >= 1 && n_chunks >= 0 && n_epochs >= 1, "row_queue_claims: bad arguments");
+  kog::cpu::RowQueue q(n_threads);
+  std::vector<std::vector<int>> owner(size_t(n_epochs), std::vector<int>(size_t(n_chunks), -1));
+  std::vector<std::vector<int>> count(size_t(n_epochs), std::vector<int>(size_t(n_chunks), 0));
+  int team = 0;
+#pragma omp parallel num_threads(n_threads)
+  {
+    const int t = omp_get_thread_num();
+#pragma omp single
+    team = omp_get_num_threads();
+    if (team == n_threads)
+      for (int e = 0; e < n_epochs; ++e) {
+        q.start(uint32_t(e), t, n_chunks);
+        for (int64_t c; (c = q.next(uint32_t(e), t)) >= 0;) {
+#pragma omp atomic
+          count[size_t(e)][size_t(c)] += 1;
+          owner[size_t(e)][size_t(c)] = t;
+          if (t == slow) {
+            const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double, std::micro>(slow_us);
+            while (std::chrono::steady_clock::now() < until) {
+            }
+          }
+        }
+#pragma omp barrier
+      }
+  }
+  KOG_CHECK(team == n_threads, "row_queue_claims: OpenMP gave ", team, " threads, not ", n_threads);
+  return {owner, count};
+}
+
 }  // namespace
 
 void bind_linear(py::module_& m) {
@@ -40,6 +81,8 @@ void bind_linear(py::module_& m) {
   m.def("linear", &linear, arg("out"), arg("x"), arg("weight"), arg("bias"), arg("m"), arg("n"),
         arg("k"), arg("x_stride"), arg("out_stride"), arg("dtype"), arg("device"), arg("stream") = 0,
         py::call_guard<py::gil_scoped_release>());
+  m.def("_row_queue_claims", &row_queue_claims, arg("n_threads"), arg("n_chunks"), arg("n_epochs"),
+        arg("slow") = -1, arg("slow_us") = 0.0, py::call_guard<py::gil_scoped_release>());
   m.def(
       "sample_gpu",
       [](uintptr_t logits, int64_t n_rows, int64_t vocab, uintptr_t rows, uint64_t counter, uintptr_t out,

@@ -10,6 +10,7 @@
 #include "ops/kv_append.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
+#include "cpu/row_queue.h"
 
 namespace kog::cpu {
 
@@ -19,9 +20,11 @@ struct KernelTable {
   void (*rope)(const RopeParams&);
   void (*silu_and_mul)(const SiluAndMulParams&);
   void (*linear)(const LinearParams&, float* scratch);  // scratch: m * k floats
-  // One of n_parts balanced slices of linear's output rows, no threads of its own: for a
-  // caller already inside a parallel region (the decode executor). scratch: m * k floats.
-  void (*linear_part)(const LinearParams&, float* scratch, int part, int n_parts);
+  // Thread `part` of queue.n_threads() computes its share of linear's output rows, taking row
+  // chunks from the queue (csrc/cpu/row_queue.h; `epoch` distinct from the previous matrix's),
+  // no threads of its own: for a caller already inside a parallel region (the decode
+  // executor). scratch: m * k floats, the thread's own.
+  void (*linear_part)(const LinearParams&, float* scratch, RowQueue& queue, uint32_t epoch, int part);
   void (*kv_append)(const KVAppendParams&);
   void (*paged_attention_decode)(const PagedAttentionParams&);
   void (*paged_attention_prefill)(const PagedAttentionParams&);

@@ -134,7 +134,8 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
   for (int64_t b = 0; b < s.batch; ++b) tokens[b] = int32_t(s.tokens[b]);
   const int64_t n = stop_after < 0 ? int64_t(program_.size()) : std::min<int64_t>(stop_after, program_.size());
   // NOTE: the step runs inside one parallel region per segment (the CPU analogue of the
-  // persistent GPU kernel): every LINEAR is split over the threads, the small ops run on thread
+  // persistent GPU kernel): every LINEAR is split over the threads in row chunks (each thread
+  // its own slice first, then stealing: cpu/row_queue.h), the small ops run on thread
   // 0 (their own parallel loops run serial when nested), and a barrier ends each instruction,
   // which orders every dependency of the schedule. Only attention with enough work for all
   // threads leaves the region, to use the attention kernel's own split (runs_alone).
@@ -150,10 +151,12 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
 #pragma omp parallel num_threads(n_threads)
     {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#pragma omp single
+      if (!row_queue_ || row_queue_->n_threads() != nt) row_queue_ = std::make_unique<cpu::RowQueue>(nt);
       for (int64_t j = i; j < end; ++j) {
         const Instruction& ins = program_[j];
         if (ins.op == Opcode::kLinear) {
-          linear_part(ins, s.batch, t, nt);
+          linear_part(ins, s.batch, epoch_base_ + uint32_t(j), t);
         } else if (t == 0) {
           exec(ins, s);
         }
@@ -162,6 +165,7 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
     }
     i = end;
   }
+  epoch_base_ += uint32_t(program_.size());
 }
 
 // NOTE: attention leaves the region exactly when the kernel would use all threads itself
@@ -179,7 +183,11 @@ void DecodeExecutor::exec(const Instruction& ins, const DecodeStep& s) {
   switch (ins.op) {
     case Opcode::kEmbed: embed(ins, s); break;
     case Opcode::kRmsNorm: rmsnorm(ins, B); break;
-    case Opcode::kLinear: linear_part(ins, B, 0, 1); break;  // outside a region: all rows
+    case Opcode::kLinear: {  // outside a region: the kernel's own threads
+      const LinearParams p = linear_params(ins, B);
+      k.linear(p, scratch_.data());
+      break;
+    }
     case Opcode::kQkNorm: qk_norm(ins, B); break;
     case Opcode::kRope: {
       RopeParams p{qkv, qkv + q_w * elem_, s.positions, inv_freq_.data(), B, d_.n_q_heads,
@@ -234,10 +242,14 @@ void DecodeExecutor::qk_norm(const Instruction& ins, int64_t batch) {
   }
 }
 
-void DecodeExecutor::linear_part(const Instruction& ins, int64_t batch, int part, int n_parts) {
+LinearParams DecodeExecutor::linear_params(const Instruction& ins, int64_t batch) {
   const int64_t n = width(Buffer(ins.out)), kdim = width(Buffer(ins.in));
-  LinearParams p{buf(ins.out), buf(ins.in), ins.w0, ins.w1, batch, n, kdim, kdim, n, d_.dtype};
-  cpu::kernels().linear_part(p, scratch_.data() + part * scratch_stride_, part, n_parts);
+  return LinearParams{buf(ins.out), buf(ins.in), ins.w0, ins.w1, batch, n, kdim, kdim, n, d_.dtype};
+}
+
+void DecodeExecutor::linear_part(const Instruction& ins, int64_t batch, uint32_t epoch, int part) {
+  cpu::kernels().linear_part(linear_params(ins, batch), scratch_.data() + part * scratch_stride_, *row_queue_,
+                             epoch, part);
 }
 
 void DecodeExecutor::attention(const Instruction& ins, const DecodeStep& s) {

@@ -8,10 +8,13 @@
 // The executor does not own weights or the KV cache: the caller keeps them alive and in place.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <vector>
 
 #include "common/dtype.h"
+#include "cpu/row_queue.h"
+#include "ops/linear.h"
 #include "schedule/opcodes.h"
 
 namespace kog::engine {
@@ -86,7 +89,9 @@ class DecodeExecutor {
   void embed(const Instruction& ins, const DecodeStep& s);
   void rmsnorm(const Instruction& ins, int64_t batch);
   void qk_norm(const Instruction& ins, int64_t batch);
-  void linear_part(const Instruction& ins, int64_t batch, int part, int n_parts);
+  // LINEAR as thread `part` of the region's team, rows from row_queue_ (epoch: see run).
+  void linear_part(const Instruction& ins, int64_t batch, uint32_t epoch, int part);
+  LinearParams linear_params(const Instruction& ins, int64_t batch);
   // Instructions that run outside the step's parallel region (long-context attention).
   bool runs_alone(const Instruction& ins) const;
   void attention(const Instruction& ins, const DecodeStep& s);
@@ -105,6 +110,8 @@ class DecodeExecutor {
   std::vector<char> arena_;
   std::vector<float> scratch_;  // linear: [threads, B, max k] f32, one slice per thread
   int64_t scratch_stride_ = 0;  // B * max k
+  std::unique_ptr<cpu::RowQueue> row_queue_;  // sized to the region's team
+  uint32_t epoch_base_ = 0;     // + instruction index = a LINEAR's row-queue epoch
   char* base_[int(Buffer::kNumBuffers)] = {};
   std::mutex mu_;
 };

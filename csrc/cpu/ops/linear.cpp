@@ -8,6 +8,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <type_traits>
 
 #include "cpu/kernels.h"
@@ -212,11 +213,16 @@ void convert_x(const LinearParams& p, float* xf) {
   }
 }
 
-// Part `part` of `n_parts` (contiguous, balanced ranges of output rows).
+// Thread `part` of queue.n_threads(), inside the caller's parallel region: chunks of about
+// kChunkBytes of weight rows from the queue (its own slice first, then stolen ones).
+constexpr int64_t kChunkBytes = 16 << 10;
 template <typename T>
-void linear_part_typed(const LinearParams& p, float* xf, int part, int n_parts) {
+void linear_part_typed(const LinearParams& p, float* xf, RowQueue& queue, uint32_t epoch, int part) {
   convert_x<T>(p, xf);
-  linear_rows<T>(p, xf, p.n * part / n_parts, p.n * (part + 1) / n_parts);
+  const int64_t rows = std::max<int64_t>(1, kChunkBytes / (p.k * int64_t(sizeof(T))));
+  queue.start(epoch, part, (p.n + rows - 1) / rows);
+  for (int64_t c; (c = queue.next(epoch, part)) >= 0;)
+    linear_rows<T>(p, xf, c * rows, std::min(p.n, (c + 1) * rows));
 }
 
 template <typename T>
@@ -237,8 +243,8 @@ void linear(const LinearParams& p, float* scratch) {
 }
 
 // Called by each thread of a parallel region the caller owns; scratch is the thread's own.
-void linear_part(const LinearParams& p, float* scratch, int part, int n_parts) {
-  dispatch_float(p.dtype, [&](auto tag) { linear_part_typed<decltype(tag)>(p, scratch, part, n_parts); });
+void linear_part(const LinearParams& p, float* scratch, RowQueue& queue, uint32_t epoch, int part) {
+  dispatch_float(p.dtype, [&](auto tag) { linear_part_typed<decltype(tag)>(p, scratch, queue, epoch, part); });
 }
 
 }  // namespace kog::cpu::KOG_ISA_NS

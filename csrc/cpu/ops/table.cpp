@@ -10,7 +10,7 @@ void rmsnorm(const RMSNormParams& p);
 void rope(const RopeParams& p);
 void silu_and_mul(const SiluAndMulParams& p);
 void linear(const LinearParams& p, float* scratch);
-void linear_part(const LinearParams& p, float* scratch, int part, int n_parts);
+void linear_part(const LinearParams& p, float* scratch, RowQueue& queue, uint32_t epoch, int part);
 void kv_append(const KVAppendParams& p);
 void paged_attention_decode(const PagedAttentionParams& p);
 void paged_attention_prefill(const PagedAttentionParams& p);
