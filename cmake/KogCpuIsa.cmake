@@ -22,7 +22,10 @@ function(kog_add_cpu_kernels target sources)
     add_library(kog_cpu_${isa} OBJECT ${sources})
     target_include_directories(kog_cpu_${isa} PRIVATE ${PROJECT_SOURCE_DIR}/csrc)
     target_compile_definitions(kog_cpu_${isa} PRIVATE KOG_ISA_NS=${isa})
-    target_compile_options(kog_cpu_${isa} PRIVATE -O3 -fno-math-errno ${KOG_CPU_ISA_FLAGS_${isa}})
+    # -fno-math-errno / -fno-trapping-math: no kernel reads errno or FP exception flags, and
+    # without them GCC keeps FP selects as branches (a trap could differ), so loops over
+    # fast_exp or the bf16 rounding stay scalar. Values are unchanged (no reassociation).
+    target_compile_options(kog_cpu_${isa} PRIVATE -O3 -fno-math-errno -fno-trapping-math ${KOG_CPU_ISA_FLAGS_${isa}})
     target_link_libraries(kog_cpu_${isa} PRIVATE OpenMP::OpenMP_CXX pybind11::headers)
     target_link_libraries(${target} PRIVATE kog_cpu_${isa})
     string(TOUPPER ${isa} up)

@@ -40,13 +40,33 @@ template <>
 inline float from_f32<float>(float v) { return v; }
 template <>
 inline f16_t from_f32<f16_t>(float v) { return f16_t(v); }
-// Round to nearest even; NaN stays a (quiet) NaN.
+// Round to nearest even; NaN stays a (quiet) NaN. Branch-free, so loops over it vectorize.
 template <>
 inline bf16_t from_f32<bf16_t>(float v) {
-  uint32_t u = f32_to_bits(v);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_t((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return bf16_t(u >> 16);
+  const uint32_t u = f32_to_bits(v);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x40u;
+  return bf16_t((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+// exp(x) to ~2 ulp with no libm call (the attention kernels and SiLU; vectorizes in an omp simd loop):
+// exp(x) = 2^n exp(r), n = round(x / ln2), |r| <= ln2/2, exp(r) by its degree-6 Taylor
+// polynomial. Returns 0 below -87 (incl. -inf, the masked scores).
+static inline float fast_exp(float x) {
+  const float xc = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float shifted = xc * 1.44269504f + 12582912.f;  // + 1.5 * 2^23 rounds to an integer
+  const float n = shifted - 12582912.f;
+  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 split in two: exact n * hi
+  float poly = 1.f / 720.f;
+  poly = poly * r + 1.f / 120.f;
+  poly = poly * r + 1.f / 24.f;
+  poly = poly * r + 1.f / 6.f;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.f;
+  poly = poly * r + 1.f;
+  const int32_t ni = int32_t(f32_to_bits(shifted)) - 0x4B400000;  // n as an integer
+  const float two_n = bits_to_f32(uint32_t(ni + 127) << 23);
+  return x < -87.f ? 0.f : poly * two_n;
 }
 
 // Calls fn.template operator()<T>() with T the storage type of dtype.

@@ -13,7 +13,7 @@ void silu_and_mul_row(const SiluAndMulParams& p, int64_t r) {
 #pragma omp simd
   for (int64_t i = 0; i < p.d; ++i) {
     const float g = to_f32(gate[i]);
-    out[i] = from_f32<T>(g / (1.f + __builtin_expf(-g)) * to_f32(up[i]));
+    out[i] = from_f32<T>(g / (1.f + fast_exp(-g)) * to_f32(up[i]));
   }
 }
 

@@ -20,26 +20,6 @@ static inline int64_t partition_tokens(int64_t block_size) {
 // Query rows that share one pass over a K/V chunk in registers.
 constexpr int kMaxRowBlock = 4;
 
-// exp(x) to ~2 ulp with no libm call (fast_exp_v below is the same on a vector):
-// exp(x) = 2^n exp(r), n = round(x / ln2), |r| <= ln2/2, exp(r) by its degree-6 Taylor
-// polynomial. Returns 0 below -87 (incl. -inf, the masked scores).
-static inline float fast_exp(float x) {
-  const float xc = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float shifted = xc * 1.44269504f + 12582912.f;  // + 1.5 * 2^23 rounds to an integer
-  const float n = shifted - 12582912.f;
-  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 split in two: exact n * hi
-  float poly = 1.f / 720.f;
-  poly = poly * r + 1.f / 120.f;
-  poly = poly * r + 1.f / 24.f;
-  poly = poly * r + 1.f / 6.f;
-  poly = poly * r + 0.5f;
-  poly = poly * r + 1.f;
-  poly = poly * r + 1.f;
-  const int32_t ni = int32_t(f32_to_bits(shifted)) - 0x4B400000;  // n as an integer
-  const float two_n = bits_to_f32(uint32_t(ni + 127) << 23);
-  return x < -87.f ? 0.f : poly * two_n;
-}
-
 static inline float max_f(float a, float b) { return a > b ? a : b; }
 static inline int64_t min_i(int64_t a, int64_t b) { return a < b ? a : b; }
 
