@@ -4,8 +4,10 @@
 #include <omp.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <thread>
 #include <vector>
 
 #include "common/errors.h"
@@ -39,15 +41,21 @@ void linear(uintptr_t out, uintptr_t x, uintptr_t weight, uintptr_t bias, int64_
 }
 
 // Test hook for cpu::RowQueue: n_threads threads split n_chunks chunks for each of n_epochs
-// epochs (no barrier between epochs' starts beyond the one the executor has: one per epoch);
-// thread `slow` spins `slow_us` per chunk so the others steal. Returns, per epoch, the thread
-// that took each chunk (-1: nobody) and how many times each chunk was taken.
+// epochs (a barrier between epochs, as in the executor). Thread `slow` (if >= 0), after its
+// first chunk of an epoch, holds until the others have taken more chunks than their own slices
+// hold, i.e. stolen from it (or 10 s passed); the others start only once it holds. So stealing
+// is forced whatever the OS scheduling.
+// Returns, per epoch, the thread that took each chunk (-1: nobody) and how many times each
+// chunk was taken.
 std::pair<std::vector<std::vector<int>>, std::vector<std::vector<int>>> row_queue_claims(
-    int n_threads, int64_t n_chunks, int n_epochs, int slow, double slow_us) {
-  KOG_CHECK(n_threads >= 1 && n_chunks >= 0 && n_epochs >= 1, "row_queue_claims: bad arguments");
+    int n_threads, int64_t n_chunks, int n_epochs, int slow) {
+  KOG_CHECK(n_threads >= 1 && n_chunks >= 0 && n_epochs >= 1 && slow < n_threads, "row_queue_claims: bad arguments");
   kog::cpu::RowQueue q(n_threads);
   std::vector<std::vector<int>> owner(size_t(n_epochs), std::vector<int>(size_t(n_chunks), -1));
   std::vector<std::vector<int>> count(size_t(n_epochs), std::vector<int>(size_t(n_chunks), 0));
+  std::vector<std::atomic<int64_t>> by_others(static_cast<size_t>(n_epochs));
+  std::vector<std::atomic<bool>> holding(static_cast<size_t>(n_epochs));
+  const int64_t others_own = n_chunks - (n_chunks * (slow + 1) / n_threads - n_chunks * slow / n_threads);
   int team = 0;
 #pragma omp parallel num_threads(n_threads)
   {
@@ -57,15 +65,21 @@ std::pair<std::vector<std::vector<int>>, std::vector<std::vector<int>>> row_queu
     if (team == n_threads)
       for (int e = 0; e < n_epochs; ++e) {
         q.start(uint32_t(e), t, n_chunks);
+        if (slow >= 0 && t != slow && n_chunks > 0)
+          while (!holding[size_t(e)].load()) std::this_thread::yield();
+        bool first = true;
         for (int64_t c; (c = q.next(uint32_t(e), t)) >= 0;) {
 #pragma omp atomic
           count[size_t(e)][size_t(c)] += 1;
           owner[size_t(e)][size_t(c)] = t;
-          if (t == slow) {
-            const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double, std::micro>(slow_us);
-            while (std::chrono::steady_clock::now() < until) {
-            }
+          if (t != slow) by_others[size_t(e)].fetch_add(1);
+          if (t == slow && first) {
+            holding[size_t(e)].store(true);
+            const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+            while (by_others[size_t(e)].load() <= others_own && std::chrono::steady_clock::now() < deadline)
+              std::this_thread::yield();
           }
+          first = false;
         }
 #pragma omp barrier
       }
@@ -82,7 +96,7 @@ void bind_linear(py::module_& m) {
         arg("k"), arg("x_stride"), arg("out_stride"), arg("dtype"), arg("device"), arg("stream") = 0,
         py::call_guard<py::gil_scoped_release>());
   m.def("_row_queue_claims", &row_queue_claims, arg("n_threads"), arg("n_chunks"), arg("n_epochs"),
-        arg("slow") = -1, arg("slow_us") = 0.0, py::call_guard<py::gil_scoped_release>());
+        arg("slow") = -1, py::call_guard<py::gil_scoped_release>());
   m.def(
       "sample_gpu",
       [](uintptr_t logits, int64_t n_rows, int64_t vocab, uintptr_t rows, uint64_t counter, uintptr_t out,

@@ -18,8 +18,9 @@ def test_every_chunk_is_taken_exactly_once(n_threads, n_chunks):
 
 @pytest.mark.parametrize("n_threads", [2, 3])
 def test_an_idle_thread_steals_the_tail_of_a_slow_threads_slice(n_threads):
+    # The hook holds thread 0 after its first chunk until the others have stolen from it.
     n_chunks = 60
-    owners, counts = _C._row_queue_claims(n_threads, n_chunks, 3, slow=0, slow_us=2000.0)
+    owners, counts = _C._row_queue_claims(n_threads, n_chunks, 3, slow=0)
     lo, hi = 0, n_chunks // n_threads  # thread 0's own slice
     for owner, count in zip(owners, counts):
         assert count == [1] * n_chunks
@@ -27,6 +28,4 @@ def test_an_idle_thread_steals_the_tail_of_a_slow_threads_slice(n_threads):
         # The slow thread took a prefix of its slice, the others its tail.
         assert mine == list(range(lo, lo + len(mine)))
         assert len(mine) < hi - lo
-        # Other slices were never taken by the slow thread beyond its own.
-        assert all(owner[c] != 0 for c in range(hi, n_chunks))
 

@@ -22,8 +22,7 @@ void silu_and_mul_row(const SiluAndMulParams& p, int64_t r) {
 void silu_and_mul(const SiluAndMulParams& p) {
   dispatch_float(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-#pragma omp parallel for schedule(static) if (p.n_rows * p.d >= kParallelMinElems)
-    for (int64_t r = 0; r < p.n_rows; ++r) silu_and_mul_row<T>(p, r);
+    for_each_row(p.n_rows, p.n_rows * p.d >= kParallelMinElems, [&](int64_t r) { silu_and_mul_row<T>(p, r); });
   });
 }
 

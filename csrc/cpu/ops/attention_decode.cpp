@@ -46,7 +46,7 @@ void split_context(const PagedAttentionParams& p, const int64_t* seqs, int64_t n
     const int64_t s = seqs[x];
     work += int64_t(p.seq_lens[s]) * (qsl ? qsl[s + 1] - qsl[s] : 1) * Hq * D;
   }
-  const int nthreads = work >= kCpuAttentionParallelMinWork ? omp_get_max_threads() : 1;
+  const int nthreads = work >= kCpuAttentionParallelMinWork && !omp_in_parallel() ? omp_get_max_threads() : 1;
   const int64_t part_tokens = balanced_partition_tokens(p, seqs, n_sel, nthreads);
   // Work list and partial slots: selected sequence x has n_parts partitions (items
   // first_item[x] ..); if more than one, the partials of its row i in partition k are
@@ -76,67 +76,80 @@ void split_context(const PagedAttentionParams& p, const int64_t* seqs, int64_t n
   const T* q_base = static_cast<const T*>(p.q);
   T* out_base = static_cast<T*>(p.out);
 
+  // Work item w = (item, KV head): its query rows attend to the item's partition, written
+  // out directly or as partials for the merge.
+  auto attend_item = [&](int64_t w, Rows& r) {
+    const int64_t item = w / Hkv, kvh = w % Hkv, x = item_sel.p[item], s = seqs[x];
+    const int64_t part = item - first_item.p[x], len = p.seq_lens[s];
+    const int64_t q_start = qsl ? qsl[s] : s, q_len = qsl ? qsl[s + 1] - q_start : 1;
+    const int64_t k_begin = part * part_tokens;
+    const int64_t k_end = min_i(len, k_begin + part_tokens);
+    r.n = q_len * G;
+    for (int64_t i = 0; i < q_len; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        load_row(r, i * G + g, q_base + (q_start + i) * p.q_stride + (kvh * G + g) * D, p.scale, D);
+        r.limit[i * G + g] = len - q_len + i;
+      }
+    attend<T>(p, p.block_tables + s * p.block_tables_stride, kvh, k_begin, k_end, r);
+    for (int64_t i = 0; i < q_len; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t row = i * G + g, h = kvh * G + g;
+        if (part_base.p[x] < 0) {
+          store_row(r, row, out_base + (q_start + i) * p.out_stride + h * D, D);
+          continue;
+        }
+        // A partition past a row's position leaves l = 0, m = -inf: weight 0 in the merge.
+        float* dst = partials.p + ((part_base.p[x] + part * q_len + i) * Hq + h) * stride;
+        __builtin_memcpy(dst, r.acc + row * D, D * sizeof(float));
+        dst[D] = r.m[row];
+        dst[D + 1] = r.l[row];
+      }
+  };
+  // Merge of (sequence, head) w: out = sum_k e^(m_k - M) acc_k / sum_k e^(m_k - M) l_k,
+  // M = max_k m_k. acc: D floats of scratch.
+  auto merge_head = [&](int64_t w, float* acc) {
+    const int64_t x = w / Hq, h = w % Hq, s = seqs[x];
+    if (part_base.p[x] < 0) return;
+    const int64_t q_start = qsl ? qsl[s] : s, q_len = qsl ? qsl[s + 1] - q_start : 1;
+    const int64_t n_parts = first_item.p[x + 1] - first_item.p[x];
+    const int64_t part_step = q_len * Hq * stride;
+    for (int64_t i = 0; i < q_len; ++i) {
+      const float* part0 = partials.p + ((part_base.p[x] + i) * Hq + h) * stride;
+      float m_all = -__builtin_inff();
+      for (int64_t k = 0; k < n_parts; ++k) m_all = max_f(m_all, part0[k * part_step + D]);
+      for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
+      float l_all = 0.f;
+      for (int64_t k = 0; k < n_parts; ++k) {
+        const float* src = part0 + k * part_step;
+        const float wgt = fast_exp(src[D] - m_all);
+        l_all += wgt * src[D + 1];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[d] += wgt * src[d];
+      }
+      const float inv_l = 1.f / l_all;
+      T* o = out_base + (q_start + i) * p.out_stride + h * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] = from_f32<T>(acc[d] * inv_l);
+    }
+  };
+  // One thread: no region at all. The decode executor calls this from one thread of its own
+  // region, where even a nested region of one thread costs ~1.2 us (libgomp).
+  if (nthreads == 1) {
+    Rows r;
+    bind_rows(r, scratch.p, max_rows, D, limits.p);
+    for (int64_t w = 0; w < n_items * Hkv; ++w) attend_item(w, r);
+    for (int64_t w = 0; w < n_sel * Hq; ++w) merge_head(w, r.acc);  // row 0 is free now
+    return;
+  }
 #pragma omp parallel num_threads(nthreads)
   {
     Rows r;
     const int tid = omp_get_thread_num();
     bind_rows(r, scratch.p + tid * per_thread, max_rows, D, limits.p + tid * max_rows);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < n_items * Hkv; ++w) {
-      const int64_t item = w / Hkv, kvh = w % Hkv, x = item_sel.p[item], s = seqs[x];
-      const int64_t part = item - first_item.p[x], len = p.seq_lens[s];
-      const int64_t q_start = qsl ? qsl[s] : s, q_len = qsl ? qsl[s + 1] - q_start : 1;
-      const int64_t k_begin = part * part_tokens;
-      const int64_t k_end = min_i(len, k_begin + part_tokens);
-      r.n = q_len * G;
-      for (int64_t i = 0; i < q_len; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          load_row(r, i * G + g, q_base + (q_start + i) * p.q_stride + (kvh * G + g) * D, p.scale, D);
-          r.limit[i * G + g] = len - q_len + i;
-        }
-      attend<T>(p, p.block_tables + s * p.block_tables_stride, kvh, k_begin, k_end, r);
-      for (int64_t i = 0; i < q_len; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t row = i * G + g, h = kvh * G + g;
-          if (part_base.p[x] < 0) {
-            store_row(r, row, out_base + (q_start + i) * p.out_stride + h * D, D);
-            continue;
-          }
-          // A partition past a row's position leaves l = 0, m = -inf: weight 0 in the merge.
-          float* dst = partials.p + ((part_base.p[x] + part * q_len + i) * Hq + h) * stride;
-          __builtin_memcpy(dst, r.acc + row * D, D * sizeof(float));
-          dst[D] = r.m[row];
-          dst[D + 1] = r.l[row];
-        }
-    }
-    // Merge: out = sum_k e^(m_k - M) acc_k / sum_k e^(m_k - M) l_k, M = max_k m_k.
+    for (int64_t w = 0; w < n_items * Hkv; ++w) attend_item(w, r);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < n_sel * Hq; ++w) {
-      const int64_t x = w / Hq, h = w % Hq, s = seqs[x];
-      if (part_base.p[x] < 0) continue;
-      const int64_t q_start = qsl ? qsl[s] : s, q_len = qsl ? qsl[s + 1] - q_start : 1;
-      const int64_t n_parts = first_item.p[x + 1] - first_item.p[x];
-      const int64_t part_step = q_len * Hq * stride;
-      float* acc = r.acc;  // this thread's row 0 is free now
-      for (int64_t i = 0; i < q_len; ++i) {
-        const float* part0 = partials.p + ((part_base.p[x] + i) * Hq + h) * stride;
-        float m_all = -__builtin_inff();
-        for (int64_t k = 0; k < n_parts; ++k) m_all = max_f(m_all, part0[k * part_step + D]);
-        for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
-        float l_all = 0.f;
-        for (int64_t k = 0; k < n_parts; ++k) {
-          const float* src = part0 + k * part_step;
-          const float wgt = fast_exp(src[D] - m_all);
-          l_all += wgt * src[D + 1];
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) acc[d] += wgt * src[d];
-        }
-        const float inv_l = 1.f / l_all;
-        T* o = out_base + (q_start + i) * p.out_stride + h * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] = from_f32<T>(acc[d] * inv_l);
-      }
-    }
+    for (int64_t w = 0; w < n_sel * Hq; ++w) merge_head(w, r.acc);  // this thread's row 0 is free now
   }
 }
 

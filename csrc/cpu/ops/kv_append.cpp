@@ -27,8 +27,8 @@ void append_token(const KVAppendParams& p, int64_t t) {
 void kv_append(const KVAppendParams& p) {
   dispatch_float(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-#pragma omp parallel for schedule(static) if (p.n_tokens * p.n_kv_heads * p.head_dim >= 4 * kParallelMinElems)
-    for (int64_t t = 0; t < p.n_tokens; ++t) append_token<T>(p, t);
+    for_each_row(p.n_tokens, p.n_tokens * p.n_kv_heads * p.head_dim >= 4 * kParallelMinElems,
+                 [&](int64_t t) { append_token<T>(p, t); });
   });
 }
 

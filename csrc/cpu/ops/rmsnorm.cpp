@@ -40,8 +40,7 @@ void rmsnorm_row(const RMSNormParams& p, int64_t r) {
 void rmsnorm(const RMSNormParams& p) {
   dispatch_float(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-#pragma omp parallel for schedule(static) if (p.n_rows * p.hidden >= kParallelMinElems)
-    for (int64_t r = 0; r < p.n_rows; ++r) rmsnorm_row<T>(p, r);
+    for_each_row(p.n_rows, p.n_rows * p.hidden >= kParallelMinElems, [&](int64_t r) { rmsnorm_row<T>(p, r); });
   });
 }
 

@@ -55,8 +55,7 @@ void rope(const RopeParams& p) {
   dispatch_float(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     const int64_t work = p.n_tokens * (p.n_q_heads + p.n_kv_heads) * p.rotary_dim;
-#pragma omp parallel for schedule(static) if (work >= kParallelMinElems)
-    for (int64_t t = 0; t < p.n_tokens; ++t) rope_token<T>(p, t);
+    for_each_row(p.n_tokens, work >= kParallelMinElems, [&](int64_t t) { rope_token<T>(p, t); });
   });
 }
 
