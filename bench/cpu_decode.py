@@ -168,5 +168,6 @@ def main() -> None:
               f"{best(kog_bf16[3]) / best(lcpp[0]):.2f}x), {100 * adj(lcpp[0], f16_bytes):.0f}% of adjacent triads; "
               f"prefill 512 {lcpp[1]:.2f}s (llama.cpp / kog bf16 = {lcpp[1] / kog_bf16[4]:.2f}x)")
 
+
 if __name__ == "__main__":
     main()

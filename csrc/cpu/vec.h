@@ -1,6 +1,6 @@
 // ISA-local helpers for CPU kernel sources (csrc/cpu/ops/*.cpp, compiled once per ISA).
 // Everything here lives in kog::cpu::KOG_ISA_NS so no inline function is shared between ISA
-// builds (see cmake/KogCpuIsa.cmake); only compiler builtins are called.
+// builds (see cmake/KogCpuIsa.cmake); only compiler builtins and the OpenMP runtime are called.
 #pragma once
 #include <omp.h>
 
@@ -51,21 +51,30 @@ inline bf16_t from_f32<bf16_t>(float v) {
   return bf16_t((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
-// exp(x) to ~2 ulp with no libm call (the attention kernels and SiLU; vectorizes in an omp simd loop):
 // exp(x) = 2^n exp(r), n = round(x / ln2), |r| <= ln2/2, exp(r) by its degree-6 Taylor
-// polynomial. Returns 0 below -87 (incl. -inf, the masked scores).
-static inline float fast_exp(float x) {
-  const float xc = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float shifted = xc * 1.44269504f + 12582912.f;  // + 1.5 * 2^23 rounds to an integer
-  const float n = shifted - 12582912.f;
-  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 split in two: exact n * hi
-  float poly = 1.f / 720.f;
+// polynomial. The shared core of fast_exp and the attention kernels' fast_exp_v, on a float or a
+// GCC vector of floats V: xc is x clamped to [-87, 88]; returns exp(r) and sets `shifted`, whose
+// low mantissa bits hold n (n as an integer = bits(shifted) - 0x4B400000).
+template <typename V>
+static inline V exp_reduced(V xc, V& shifted) {
+  shifted = xc * 1.44269504f + 12582912.f;  // + 1.5 * 2^23 rounds to an integer
+  const V n = shifted - 12582912.f;
+  const V r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 split in two: exact n * hi
+  V poly = V{} + 1.f / 720.f;
   poly = poly * r + 1.f / 120.f;
   poly = poly * r + 1.f / 24.f;
   poly = poly * r + 1.f / 6.f;
   poly = poly * r + 0.5f;
   poly = poly * r + 1.f;
   poly = poly * r + 1.f;
+  return poly;
+}
+
+// exp(x) to ~2 ulp with no libm call (SiLU, the attention merge); vectorizes in an omp simd
+// loop. Returns 0 below -87 (incl. -inf, the masked scores).
+static inline float fast_exp(float x) {
+  float shifted;
+  const float poly = exp_reduced(x < -87.f ? -87.f : (x > 88.f ? 88.f : x), shifted);
   const int32_t ni = int32_t(f32_to_bits(shifted)) - 0x4B400000;  // n as an integer
   const float two_n = bits_to_f32(uint32_t(ni + 127) << 23);
   return x < -87.f ? 0.f : poly * two_n;

@@ -136,7 +136,7 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
   // NOTE: the step runs inside one parallel region per segment (the CPU analogue of the
   // persistent GPU kernel): every LINEAR is split over the threads in row chunks (each thread
   // its own slice first, then stealing: cpu/row_queue.h), the small ops run on thread
-  // 0 (their own parallel loops run serial when nested), and a barrier ends each instruction,
+  // 0 (as plain loops: for_each_row opens no nested region), and a barrier ends each instruction,
   // which orders every dependency of the schedule. Only attention with enough work for all
   // threads leaves the region, to use the attention kernel's own split (runs_alone).
   const int n_threads = omp_get_max_threads();

@@ -162,21 +162,13 @@ static inline void pv_rows(float* acc, const float* p, const float* alpha, const
 
 typedef int32_t vint __attribute__((vector_size(kVec * sizeof(int32_t))));
 
-// fast_exp on a whole vector (the vectorizer does not see through the scalar one's bit casts).
+// fast_exp on a whole vector (the attention kernels hold scores in vfloat registers).
 static inline vfloat fast_exp_v(vfloat x) {
-  const vfloat lo = vfloat{} - 87.f, hi = vfloat{} + 88.f, magic = vfloat{} + 12582912.f;
+  const vfloat lo = vfloat{} - 87.f, hi = vfloat{} + 88.f;
   vfloat xc = x < lo ? lo : x;
   xc = xc > hi ? hi : xc;
-  const vfloat shifted = xc * 1.44269504f + magic;
-  const vfloat n = shifted - magic;
-  const vfloat r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-  vfloat poly = vfloat{} + 1.f / 720.f;
-  poly = poly * r + 1.f / 120.f;
-  poly = poly * r + 1.f / 24.f;
-  poly = poly * r + 1.f / 6.f;
-  poly = poly * r + 0.5f;
-  poly = poly * r + 1.f;
-  poly = poly * r + 1.f;
+  vfloat shifted;
+  const vfloat poly = exp_reduced(xc, shifted);
   vint bits;
   __builtin_memcpy(&bits, &shifted, sizeof bits);
   bits = (bits - 0x4B400000 + 127) << 23;
