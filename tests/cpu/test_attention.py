@@ -15,8 +15,11 @@ TOL = {
     torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
     torch.float16: dict(rtol=2e-3, atol=2e-3),
 }
-# (n_q_heads, n_kv_heads, head_dim, block_size): GQA ratios 1, 3 and 8.
-CONFIGS = [(4, 4, 64, 16), (6, 2, 128, 16), (16, 2, 64, 32), (8, 1, 128, 32), (3, 1, 64, 16)]
+# (n_q_heads, n_kv_heads, head_dim, block_size): GQA ratios 1, 2, 3, 4 and 8 (decode reads K/V
+# straight from the cache for up to 4 query heads per KV head, in register blocks of 1-4 rows);
+# block size 5 leaves odd key chunks, head_dim 80 a column tail.
+CONFIGS = [(4, 4, 64, 16), (6, 2, 128, 16), (16, 2, 64, 32), (8, 1, 128, 32), (3, 1, 64, 16),
+           (8, 4, 64, 16), (8, 2, 80, 5)]
 
 
 def make_cache(gen, seq_lens, n_kv_heads, head_dim, block_size, dtype, spare_blocks=7):

@@ -2,6 +2,10 @@
 // a block of query rows that read one KV head attends to a range of cached keys with online
 // softmax in fp32. Included only by per-ISA kernel sources: everything is ISA-local.
 #pragma once
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
 #include "cpu/kernels.h"
 #include "cpu/vec.h"
 
@@ -86,6 +90,9 @@ static inline const float* as_f32(const T* src, int64_t n, float* buf) {
 
 // Register-blocked micro-kernels on GCC vector types: one source, the vector width of each ISA
 // build (4 lanes generic SSE2, 8 AVX2, 16 AVX-512). Blocks are sized to fit 16 registers.
+// K and V are read either straight from the cache (S = the cache type, widened in registers:
+// decode, where each K/V row meets at most kMaxRowBlock query rows) or from an fp32 copy of the
+// chunk (S = float: prefill, where many row blocks re-read it).
 #if defined(__AVX512F__)
 constexpr int kVec = 16;
 #elif defined(__AVX2__)
@@ -101,64 +108,177 @@ static inline vfloat load_v(const float* p) {
   __builtin_memcpy(&v, p, sizeof v);
   return v;
 }
+// bf16 is the top half of an fp32: zero-extend to 32 bits and shift.
+static inline vfloat load_v(const bf16_t* p) {
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#elif defined(__AVX2__)
+  return (vfloat)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#else
+  typedef uint16_t vu16 __attribute__((vector_size(kVec * sizeof(uint16_t))));
+  typedef uint32_t vu32 __attribute__((vector_size(kVec * sizeof(uint32_t))));
+  vu16 h;
+  __builtin_memcpy(&h, p, sizeof h);
+  const vu32 w = __builtin_convertvector(h, vu32) << 16;
+  vfloat v;
+  __builtin_memcpy(&v, &w, sizeof v);
+  return v;
+#endif
+}
+static inline vfloat load_v(const f16_t* p) {
+  typedef f16_t vf16 __attribute__((vector_size(kVec * sizeof(f16_t))));
+  vf16 h;
+  __builtin_memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, vfloat);
+}
 static inline void store_v(float* p, vfloat v) { __builtin_memcpy(p, &v, sizeof v); }
+// Sum / max of the lanes of v (halving shuffles on AVX2 and AVX-512).
 static inline float hsum(vfloat v) {
+#if defined(__AVX2__)
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+#endif
+#else
   float s = 0.f;
   for (int l = 0; l < kVec; ++l) s += v[l];
   return s;
+#endif
+}
+static inline float hmax(vfloat v) {
+#if defined(__AVX2__)
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps((__m512)v);
+#else
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+#endif
+#else
+  float m = v[0];
+  for (int l = 1; l < kVec; ++l) m = v[l] > m ? v[l] : m;
+  return m;
+#endif
+}
+// out[j] = hsum(v[j]) for four vectors at once (three horizontal adds instead of four
+// lane-by-lane reductions).
+static inline void hsum4(const vfloat* v, float* out) {
+#if defined(__AVX2__)
+  __m256 h[4];
+  for (int j = 0; j < 4; ++j) {
+#if defined(__AVX512F__)
+    const __m512 x = (__m512)v[j];
+    h[j] = _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+#else
+    h[j] = (__m256)v[j];
+#endif
+  }
+  // [v0 01, v0 23, v1 01, v1 23 | v0 45, ...], then [v0 0-3, v1 0-3, v2 0-3, v3 0-3 | 4-7 of each].
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+#else
+  for (int j = 0; j < 4; ++j) out[j] = hsum(v[j]);
+#endif
 }
 
 // s[i][j] = q_i . k_j for RB query rows and KB keys (both with row stride D); s row stride kKeyChunk.
-template <int RB, int KB>
-static inline void score_block(const float* q, const float* k, int64_t D, float* s) {
+// RB x KB accumulators + one K vector stay in registers (q is a memory operand).
+template <int RB, int KB, typename S>
+static inline void score_block(const float* q, const S* k, int64_t D, float* s) {
   vfloat acc[RB][KB];
   for (int i = 0; i < RB; ++i)
     for (int j = 0; j < KB; ++j) acc[i][j] = vfloat{};
   for (int64_t d = 0; d < D; d += kVec) {
-    vfloat kv[KB];
-    for (int j = 0; j < KB; ++j) kv[j] = load_v(k + j * D + d);
-    for (int i = 0; i < RB; ++i) {
-      const vfloat qv = load_v(q + i * D + d);
-      for (int j = 0; j < KB; ++j) acc[i][j] += qv * kv[j];
+    for (int j = 0; j < KB; ++j) {
+      const vfloat kv = load_v(k + j * D + d);
+      for (int i = 0; i < RB; ++i) acc[i][j] += load_v(q + i * D + d) * kv;
     }
   }
-  for (int i = 0; i < RB; ++i)
-    for (int j = 0; j < KB; ++j) s[i * kKeyChunk + j] = hsum(acc[i][j]);
+  for (int i = 0; i < RB; ++i) {
+    if constexpr (KB == 4) {
+      hsum4(acc[i], s + i * kKeyChunk);
+    } else {
+      for (int j = 0; j < KB; ++j) s[i * kKeyChunk + j] = hsum(acc[i][j]);
+    }
+  }
 }
 
-template <int RB>
-static inline void score_rows(const float* q, const float* k, int64_t n, int64_t D, float* s) {
+template <int RB, typename S>
+static inline void score_rows(const float* q, const S* k, int64_t n, int64_t D, float* s) {
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) score_block<RB, 4>(q, k + j * D, D, s + j);
   for (; j < n; ++j) score_block<RB, 1>(q, k + j * D, D, s + j);
 }
 
-// acc_i = alpha_i acc_i + sum_j p_ij v_j on DV vectors of columns from d0, for RB rows.
-template <int RB, int DV>
-static inline void pv_block(float* acc, const float* p, const float* alpha, const float* v,
-                            int64_t n, int64_t D, int64_t d0) {
-  vfloat a[RB][DV];
-  for (int i = 0; i < RB; ++i)
-    for (int c = 0; c < DV; ++c) a[i][c] = load_v(acc + i * D + d0 + c * kVec) * alpha[i];
-  for (int64_t j = 0; j < n; ++j) {
-    vfloat vv[DV];
-    for (int c = 0; c < DV; ++c) vv[c] = load_v(v + j * D + d0 + c * kVec);
-    for (int i = 0; i < RB; ++i) {
-      const float w = p[i * kKeyChunk + j];
-      for (int c = 0; c < DV; ++c) a[i][c] += w * vv[c];
-    }
-  }
-  for (int i = 0; i < RB; ++i)
-    for (int c = 0; c < DV; ++c) store_v(acc + i * D + d0 + c * kVec, a[i][c]);
+// Scores of rb <= kMaxRowBlock rows in register blocks of at most 3 rows (3 x 4 accumulators).
+template <typename S>
+static inline void score_any(const float* q, const S* k, int64_t n, int64_t D, float* s, int64_t rb) {
+  int64_t i = 0;
+  for (; i + 3 <= rb; i += 3) score_rows<3>(q + i * D, k, n, D, s + i * kKeyChunk);
+  if (rb - i == 2) score_rows<2>(q + i * D, k, n, D, s + i * kKeyChunk);
+  if (rb - i == 1) score_rows<1>(q + i * D, k, n, D, s + i * kKeyChunk);
 }
 
-template <int RB>
-static inline void pv_rows(float* acc, const float* p, const float* alpha, const float* v,
+// acc_i = alpha_i acc_i + sum_j p_ij v_j on DV vectors of columns from d0, for RB rows. With
+// U = 2, even and odd keys go to separate accumulators: twice the independent FMA chains, so
+// few rows wait on FMA throughput rather than latency (2 x RB x DV + 2 x DV registers).
+template <int RB, int DV, int U, typename S>
+static inline void pv_block(float* acc, const float* p, const float* alpha, const S* v,
+                            int64_t n, int64_t D, int64_t d0) {
+  vfloat a[U][RB][DV];
+  for (int i = 0; i < RB; ++i)
+    for (int c = 0; c < DV; ++c) {
+      a[0][i][c] = load_v(acc + i * D + d0 + c * kVec) * alpha[i];
+      for (int u = 1; u < U; ++u) a[u][i][c] = vfloat{};
+    }
+  int64_t j = 0;
+  for (; j + U <= n; j += U) {
+    vfloat vv[U][DV];
+    for (int u = 0; u < U; ++u)
+      for (int c = 0; c < DV; ++c) vv[u][c] = load_v(v + (j + u) * D + d0 + c * kVec);
+    for (int i = 0; i < RB; ++i)
+      for (int u = 0; u < U; ++u) {
+        const float w = p[i * kKeyChunk + j + u];
+        for (int c = 0; c < DV; ++c) a[u][i][c] += w * vv[u][c];
+      }
+  }
+  for (; j < n; ++j)
+    for (int c = 0; c < DV; ++c) {
+      const vfloat vv = load_v(v + j * D + d0 + c * kVec);
+      for (int i = 0; i < RB; ++i) a[0][i][c] += p[i * kKeyChunk + j] * vv;
+    }
+  for (int i = 0; i < RB; ++i)
+    for (int c = 0; c < DV; ++c) {
+      vfloat sum = a[0][i][c];
+      for (int u = 1; u < U; ++u) sum += a[u][i][c];
+      store_v(acc + i * D + d0 + c * kVec, sum);
+    }
+}
+
+template <int RB, typename S>
+static inline void pv_rows(float* acc, const float* p, const float* alpha, const S* v,
                            int64_t n, int64_t D) {
   int64_t d0 = 0;
-  for (; d0 + 2 * kVec <= D; d0 += 2 * kVec) pv_block<RB, 2>(acc, p, alpha, v, n, D, d0);
-  if (d0 < D) pv_block<RB, 1>(acc, p, alpha, v, n, D, d0);
+  constexpr int U = RB <= 3 ? 2 : 1;  // 4 rows already give 8 chains; two sets would spill
+  for (; d0 + 2 * kVec <= D; d0 += 2 * kVec) pv_block<RB, 2, U>(acc, p, alpha, v, n, D, d0);
+  if (d0 < D) pv_block<RB, 1, U>(acc, p, alpha, v, n, D, d0);
 }
+
+// P.V of rb <= kMaxRowBlock rows in one register block (each V row is read once per block).
+template <typename S>
+static inline void pv_any(float* acc, const float* p, const float* alpha, const S* v, int64_t n,
+                          int64_t D, int64_t rb) {
+  switch (rb) {
+    case 4: pv_rows<4>(acc, p, alpha, v, n, D); break;
+    case 3: pv_rows<3>(acc, p, alpha, v, n, D); break;
+    case 2: pv_rows<2>(acc, p, alpha, v, n, D); break;
+    default: pv_rows<1>(acc, p, alpha, v, n, D); break;
+  }
+}
+static_assert(kMaxRowBlock == 4, "pv_any dispatches 1..4 rows");
 
 typedef int32_t vint __attribute__((vector_size(kVec * sizeof(int32_t))));
 
@@ -194,9 +314,7 @@ static inline float softmax_step(Rows& r, int64_t i, int64_t t0, int64_t n) {
     const vfloat x = load_v(s + j);
     vmax = x > vmax ? x : vmax;
   }
-  float mx = vmax[0];
-  for (int l = 1; l < kVec; ++l) mx = max_f(mx, vmax[l]);
-  const float m_new = max_f(r.m[i], mx);
+  const float m_new = max_f(r.m[i], hmax(vmax));
   const float alpha = fast_exp(r.m[i] - m_new);  // 0 for the first keys (m = -inf)
   vfloat vsum = vfloat{};
   for (int64_t j = 0; j < padded; j += kVec) {
@@ -207,6 +325,21 @@ static inline float softmax_step(Rows& r, int64_t i, int64_t t0, int64_t n) {
   r.l[i] = r.l[i] * alpha + hsum(vsum);
   r.m[i] = m_new;
   return alpha;
+}
+
+// Rows r take the n keys from position t0 (K and V rows of stride D) in row blocks of
+// kMaxRowBlock: scores, online softmax, then P.V into acc.
+template <typename S>
+static inline void attend_chunk(Rows& r, const S* k, const S* v, int64_t t0, int64_t n, int64_t D, float* alpha) {
+  for (int64_t i0 = 0; i0 < r.n; i0 += kMaxRowBlock) {
+    const int64_t rb = min_i(kMaxRowBlock, r.n - i0);
+    // NOTE: limits never decrease along the rows (token-major rows), so the last is the max.
+    if (r.limit[i0 + rb - 1] < t0) continue;  // none of these rows sees a key
+    float* s = r.s + i0 * kKeyChunk;
+    score_any(r.q + i0 * D, k, n, D, s, rb);
+    for (int64_t i = 0; i < rb; ++i) alpha[i] = softmax_step(r, i0 + i, t0, n);
+    pv_any(r.acc + i0 * D, s, alpha, v, n, D, rb);
+  }
 }
 
 // Rows r attend to cached keys [k_begin, k_end) of the sequence whose block table row is
@@ -235,24 +368,12 @@ void attend(const PagedAttentionParams& p, const int32_t* block_row, int64_t kv_
         __builtin_prefetch(v1 + b);
       }
     }
-    const float* kf = as_f32(k, n * D, r.kbuf);
-    const float* vf = as_f32(v, n * D, r.vbuf);
-    for (int64_t i0 = 0; i0 < r.n; i0 += kMaxRowBlock) {
-      const int64_t rb = min_i(kMaxRowBlock, r.n - i0);
-      // NOTE: limits never decrease along the rows (token-major rows), so the last is the max.
-      if (r.limit[i0 + rb - 1] < t0) continue;  // none of these rows sees a key
-      const float* q = r.q + i0 * D;
-      float* s = r.s + i0 * kKeyChunk;
-      float* acc = r.acc + i0 * D;
-      int64_t i = 0;
-      for (; i + 2 <= rb; i += 2) score_rows<2>(q + i * D, kf, n, D, s + i * kKeyChunk);
-      if (i < rb) score_rows<1>(q + i * D, kf, n, D, s + i * kKeyChunk);
-      for (i = 0; i < rb; ++i) alpha[i] = softmax_step(r, i0 + i, t0, n);
-      if (rb == kMaxRowBlock) {
-        pv_rows<kMaxRowBlock>(acc, s, alpha, vf, n, D);
-      } else {
-        for (i = 0; i < rb; ++i) pv_rows<1>(acc + i * D, s + i * kKeyChunk, alpha + i, vf, n, D);
-      }
+    // Few rows (decode): K/V straight from the cache, widened in registers (AVX2 and up; the
+    // SSE2 build has no cheap widening). Many: one fp32 copy for all row blocks.
+    if (kVec >= 8 && r.n <= kMaxRowBlock) {
+      attend_chunk(r, k, v, t0, n, D, alpha);
+    } else {
+      attend_chunk(r, as_f32(k, n * D, r.kbuf), as_f32(v, n * D, r.vbuf), t0, n, D, alpha);
     }
     t0 += n;
   }
