@@ -184,6 +184,19 @@ static inline void hsum4(const vfloat* v, float* out) {
 #endif
 }
 
+// The next chunk's K or V rows, prefetched a slice at a time while this chunk's keys are used:
+// a burst of all its lines at once would fill the miss buffers and stall the core until they
+// arrive, where slices keep a few misses in flight under the compute.
+struct ChunkPrefetch {
+  const char* p = nullptr;  // nullptr: nothing to prefetch
+  int64_t bytes = 0;
+  // Lines of [j0 / n, j1 / n) of the range; key j1 = n ends it.
+  void part(int64_t j0, int64_t j1, int64_t n) const {
+    if (!p) return;
+    for (int64_t b = j0 * bytes / n / 64 * 64; b < j1 * bytes / n; b += 64) __builtin_prefetch(p + b);
+  }
+};
+
 // s[i][j] = q_i . k_j for RB query rows and KB keys (both with row stride D); s row stride kKeyChunk.
 // RB x KB accumulators + one K vector stay in registers (q is a memory operand).
 template <int RB, int KB, typename S>
@@ -207,19 +220,27 @@ static inline void score_block(const float* q, const S* k, int64_t D, float* s) 
 }
 
 template <int RB, typename S>
-static inline void score_rows(const float* q, const S* k, int64_t n, int64_t D, float* s) {
+static inline void score_rows(const float* q, const S* k, int64_t n, int64_t D, float* s, const ChunkPrefetch& pf) {
   int64_t j = 0;
-  for (; j + 4 <= n; j += 4) score_block<RB, 4>(q, k + j * D, D, s + j);
-  for (; j < n; ++j) score_block<RB, 1>(q, k + j * D, D, s + j);
+  for (; j + 4 <= n; j += 4) {
+    pf.part(j, j + 4, n);
+    score_block<RB, 4>(q, k + j * D, D, s + j);
+  }
+  for (; j < n; ++j) {
+    pf.part(j, j + 1, n);
+    score_block<RB, 1>(q, k + j * D, D, s + j);
+  }
 }
 
 // Scores of rb <= kMaxRowBlock rows in register blocks of at most 3 rows (3 x 4 accumulators).
 template <typename S>
-static inline void score_any(const float* q, const S* k, int64_t n, int64_t D, float* s, int64_t rb) {
+static inline void score_any(const float* q, const S* k, int64_t n, int64_t D, float* s, int64_t rb,
+                             const ChunkPrefetch& pf) {
+  const ChunkPrefetch none;
   int64_t i = 0;
-  for (; i + 3 <= rb; i += 3) score_rows<3>(q + i * D, k, n, D, s + i * kKeyChunk);
-  if (rb - i == 2) score_rows<2>(q + i * D, k, n, D, s + i * kKeyChunk);
-  if (rb - i == 1) score_rows<1>(q + i * D, k, n, D, s + i * kKeyChunk);
+  for (; i + 3 <= rb; i += 3) score_rows<3>(q + i * D, k, n, D, s + i * kKeyChunk, i == 0 ? pf : none);
+  if (rb - i == 2) score_rows<2>(q + i * D, k, n, D, s + i * kKeyChunk, i == 0 ? pf : none);
+  if (rb - i == 1) score_rows<1>(q + i * D, k, n, D, s + i * kKeyChunk, i == 0 ? pf : none);
 }
 
 // acc_i = alpha_i acc_i + sum_j p_ij v_j on DV vectors of columns from d0, for RB rows. With
@@ -227,7 +248,7 @@ static inline void score_any(const float* q, const S* k, int64_t n, int64_t D, f
 // few rows wait on FMA throughput rather than latency (2 x RB x DV + 2 x DV registers).
 template <int RB, int DV, int U, typename S>
 static inline void pv_block(float* acc, const float* p, const float* alpha, const S* v,
-                            int64_t n, int64_t D, int64_t d0) {
+                            int64_t n, int64_t D, int64_t d0, const ChunkPrefetch& pf) {
   vfloat a[U][RB][DV];
   for (int i = 0; i < RB; ++i)
     for (int c = 0; c < DV; ++c) {
@@ -236,6 +257,7 @@ static inline void pv_block(float* acc, const float* p, const float* alpha, cons
     }
   int64_t j = 0;
   for (; j + U <= n; j += U) {
+    pf.part(j, j + U, n);
     vfloat vv[U][DV];
     for (int u = 0; u < U; ++u)
       for (int c = 0; c < DV; ++c) vv[u][c] = load_v(v + (j + u) * D + d0 + c * kVec);
@@ -245,11 +267,13 @@ static inline void pv_block(float* acc, const float* p, const float* alpha, cons
         for (int c = 0; c < DV; ++c) a[u][i][c] += w * vv[u][c];
       }
   }
-  for (; j < n; ++j)
+  for (; j < n; ++j) {
+    pf.part(j, j + 1, n);
     for (int c = 0; c < DV; ++c) {
       const vfloat vv = load_v(v + j * D + d0 + c * kVec);
       for (int i = 0; i < RB; ++i) a[0][i][c] += p[i * kKeyChunk + j] * vv;
     }
+  }
   for (int i = 0; i < RB; ++i)
     for (int c = 0; c < DV; ++c) {
       vfloat sum = a[0][i][c];
@@ -260,22 +284,23 @@ static inline void pv_block(float* acc, const float* p, const float* alpha, cons
 
 template <int RB, typename S>
 static inline void pv_rows(float* acc, const float* p, const float* alpha, const S* v,
-                           int64_t n, int64_t D) {
+                           int64_t n, int64_t D, const ChunkPrefetch& pf) {
+  const ChunkPrefetch none;
   int64_t d0 = 0;
   constexpr int U = RB <= 3 ? 2 : 1;  // 4 rows already give 8 chains; two sets would spill
-  for (; d0 + 2 * kVec <= D; d0 += 2 * kVec) pv_block<RB, 2, U>(acc, p, alpha, v, n, D, d0);
-  if (d0 < D) pv_block<RB, 1, U>(acc, p, alpha, v, n, D, d0);
+  for (; d0 + 2 * kVec <= D; d0 += 2 * kVec) pv_block<RB, 2, U>(acc, p, alpha, v, n, D, d0, d0 == 0 ? pf : none);
+  if (d0 < D) pv_block<RB, 1, U>(acc, p, alpha, v, n, D, d0, d0 == 0 ? pf : none);
 }
 
 // P.V of rb <= kMaxRowBlock rows in one register block (each V row is read once per block).
 template <typename S>
 static inline void pv_any(float* acc, const float* p, const float* alpha, const S* v, int64_t n,
-                          int64_t D, int64_t rb) {
+                          int64_t D, int64_t rb, const ChunkPrefetch& pf) {
   switch (rb) {
-    case 4: pv_rows<4>(acc, p, alpha, v, n, D); break;
-    case 3: pv_rows<3>(acc, p, alpha, v, n, D); break;
-    case 2: pv_rows<2>(acc, p, alpha, v, n, D); break;
-    default: pv_rows<1>(acc, p, alpha, v, n, D); break;
+    case 4: pv_rows<4>(acc, p, alpha, v, n, D, pf); break;
+    case 3: pv_rows<3>(acc, p, alpha, v, n, D, pf); break;
+    case 2: pv_rows<2>(acc, p, alpha, v, n, D, pf); break;
+    default: pv_rows<1>(acc, p, alpha, v, n, D, pf); break;
   }
 }
 static_assert(kMaxRowBlock == 4, "pv_any dispatches 1..4 rows");
@@ -330,15 +355,17 @@ static inline float softmax_step(Rows& r, int64_t i, int64_t t0, int64_t n) {
 // Rows r take the n keys from position t0 (K and V rows of stride D) in row blocks of
 // kMaxRowBlock: scores, online softmax, then P.V into acc.
 template <typename S>
-static inline void attend_chunk(Rows& r, const S* k, const S* v, int64_t t0, int64_t n, int64_t D, float* alpha) {
+static inline void attend_chunk(Rows& r, const S* k, const S* v, int64_t t0, int64_t n, int64_t D, float* alpha,
+                                const ChunkPrefetch& pf_k, const ChunkPrefetch& pf_v) {
+  const ChunkPrefetch none;
   for (int64_t i0 = 0; i0 < r.n; i0 += kMaxRowBlock) {
     const int64_t rb = min_i(kMaxRowBlock, r.n - i0);
     // NOTE: limits never decrease along the rows (token-major rows), so the last is the max.
     if (r.limit[i0 + rb - 1] < t0) continue;  // none of these rows sees a key
     float* s = r.s + i0 * kKeyChunk;
-    score_any(r.q + i0 * D, k, n, D, s, rb);
+    score_any(r.q + i0 * D, k, n, D, s, rb, i0 == 0 ? pf_k : none);
     for (int64_t i = 0; i < rb; ++i) alpha[i] = softmax_step(r, i0 + i, t0, n);
-    pv_any(r.acc + i0 * D, s, alpha, v, n, D, rb);
+    pv_any(r.acc + i0 * D, s, alpha, v, n, D, rb, i0 == 0 ? pf_v : none);
   }
 }
 
@@ -356,24 +383,23 @@ void attend(const PagedAttentionParams& p, const int32_t* block_row, int64_t kv_
     const int64_t n = min_i(kKeyChunk, min_i(bs - off, k_end - t0));
     const T* k = cache + (int64_t(block_row[t0 / bs]) * 2 * p.n_kv_heads + kv_head) * head_elems + off * D;
     const T* v = k + p.n_kv_heads * head_elems;
+    // The next chunk's block is anywhere in the cache, out of the hardware prefetcher's reach:
+    // its K and V are prefetched while this chunk's scores and P.V run.
+    ChunkPrefetch pf_k, pf_v;
     if (t0 + n < k_end) {
-      // The next chunk's block is anywhere in the cache, out of the hardware prefetcher's reach.
       const int64_t t1 = t0 + n, off1 = t1 % bs;
       const int64_t n1 = min_i(kKeyChunk, min_i(bs - off1, k_end - t1));
-      const char* k1 = reinterpret_cast<const char*>(
+      pf_k.p = reinterpret_cast<const char*>(
           cache + (int64_t(block_row[t1 / bs]) * 2 * p.n_kv_heads + kv_head) * head_elems + off1 * D);
-      const char* v1 = k1 + p.n_kv_heads * head_elems * int64_t(sizeof(T));
-      for (int64_t b = 0; b < n1 * D * int64_t(sizeof(T)); b += 64) {
-        __builtin_prefetch(k1 + b);
-        __builtin_prefetch(v1 + b);
-      }
+      pf_v.p = pf_k.p + p.n_kv_heads * head_elems * int64_t(sizeof(T));
+      pf_k.bytes = pf_v.bytes = n1 * D * int64_t(sizeof(T));
     }
     // Few rows (decode): K/V straight from the cache, widened in registers (AVX2 and up; the
     // SSE2 build has no cheap widening). Many: one fp32 copy for all row blocks.
     if (kVec >= 8 && r.n <= kMaxRowBlock) {
-      attend_chunk(r, k, v, t0, n, D, alpha);
+      attend_chunk(r, k, v, t0, n, D, alpha, pf_k, pf_v);
     } else {
-      attend_chunk(r, as_f32(k, n * D, r.kbuf), as_f32(v, n * D, r.vbuf), t0, n, D, alpha);
+      attend_chunk(r, as_f32(k, n * D, r.kbuf), as_f32(v, n * D, r.vbuf), t0, n, D, alpha, pf_k, pf_v);
     }
     t0 += n;
   }
