@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from kog import _C
+from kog import _C, hugepages
 from kog.errors import InvalidRequest
 
 KVMoves = _C.KVMoves
@@ -209,7 +209,10 @@ class KVCacheStorage:
         self.layout = layout
         self.device = torch.device(device)
         # kv: [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]
-        self.kv = torch.zeros(layout.shape(num_blocks), dtype=layout.dtype, device=self.device)
+        if self.device.type == "cpu":  # decode attention reads scattered blocks: no TLB walk per 4 KiB
+            self.kv = hugepages.zeros(layout.shape(num_blocks), layout.dtype)
+        else:
+            self.kv = torch.zeros(layout.shape(num_blocks), dtype=layout.dtype, device=self.device)
         pin = self.device.type == "cuda" and torch.cuda.is_available()
         # host: [num_layers, num_host_blocks, 2, num_kv_heads, block_size, head_dim]
         self.host = torch.zeros(layout.shape(num_host_blocks), dtype=layout.dtype, pin_memory=pin)

@@ -9,8 +9,8 @@ import torch
 from kog.loader import load_model
 from kog.models import ModelRunner, PrefillChunk
 
-from kog.models import hugepages
-from kog.models.hugepages import HUGE_PAGE, to_hugepages
+from kog import hugepages
+from kog.hugepages import HUGE_PAGE, to_hugepages
 from kog.testing.tiny_models import random_weights, tiny_config, write_hf_model
 
 
@@ -81,3 +81,34 @@ def test_model_runner_gives_the_same_logits_with_and_without(tmp_path, monkeypat
         step = runner.decode([int(first.argmax())], [p], table[None], [p + 1], [p])[0]
         logits.append(torch.cat([first, step]))
     assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.skipif(not hugepages.hugepages_enabled(), reason="no transparent huge pages here")
+def test_zeros_on_huge_pages():
+    t = hugepages.zeros((3, HUGE_PAGE // 4), torch.bfloat16)  # 1.5 huge pages
+    assert t.shape == (3, HUGE_PAGE // 4) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % HUGE_PAGE == 0 and not t.any()
+    t[2, -1] = 1.5
+    assert t.sum().item() == 1.5
+
+
+def test_zeros_small_disabled_or_refused_are_plain_zeros(monkeypatch):
+    small = hugepages.zeros((4, 5), torch.float32)
+    assert small.shape == (4, 5) and not small.any()
+    monkeypatch.setenv("KOG_HUGEPAGES", "0")
+    t = hugepages.zeros((HUGE_PAGE,), torch.uint8)
+    assert t.shape == (HUGE_PAGE,) and not t.any()
+    monkeypatch.setenv("KOG_HUGEPAGES", "1")
+    monkeypatch.setattr(hugepages, "hugepages_enabled", lambda: True)
+    monkeypatch.setattr(mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError("no memory")))
+    t = hugepages.zeros((2, HUGE_PAGE), torch.float16)
+    assert t.shape == (2, HUGE_PAGE) and t.dtype == torch.float16 and not t.any()
+
+
+@pytest.mark.skipif(not hugepages.hugepages_enabled(), reason="no transparent huge pages here")
+def test_cpu_kv_pool_starts_on_a_huge_page():
+    from kog.kvcache import KVCacheStorage, KVLayout
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    store = KVCacheStorage(layout, num_blocks=512)  # 2 x 512 x 8 KiB = 8 MiB
+    assert store.kv.shape == layout.shape(512) and store.kv.data_ptr() % HUGE_PAGE == 0 and not store.kv.any()

@@ -24,7 +24,7 @@ from kog.info import gpu_unavailable_reason
 from kog.kvcache import KVCacheStorage, KVLayout
 from kog.loader import LoadedModel
 from kog.models.decode import build_executor
-from kog.models.hugepages import to_hugepages
+from kog.hugepages import to_hugepages
 from kog.models.weights import prepare_weights
 
 

@@ -1,10 +1,11 @@
-"""CPU weights in transparent huge pages.
+"""CPU weights and KV pool in transparent huge pages.
 
-A decode step streams every weight once. With 4 KiB pages the hardware prefetcher stops at each
-page boundary and every page costs a TLB walk; 2 MiB pages remove both, which reads the same
-bytes ~10% faster on the machines measured (docs/PERFORMANCE.md). Linux only: the weights are
-copied into one private anonymous mapping advised MADV_HUGEPAGE before it is touched. Where that
-is not available (another OS, THP disabled, KOG_HUGEPAGES=0) the weights stay as they are.
+A decode step streams every weight once, and decode attention reads a sequence's KV blocks
+scattered over the pool. With 4 KiB pages the hardware prefetcher stops at each page boundary
+and every page costs a TLB walk; 2 MiB pages remove both, which reads the same bytes ~10% faster
+on the machines measured (docs/PERFORMANCE.md). Linux only: the tensors live in a private
+anonymous mapping advised MADV_HUGEPAGE before it is touched. Where that is not available
+(another OS, THP disabled, KOG_HUGEPAGES=0) they stay on regular pages.
 """
 
 from __future__ import annotations
@@ -50,14 +51,9 @@ def to_hugepages(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         offsets[name] = size
         first_of[key] = size
         size += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    try:
-        arena = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        arena.madvise(mmap.MADV_HUGEPAGE)
-    except (OSError, ValueError) as e:  # no memory for the mapping, or madvise refused
-        log.debug("weights stay on regular pages: %s", e)
+    buf = _arena(size)
+    if buf is None:
         return weights
-    buf = torch.frombuffer(arena, dtype=torch.uint8)  # holds the mapping alive
-    start = -buf.data_ptr() % HUGE_PAGE
     out, placed = {}, {}
     for name in list(weights):
         t = weights.pop(name)
@@ -65,7 +61,33 @@ def to_hugepages(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[name] = placed[offsets[name]]
             continue
         nbytes = t.numel() * t.element_size()
-        view = buf[start + offsets[name]: start + offsets[name] + nbytes].view(t.dtype).view(t.shape)
+        view = buf[offsets[name]: offsets[name] + nbytes].view(t.dtype).view(t.shape)
         view.copy_(t)
         out[name] = placed[offsets[name]] = view
     return out
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros(shape, dtype=dtype) on huge pages where available (anonymous memory is zero)."""
+    n = 1
+    for d in shape:
+        n *= d
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    buf = _arena(nbytes) if nbytes >= HUGE_PAGE and hugepages_enabled() else None
+    if buf is None:
+        return torch.zeros(shape, dtype=dtype)
+    return buf[:nbytes].view(dtype).view(shape)
+
+
+def _arena(size: int) -> torch.Tensor | None:
+    """A uint8 tensor of `size` zero bytes starting on a huge page, in a fresh mapping advised
+    MADV_HUGEPAGE (the tensor holds the mapping alive), or None if it cannot be had."""
+    try:
+        arena = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        arena.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError) as e:  # no memory for the mapping, or madvise refused
+        log.debug("staying on regular pages: %s", e)
+        return None
+    buf = torch.frombuffer(arena, dtype=torch.uint8)
+    start = -buf.data_ptr() % HUGE_PAGE
+    return buf[start: start + size]
