@@ -245,7 +245,7 @@ static inline void score_any(const float* q, const S* k, int64_t n, int64_t D, f
 
 // acc_i = alpha_i acc_i + sum_j p_ij v_j on DV vectors of columns from d0, for RB rows. With
 // U = 2, even and odd keys go to separate accumulators: twice the independent FMA chains, so
-// few rows wait on FMA throughput rather than latency (2 x RB x DV + 2 x DV registers).
+// few rows wait on FMA throughput rather than latency (2 x RB x DV + DV + 1 registers).
 template <int RB, int DV, int U, typename S>
 static inline void pv_block(float* acc, const float* p, const float* alpha, const S* v,
                             int64_t n, int64_t D, int64_t d0, const ChunkPrefetch& pf) {
@@ -258,14 +258,14 @@ static inline void pv_block(float* acc, const float* p, const float* alpha, cons
   int64_t j = 0;
   for (; j + U <= n; j += U) {
     pf.part(j, j + U, n);
-    vfloat vv[U][DV];
-    for (int u = 0; u < U; ++u)
-      for (int c = 0; c < DV; ++c) vv[u][c] = load_v(v + (j + u) * D + d0 + c * kVec);
-    for (int i = 0; i < RB; ++i)
-      for (int u = 0; u < U; ++u) {
+    for (int u = 0; u < U; ++u) {  // one key's V vectors live at a time: no spill at 3 rows
+      vfloat vv[DV];
+      for (int c = 0; c < DV; ++c) vv[c] = load_v(v + (j + u) * D + d0 + c * kVec);
+      for (int i = 0; i < RB; ++i) {
         const float w = p[i * kKeyChunk + j + u];
-        for (int c = 0; c < DV; ++c) a[u][i][c] += w * vv[u][c];
+        for (int c = 0; c < DV; ++c) a[u][i][c] += w * vv[c];
       }
+    }
   }
   for (; j < n; ++j) {
     pf.part(j, j + 1, n);
