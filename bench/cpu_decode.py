@@ -11,6 +11,10 @@ embedding gather not) x tok/s. The host's bandwidth drifts by 30% within minutes
 neighbours are busy, so every decode run also gets a triad just before and just after it:
 "% adj" is the median over runs of achieved / max(adjacent triads), next to "% triad" against
 the best triad of the whole run.
+
+A second table: bf16 decode after longer prompts (an agent's context: system prompt, tool
+schemas, history), Kog next to llama.cpp F16 (KV cache F16), where attention reads a growing
+share of each step's bytes.
 """
 
 from __future__ import annotations
@@ -116,6 +120,46 @@ def llama_cpp_engine(gguf, prompt: list[int], new: int, repeats: int) -> tuple[l
     return paired_runs(decode_run, repeats), min(_timed(prefill) for _ in range(repeats))
 
 
+def long_context_prompt(n: int, vocab: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(0).integers(100, vocab, n)]
+
+
+def kog_long_context(model, context: int, steps: int, repeats: int) -> float:
+    """Best tok/s of `repeats` runs of `steps` decode steps after one `context`-token prefill."""
+    bs = 16
+    n_blocks = (context + steps * repeats) // bs + 2
+    runner = ModelRunner(model, num_kv_blocks=n_blocks, block_size=bs)
+    table = np.arange(n_blocks, dtype=np.int32)
+    slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
+    runner.prefill([PrefillChunk(long_context_prompt(context, model.config.vocab_size), 0, table,
+                                 slot(np.arange(context)))])
+    tok, p, best = np.array([1]), context, 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            runner.decode(tok, [p], table[None], [p + 1], [slot(p)], sampled=tok)
+            p += 1
+        best = max(best, steps / (time.perf_counter() - start))
+    return best
+
+
+def llama_cpp_long_context(gguf, vocab: int, context: int, steps: int, repeats: int) -> float | None:
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context + steps * repeats + 16, verbose=False,
+                          n_threads=torch.get_num_threads())
+    llm.eval(long_context_prompt(context, vocab))
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            llm.eval([1])
+        best = max(best, steps / (time.perf_counter() - start))
+    return best
+
+
 def f16_gguf(model, folder: str):
     """The same weights as an F16 GGUF (what the llama.cpp comparison runs), with the shipped
     file's tokenizer and chat template."""
@@ -133,6 +177,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hf-repeats", type=int, default=1)
+    ap.add_argument("--contexts", default="1024,4096", help="prompt lengths of the long-context table ('' skips it)")
+    ap.add_argument("--context-steps", type=int, default=32)
     args = ap.parse_args()
     f32 = load_model(dtype=torch.float32)
     prompt = f32.tokenizer.encode("The history of the city begins in the Middle Ages, when a small " * 4)[:32]
@@ -140,13 +186,17 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = convert_gguf(f32.path, tmp)
-        for dtype in (torch.float32, torch.bfloat16):
-            model = f32 if dtype == torch.float32 else load_model(dtype=dtype)
+        models = {torch.float32: f32, torch.bfloat16: load_model(dtype=torch.bfloat16)}
+        for dtype, model in models.items():
             nbytes = weight_bytes_per_token(model)
             rows.append(("kog", dtype, nbytes, *kog_engine(model, prompt, args.new_tokens, args.repeats)))
             rows.append(("transformers", dtype, nbytes,
                          *hf_engine(folder, dtype, prompt, args.new_tokens, args.hf_repeats)))
-        lcpp = llama_cpp_engine(f16_gguf(f32, tmp), prompt, args.new_tokens, args.repeats)
+        gguf = f16_gguf(f32, tmp)
+        lcpp = llama_cpp_engine(gguf, prompt, args.new_tokens, args.repeats)
+        long_rows = [(c, kog_long_context(models[torch.bfloat16], c, args.context_steps, args.repeats),
+                      llama_cpp_long_context(gguf, f32.config.vocab_size, c, args.context_steps, args.repeats))
+                     for c in (int(x) for x in args.contexts.split(",") if x)]
     all_runs = [run for r in rows for run in r[3]] + (lcpp[0] if lcpp else [])
     bw = max([bw, triad_gbs()] + [triad for _, triad in all_runs])  # best of every triad taken
     print(f"SmolLM2-135M, batch 1, {torch.get_num_threads()} threads; triad bandwidth {bw:.1f} GB/s (best of runs)")
@@ -167,6 +217,15 @@ def main() -> None:
         print(f"llama.cpp F16 GGUF: decode {best(lcpp[0]):.1f} tok/s (kog bf16 / llama.cpp = "
               f"{best(kog_bf16[3]) / best(lcpp[0]):.2f}x), {100 * adj(lcpp[0], f16_bytes):.0f}% of adjacent triads; "
               f"prefill 512 {lcpp[1]:.2f}s (llama.cpp / kog bf16 = {lcpp[1] / kog_bf16[4]:.2f}x)")
+
+    if long_rows:
+        print(f"\nbf16 decode after a long prompt ({args.context_steps} steps, best of {args.repeats}; "
+              f"llama.cpp: F16 GGUF, F16 KV cache)")
+        print(f"{'context':>8}{'kog tok/s':>11}{'llama.cpp':>11}{'kog / llama.cpp':>17}")
+        for c, kog_tps, lcpp_tps in long_rows:
+            lc = "-" if lcpp_tps is None else f"{lcpp_tps:.1f}"
+            ratio = "-" if lcpp_tps is None else f"{kog_tps / lcpp_tps:.2f}x"
+            print(f"{c:>8}{kog_tps:>11.1f}{lc:>11}{ratio:>17}")
 
 
 if __name__ == "__main__":
