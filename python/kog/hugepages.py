@@ -11,6 +11,7 @@ anonymous mapping advised MADV_HUGEPAGE before it is touched. Where that is not 
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 
@@ -23,7 +24,7 @@ _ALIGN = 64  # every tensor starts on a cache line
 
 
 def hugepages_enabled() -> bool:
-    """True when weights should go to huge pages: Linux with THP not `never`, and KOG_HUGEPAGES is not 0."""
+    """True when CPU tensors should go to huge pages: Linux with THP not `never`, and KOG_HUGEPAGES is not 0."""
     if os.environ.get("KOG_HUGEPAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
@@ -69,10 +70,7 @@ def to_hugepages(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype=dtype) on huge pages where available (anonymous memory is zero)."""
-    n = 1
-    for d in shape:
-        n *= d
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     buf = _arena(nbytes) if nbytes >= HUGE_PAGE and hugepages_enabled() else None
     if buf is None:
         return torch.zeros(shape, dtype=dtype)

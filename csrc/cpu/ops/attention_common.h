@@ -89,7 +89,8 @@ static inline const float* as_f32(const T* src, int64_t n, float* buf) {
 }
 
 // Register-blocked micro-kernels on GCC vector types: one source, the vector width of each ISA
-// build (4 lanes generic SSE2, 8 AVX2, 16 AVX-512). Blocks are sized to fit 16 registers.
+// build (4 lanes generic SSE2, 8 AVX2, 16 AVX-512), with intrinsics only where GCC's generic code
+// is poor (bf16 widening, horizontal sums and max). Blocks are sized to fit 16 registers.
 // K and V are read either straight from the cache (S = the cache type, widened in registers:
 // decode, where each K/V row meets at most kMaxRowBlock query rows) or from an fp32 copy of the
 // chunk (S = float: prefill, where many row blocks re-read it).
