@@ -124,6 +124,17 @@ def long_context_prompt(n: int, vocab: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(0).integers(100, vocab, n)]
 
 
+def best_rate(step, steps: int, repeats: int) -> float:
+    """Best tok/s of `repeats` timed runs of `steps` calls of step() (one token each)."""
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        best = max(best, steps / (time.perf_counter() - start))
+    return best
+
+
 def kog_long_context(model, context: int, steps: int, repeats: int) -> float:
     """Best tok/s of `repeats` runs of `steps` decode steps after one `context`-token prefill."""
     bs = 16
@@ -133,14 +144,14 @@ def kog_long_context(model, context: int, steps: int, repeats: int) -> float:
     slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
     runner.prefill([PrefillChunk(long_context_prompt(context, model.config.vocab_size), 0, table,
                                  slot(np.arange(context)))])
-    tok, p, best = np.array([1]), context, 0.0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(steps):
-            runner.decode(tok, [p], table[None], [p + 1], [slot(p)], sampled=tok)
-            p += 1
-        best = max(best, steps / (time.perf_counter() - start))
-    return best
+    tok, pos = np.array([1]), [context]
+
+    def step():
+        p = pos[0]
+        runner.decode(tok, [p], table[None], [p + 1], [slot(p)], sampled=tok)
+        pos[0] += 1
+
+    return best_rate(step, steps, repeats)
 
 
 def llama_cpp_long_context(gguf, vocab: int, context: int, steps: int, repeats: int) -> float | None:
@@ -151,13 +162,7 @@ def llama_cpp_long_context(gguf, vocab: int, context: int, steps: int, repeats: 
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context + steps * repeats + 16, verbose=False,
                           n_threads=torch.get_num_threads())
     llm.eval(long_context_prompt(context, vocab))
-    best = 0.0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(steps):
-            llm.eval([1])
-        best = max(best, steps / (time.perf_counter() - start))
-    return best
+    return best_rate(lambda: llm.eval([1]), steps, repeats)
 
 
 def f16_gguf(model, folder: str):
