@@ -114,6 +114,7 @@ void copy_blocks_gpu(uintptr_t dst, int64_t dst_num_blocks, bool dst_is_host, ui
   kog::gpu::copy_blocks(prm, reinterpret_cast<const int32_t*>(pairs_device), dst_is_host,
                         src_is_host, reinterpret_cast<void*>(stream));
 #else
+  (void)prm, (void)pairs_device, (void)dst_is_host, (void)src_is_host, (void)stream;  // validated, no device
   kog::throw_error(kog::ErrorKind::kBackend, "kv_copy_blocks_gpu: this kog build has no GPU backend");
 #endif
 }

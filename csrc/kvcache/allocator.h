@@ -119,7 +119,9 @@ class KVCacheAllocator {
   void reserve(int64_t need, Moves& mv, const std::unordered_set<int32_t>* held = nullptr);
   std::vector<BlockId> exclusive_suffix(const Sequence& s,
                                         const std::unordered_set<int32_t>* held) const;
-  void do_swap_out(SeqId id, Sequence& s, Moves& mv);
+  // Swaps out exactly exclusive_suffix(s, held): the blocks reserve() counted, never a block the
+  // caller is about to reference (swapping those would free them under it).
+  void do_swap_out(SeqId id, Sequence& s, Moves& mv, const std::unordered_set<int32_t>* held);
   void do_append(Sequence& s, int64_t n, const int32_t* tokens, Moves& mv);
   void prepare_tail_write(Sequence& s, Moves& mv);
   void seal_tail(Sequence& s);

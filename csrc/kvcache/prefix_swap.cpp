@@ -85,7 +85,7 @@ void KVCacheAllocator::swap_out(SeqId id, Moves& mv) {
   const int64_t k = static_cast<int64_t>(exclusive_suffix(s, nullptr).size());
   KOG_CHECK_KIND(k <= static_cast<int64_t>(host_free_.size()), kKVCacheFull, "swap_out: ", k,
                  " host blocks needed, ", host_free_.size(), " free");
-  do_swap_out(id, s, mv);
+  do_swap_out(id, s, mv, nullptr);
 }
 
 // ---- views -----------------------------------------------------------------------------------
@@ -197,11 +197,12 @@ void KVCacheAllocator::reserve(int64_t need, Moves& mv, const std::unordered_set
                  pool_.num_free(), " free, ", pool_.num_cached(), " cached, ",
                  avail - pool_.num_reclaimable(), " swappable (", host_free_.size(),
                  " host blocks free)");
-  for (SeqId v : victims) do_swap_out(v, seqs_.at(v), mv);
+  for (SeqId v : victims) do_swap_out(v, seqs_.at(v), mv, held);
 }
 
-void KVCacheAllocator::do_swap_out(SeqId id, Sequence& s, Moves& mv) {
-  std::vector<BlockId> suffix = exclusive_suffix(s, nullptr);
+void KVCacheAllocator::do_swap_out(SeqId id, Sequence& s, Moves& mv,
+                                   const std::unordered_set<int32_t>* held) {
+  std::vector<BlockId> suffix = exclusive_suffix(s, held);
   std::reverse(suffix.begin(), suffix.end());  // root first
   const BlockId old_tail = s.tail;
   if (!suffix.empty()) {

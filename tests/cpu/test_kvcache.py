@@ -235,6 +235,33 @@ def test_swap_round_trip_is_bit_exact(gen):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+def test_pressure_swap_stops_at_the_prefix_a_new_prompt_reuses(gen):
+    # Sequence 1 is suspended; its first two blocks are the cached prefix the new prompt of
+    # sequence 3 matches. The swap that makes room for sequence 3 must take only sequence 1's
+    # own blocks: the prefix blocks are about to be referenced. It once swapped the whole chain,
+    # one host block per prefix block too (with too few host blocks, the same one twice).
+    m = KVCacheManager(6, BS, num_host_blocks=4)
+    store = KVCacheStorage(layout(), 6, 4)
+    _, mv = m.add_sequence(1, toks(8, 100) + toks(5))  # blocks 0, 1 (prefix), 2, 3
+    seq1 = write_random(store, mv, 13, gen)
+    m.suspend(1)
+    _, mv = m.add_sequence(2, toks(8, 200))  # blocks 4, 5: the pool is full
+    write_random(store, mv, 8, gen)
+    cached, mv = m.add_sequence(3, toks(8, 100) + [7])
+    assert cached == 8
+    assert pairs(mv.swap_out) == [(2, 0), (3, 1)]  # (device, host), root first
+    assert m.state(1) == "swapped" and m.debug_state()["seqs"][1]["host_blocks"] == [0, 1]
+    assert table(m, 3)[:2] == [0, 1]
+    new = write_random(store, mv, 1, gen)
+    m.free(2)
+    store.apply(m.resume(1))
+    assert table(m, 1)[:2] == [0, 1]
+    for layer in range(2):
+        got1, got3 = gather_all(m, store, 1)[layer], gather_all(m, store, 3)[layer]
+        assert torch.equal(got1, seq1[layer])
+        assert torch.equal(got3, torch.cat([seq1[layer][:, :8], new[layer]], dim=1))
+
+
 def test_copy_blocks_rejects_bad_ids():
     store = KVCacheStorage(layout(), 4, 2)
     bad = np.array([[0, 5]], dtype=np.int32)
