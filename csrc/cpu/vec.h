@@ -1,7 +1,11 @@
 // ISA-local helpers for CPU kernel sources (csrc/cpu/ops/*.cpp, compiled once per ISA).
 // Everything here lives in kog::cpu::KOG_ISA_NS so no inline function is shared between ISA
-// builds (see cmake/KogCpuIsa.cmake); only compiler builtins and the OpenMP runtime are called.
+// builds (see cmake/KogCpuIsa.cmake); only compiler builtins, intrinsics and the OpenMP
+// runtime are called.
 #pragma once
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 #include <omp.h>
 
 #include <cstdint>
@@ -93,6 +97,18 @@ static inline void for_each_row(int64_t n, bool parallel, Fn&& fn) {
     for (int64_t r = 0; r < n; ++r) fn(r);
   }
 }
+
+// Sum of the lanes of a native fp32 vector (halving shuffles; AVX2 and AVX-512 builds only).
+#if defined(__AVX512F__)
+static inline float reduce_add(__m512 v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__)
+static inline float reduce_add(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
 
 // Calls fn.template operator()<T>() with T the storage type of dtype.
 template <typename Fn>

@@ -2,10 +2,6 @@
 // a block of query rows that read one KV head attends to a range of cached keys with online
 // softmax in fp32. Included only by per-ISA kernel sources: everything is ISA-local.
 #pragma once
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#endif
-
 #include "cpu/kernels.h"
 #include "cpu/vec.h"
 
@@ -136,13 +132,7 @@ static inline void store_v(float* p, vfloat v) { __builtin_memcpy(p, &v, sizeof 
 // Sum / max of the lanes of v (halving shuffles on AVX2 and AVX-512).
 static inline float hsum(vfloat v) {
 #if defined(__AVX2__)
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps((__m512)v);
-#else
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-#endif
+  return reduce_add(v);
 #else
   float s = 0.f;
   for (int l = 0; l < kVec; ++l) s += v[l];

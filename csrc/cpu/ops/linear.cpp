@@ -39,7 +39,6 @@ static inline void vload2(const bf16_t* p, vec_t& lo, vec_t& hi) {
 }
 static inline vec_t vfma(vec_t a, vec_t b, vec_t c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vec_t vadd(vec_t a, vec_t b) { return _mm512_add_ps(a, b); }
-static inline float vsum(vec_t v) { return _mm512_reduce_add_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int kLanes = 8;
 using vec_t = __m256;
@@ -55,12 +54,6 @@ static inline void vload2(const bf16_t* p, vec_t& lo, vec_t& hi) {
 }
 static inline vec_t vfma(vec_t a, vec_t b, vec_t c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vec_t vadd(vec_t a, vec_t b) { return _mm256_add_ps(a, b); }
-static inline float vsum(vec_t v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 #else
 #define KOG_LINEAR_SCALAR 1
 #endif
@@ -117,7 +110,7 @@ void row_dot_bf16_pairs(const bf16_t* w, const float* const* x, int64_t k, float
   }
   for (int c = 0; c < NC; ++c) {
     for (int u = 1; u < 2 * kChains; ++u) a[c][0] = vadd(a[c][0], a[c][u]);
-    float s = vsum(a[c][0]);
+    float s = reduce_add(a[c][0]);
     for (int64_t j = i; j < k; ++j) s += to_f32(w[j]) * x[c][j];  // tail: natural order
     acc[c] = s;
   }
@@ -147,7 +140,7 @@ void row_dot(const T* w, const float* const* x, int64_t k, float* acc) {
     }
     for (int c = 0; c < NC; ++c) {
       for (int u = 1; u < kChains; ++u) a[c][0] = vadd(a[c][0], a[c][u]);
-      float s = vsum(a[c][0]);
+      float s = reduce_add(a[c][0]);
       for (int64_t j = i; j < k; ++j) s += to_f32(w[j]) * x[c][j];
       acc[c] = s;
     }
