@@ -91,7 +91,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="threads for Kog and torch alike (0 = default)")
     args = ap.parse_args()
     if args.threads:
-        torch.set_num_threads(args.threads)  # one OpenMP runtime: Kog's kernels follow it
+        torch.set_num_threads(args.threads)
+        _C.set_cpu_num_threads(args.threads)  # Kog's own pool
     default_isa = _C.build_info()["cpu_isa"]  # the best this CPU supports
     isas = _C.cpu_isas_supported()
     print(f"threads={torch.get_num_threads()} isas={isas} torch={torch.__version__}")

@@ -25,8 +25,8 @@ function(kog_add_cpu_kernels target sources)
     # -fno-math-errno / -fno-trapping-math: no kernel reads errno or FP exception flags, and
     # without them GCC keeps FP selects as branches (a trap could differ), so loops over
     # fast_exp or the bf16 rounding stay scalar. Values are unchanged (no reassociation).
-    target_compile_options(kog_cpu_${isa} PRIVATE -O3 -fno-math-errno -fno-trapping-math ${KOG_CPU_ISA_FLAGS_${isa}})
-    target_link_libraries(kog_cpu_${isa} PRIVATE OpenMP::OpenMP_CXX pybind11::headers)
+    target_compile_options(kog_cpu_${isa} PRIVATE -O3 -fno-math-errno -fno-trapping-math -fopenmp-simd ${KOG_CPU_ISA_FLAGS_${isa}})
+    target_link_libraries(kog_cpu_${isa} PRIVATE Threads::Threads pybind11::headers)
     target_link_libraries(${target} PRIVATE kog_cpu_${isa})
     string(TOUPPER ${isa} up)
     list(APPEND defs KOG_HAVE_ISA_${up}=1)

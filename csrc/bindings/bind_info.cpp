@@ -1,5 +1,4 @@
 // Build and runtime report: kog.backend_info() is built from these.
-#include <omp.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -49,10 +48,6 @@ py::dict build_info() {
 }  // namespace
 
 void bind_info(py::module_& m) {
-  // KOG_NUM_THREADS sizes the OpenMP pool of the CPU kernels.
-  if (const char* v = std::getenv("KOG_NUM_THREADS")) {
-    if (std::atoi(v) > 0) omp_set_num_threads(std::atoi(v));
-  }
   m.def("build_info", &build_info, "backend, GPU targets, compiler and CPU ISA of this build");
   m.def("gpu_devices", &gpu_devices, "GPUs visible to this build's runtime (empty on CPU builds)");
   m.def("set_cpu_isa", &kog::cpu::set_isa, py::arg("isa"),

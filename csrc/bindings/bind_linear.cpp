@@ -1,10 +1,10 @@
 // kog._C.linear: the decode-batch linear layer (CPU kernels, or the GPU GEMV when device >= 0).
 #include <pybind11/pybind11.h>
 
-#include <omp.h>
 #include <pybind11/stl.h>
 
 #include <atomic>
+#include <mutex>
 #include <chrono>
 #include <cstdint>
 #include <thread>
@@ -56,21 +56,24 @@ std::pair<std::vector<std::vector<int>>, std::vector<std::vector<int>>> row_queu
   std::vector<std::atomic<int64_t>> by_others(static_cast<size_t>(n_epochs));
   std::vector<std::atomic<bool>> holding(static_cast<size_t>(n_epochs));
   const int64_t others_own = n_chunks - (n_chunks * (slow + 1) / n_threads - n_chunks * slow / n_threads);
-  int team = 0;
-#pragma omp parallel num_threads(n_threads)
-  {
-    const int t = omp_get_thread_num();
-#pragma omp single
-    team = omp_get_num_threads();
-    if (team == n_threads)
+  // Plain threads, not the worker pool: the test needs exactly n_threads of them.
+  std::atomic<int> arrived{0};
+  auto epoch_barrier = [&](int e) {  // the e-th barrier: every thread has finished epoch e
+    arrived.fetch_add(1);
+    while (arrived.load() < (e + 1) * n_threads) std::this_thread::yield();
+  };
+  std::mutex count_mu;
+  auto body = [&](int t) {
       for (int e = 0; e < n_epochs; ++e) {
         q.start(uint32_t(e), t, n_chunks);
         if (slow >= 0 && t != slow && n_chunks > 0)
           while (!holding[size_t(e)].load()) std::this_thread::yield();
         bool first = true;
         for (int64_t c; (c = q.next(uint32_t(e), t)) >= 0;) {
-#pragma omp atomic
-          count[size_t(e)][size_t(c)] += 1;
+          {
+            std::lock_guard<std::mutex> lock(count_mu);
+            count[size_t(e)][size_t(c)] += 1;
+          }
           owner[size_t(e)][size_t(c)] = t;
           if (t != slow) by_others[size_t(e)].fetch_add(1);
           if (t == slow && first) {
@@ -81,10 +84,13 @@ std::pair<std::vector<std::vector<int>>, std::vector<std::vector<int>>> row_queu
           }
           first = false;
         }
-#pragma omp barrier
+        epoch_barrier(e);
       }
-  }
-  KOG_CHECK(team == n_threads, "row_queue_claims: OpenMP gave ", team, " threads, not ", n_threads);
+  };
+  std::vector<std::thread> threads;
+  for (int t = 1; t < n_threads; ++t) threads.emplace_back(body, t);
+  body(0);
+  for (auto& th : threads) th.join();
   return {owner, count};
 }
 

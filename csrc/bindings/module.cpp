@@ -5,6 +5,7 @@ namespace py = pybind11;
 
 void bind_errors(py::module_& m);
 void bind_info(py::module_& m);
+void bind_thread_pool(py::module_& m);
 void bind_kvcache(py::module_& m);
 void bind_ops(py::module_& m);
 void bind_linear(py::module_& m);
@@ -17,6 +18,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "Kog native core: CPU/GPU kernels and the paged KV allocator";
   bind_errors(m);
   bind_info(m);
+  bind_thread_pool(m);
   bind_kvcache(m);
   bind_ops(m);
   bind_linear(m);

@@ -1,5 +1,5 @@
 // Picks the CPU kernel table for the running CPU. Built with the baseline flags only.
-#include <omp.h>
+#include "cpu/thread_pool.h"
 
 #include <atomic>
 #include <cstdlib>
@@ -90,14 +90,6 @@ void set_isa(const std::string& isa) {
   KOG_CHECK(false, "no CPU kernels named '", isa, "' in this build");
 }
 
-int num_threads() {
-  for (const char* var : {"KOG_NUM_THREADS", "OMP_NUM_THREADS"}) {
-    if (const char* v = std::getenv(var)) {
-      const int n = std::atoi(v);
-      if (n > 0) return n;
-    }
-  }
-  return omp_get_max_threads();
-}
+int num_threads() { return ThreadPool::instance().size(); }
 
 }  // namespace kog::cpu

@@ -6,7 +6,7 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
-#include <omp.h>
+#include "cpu/thread_pool.h"
 
 #include <cstdint>
 #include <cstring>
@@ -86,16 +86,11 @@ static inline float fast_exp(float x) {
 
 // fn(r) for r in [0, n): split over a new parallel region when `parallel` and the caller is not
 // already inside one (the decode executor runs small ops on one thread of its region), else on
-// the calling thread. A nested region, even of one thread, costs ~1.2 us in libgomp: more than
-// the whole op for one decode row.
+// the calling thread as a plain loop (a region costs a wake-up: more than the whole op for one
+// decode row).
 template <typename Fn>
 static inline void for_each_row(int64_t n, bool parallel, Fn&& fn) {
-  if (parallel && !omp_in_parallel()) {
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < n; ++r) fn(r);
-  } else {
-    for (int64_t r = 0; r < n; ++r) fn(r);
-  }
+  parallel_for(n, parallel, fn);
 }
 
 // Sum of the lanes of a native fp32 vector (halving shuffles; AVX2 and AVX-512 builds only).

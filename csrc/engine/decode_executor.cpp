@@ -5,10 +5,10 @@
 #include <cstring>
 #include <limits>
 
-#include <omp.h>
 
 #include "common/errors.h"
 #include "cpu/kernels.h"
+#include "cpu/thread_pool.h"
 
 namespace kog::engine {
 namespace {
@@ -97,7 +97,7 @@ void DecodeExecutor::reserve(int64_t batch) {
   char* aligned = arena_.data() + (64 - reinterpret_cast<uintptr_t>(arena_.data()) % 64) % 64;
   for (int b = 0; b < int(Buffer::kNumBuffers); ++b) base_[b] = aligned + offsets[b];
   scratch_stride_ = batch * max_k;
-  scratch_.assign(size_t(omp_get_max_threads() * scratch_stride_), 0.f);
+  scratch_.assign(size_t(cpu::ThreadPool::instance().size() * scratch_stride_), 0.f);
   capacity_ = batch;
 }
 
@@ -139,7 +139,8 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
   // 0 (as plain loops: for_each_row opens no nested region), and a barrier ends each instruction,
   // which orders every dependency of the schedule. Only attention with enough work for all
   // threads leaves the region, to use the attention kernel's own split (runs_alone).
-  const int n_threads = omp_get_max_threads();
+  cpu::ThreadPool& pool = cpu::ThreadPool::instance();
+  const int n_threads = std::min<int64_t>(pool.size(), int64_t(scratch_.size()) / std::max<int64_t>(1, scratch_stride_));
   for (int64_t i = 0; i < n;) {
     if (runs_alone(program_[i])) {
       exec(program_[i], s);
@@ -148,11 +149,9 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
     }
     int64_t end = i;
     while (end < n && !runs_alone(program_[end])) ++end;
-#pragma omp parallel num_threads(n_threads)
-    {
-      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#pragma omp single
-      if (!row_queue_ || row_queue_->n_threads() != nt) row_queue_ = std::make_unique<cpu::RowQueue>(nt);
+    pool.run(n_threads, [&](int t, int nt) {
+      if (t == 0 && (!row_queue_ || row_queue_->n_threads() != nt)) row_queue_ = std::make_unique<cpu::RowQueue>(nt);
+      pool.barrier();
       for (int64_t j = i; j < end; ++j) {
         const Instruction& ins = program_[j];
         if (ins.op == Opcode::kLinear) {
@@ -160,9 +159,9 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
         } else if (t == 0) {
           exec(ins, s);
         }
-#pragma omp barrier
+        pool.barrier();
       }
-    }
+    });
     i = end;
   }
   epoch_base_ += uint32_t(program_.size());

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "common/errors.h"
+#include "cpu/thread_pool.h"
 
 namespace kog::kv {
 
@@ -34,13 +35,12 @@ void copy_blocks_cpu(const BlockCopyParams& p) {
   const auto* src = static_cast<const uint8_t*>(p.src);
   const int64_t total = p.num_layers * p.n_pairs;
   // NOTE: one (layer, pair) slab per iteration; slabs are disjoint, so any order is correct.
-#pragma omp parallel for schedule(static) if (total * p.slab_bytes >= (int64_t{1} << 20))
-  for (int64_t w = 0; w < total; ++w) {
+  cpu::parallel_for(total, total * p.slab_bytes >= (int64_t{1} << 20), [&](int64_t w) {
     const int64_t layer = w / p.n_pairs, i = w % p.n_pairs;
     const int64_t s = p.pairs[2 * i], d = p.pairs[2 * i + 1];
     std::memcpy(dst + (layer * p.dst_num_blocks + d) * p.slab_bytes,
                 src + (layer * p.src_num_blocks + s) * p.slab_bytes, p.slab_bytes);
-  }
+  });
 }
 
 }  // namespace kog::kv

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from kog.errors import (
+from kog.cpu_threads import configure_openmp
+
+configure_openmp()  # before anything imports torch (libgomp reads its wait policy once)
+
+from kog.errors import (  # noqa: E402
     BackendError,
     EngineDraining,
     EngineStepError,
@@ -14,8 +18,8 @@ from kog.errors import (
     QueueFull,
     UnknownSequence,
 )
-from kog.info import backend_info
-from kog.sampling_params import SamplingParams
+from kog.info import backend_info  # noqa: E402
+from kog.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,10 @@ from typing import Any, Mapping
 import torch
 
 from kog import _C
+from kog.cpu_threads import apply_torch_threads
 from kog.errors import BackendError, InvalidRequest
+
+apply_torch_threads()
 
 # Mirrors kog::DType (csrc/common/dtype.h).
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int32: 3, torch.int64: 4}

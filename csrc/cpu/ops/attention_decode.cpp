@@ -7,7 +7,6 @@
 // all of them. A sequence longer than one partition leaves unnormalized partials (acc, m, l)
 // per row and partition that a second pass merges with a log-sum-exp reduction
 // (FlashDecoding); a short one writes its output directly.
-#include <omp.h>
 
 #include "cpu/ops/attention_common.h"
 
@@ -46,7 +45,8 @@ void split_context(const PagedAttentionParams& p, const int64_t* seqs, int64_t n
     const int64_t s = seqs[x];
     work += int64_t(p.seq_lens[s]) * (qsl ? qsl[s + 1] - qsl[s] : 1) * Hq * D;
   }
-  const int nthreads = work >= kCpuAttentionParallelMinWork && !omp_in_parallel() ? omp_get_max_threads() : 1;
+  ThreadPool& pool = ThreadPool::instance();
+  const int nthreads = work >= kCpuAttentionParallelMinWork && !ThreadPool::in_region() ? pool.size() : 1;
   const int64_t part_tokens = balanced_partition_tokens(p, seqs, n_sel, nthreads);
   // Work list and partial slots: selected sequence x has n_parts partitions (items
   // first_item[x] ..); if more than one, the partials of its row i in partition k are
@@ -141,16 +141,16 @@ void split_context(const PagedAttentionParams& p, const int64_t* seqs, int64_t n
     for (int64_t w = 0; w < n_sel * Hq; ++w) merge_head(w, r.acc);  // row 0 is free now
     return;
   }
-#pragma omp parallel num_threads(nthreads)
-  {
+  // Work items are taken one at a time (dynamic schedule); a barrier between the two loops.
+  std::atomic<int64_t> next_item{0}, next_head{0};
+  pool.run(nthreads, [&](int tid, int) {
     Rows r;
-    const int tid = omp_get_thread_num();
     bind_rows(r, scratch.p + tid * per_thread, max_rows, D, limits.p + tid * max_rows);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < n_items * Hkv; ++w) attend_item(w, r);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < n_sel * Hq; ++w) merge_head(w, r.acc);  // this thread's row 0 is free now
-  }
+    for (int64_t w; (w = next_item.fetch_add(1, std::memory_order_relaxed)) < n_items * Hkv;) attend_item(w, r);
+    pool.barrier();
+    for (int64_t w; (w = next_head.fetch_add(1, std::memory_order_relaxed)) < n_sel * Hq;)
+      merge_head(w, r.acc);  // this thread's row 0 is free now
+  });
 }
 
 }  // namespace

@@ -7,7 +7,6 @@
 // queries fit one tile but whose context spans several partitions (speculative verification,
 // a small chunk after a long prompt) would be one long work item per KV head; it goes to the
 // split-context kernel of attention_decode.cpp instead, which also splits the keys.
-#include <omp.h>
 
 #include "cpu/ops/attention_common.h"
 
@@ -41,20 +40,19 @@ void prefill(const PagedAttentionParams& p, const int64_t* seqs, int64_t n_sel) 
   Scratch<int64_t> item_sel(n_items);
   for (int64_t x = 0; x < n_sel; ++x)
     for (int64_t it = first_item.p[x]; it < first_item.p[x + 1]; ++it) item_sel.p[it] = x;
-  const int nthreads = work >= kParallelMinWork ? omp_get_max_threads() : 1;
+  ThreadPool& pool = ThreadPool::instance();
+  const int nthreads = work >= kParallelMinWork ? pool.size() : 1;
   const int64_t per_thread = rows_scratch(max_rows, D);
   Scratch<float> scratch(nthreads * per_thread);
   Scratch<int64_t> limits(nthreads * max_rows);
   const T* q_base = static_cast<const T*>(p.q);
   T* out_base = static_cast<T*>(p.out);
 
-#pragma omp parallel num_threads(nthreads)
-  {
+  std::atomic<int64_t> next{0};  // work items are taken one at a time (dynamic schedule)
+  pool.run(nthreads, [&](int tid, int) {
     Rows r;
-    const int tid = omp_get_thread_num();
     bind_rows(r, scratch.p + tid * per_thread, max_rows, D, limits.p + tid * max_rows);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < n_items * Hkv; ++w) {
+    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < n_items * Hkv;) {
       // Last tiles first: they see the most keys, so the tail of the loop is the cheap work.
       const int64_t rev = n_items * Hkv - 1 - w;
       const int64_t item = rev / Hkv, kvh = rev % Hkv, x = item_sel.p[item], s = seqs[x];
@@ -73,7 +71,7 @@ void prefill(const PagedAttentionParams& p, const int64_t* seqs, int64_t n_sel) 
         for (int64_t g = 0; g < G; ++g)
           store_row(r, i * G + g, out_base + (q_start + q0 + i) * p.out_stride + (kvh * G + g) * D, D);
     }
-  }
+  });
 }
 
 }  // namespace

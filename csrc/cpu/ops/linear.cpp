@@ -223,9 +223,9 @@ void linear_typed(const LinearParams& p, float* xf) {
   convert_x<T>(p, xf);
   constexpr int64_t kChunk = 16;  // rows per parallel work item
   const int64_t n_chunks = (p.n + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) if (p.n * p.k >= kLinearParallelMin)
-  for (int64_t t = 0; t < n_chunks; ++t)
+  parallel_for(n_chunks, p.n * p.k >= kLinearParallelMin, [&](int64_t t) {
     linear_rows<T>(p, xf, t * kChunk, (t + 1) * kChunk < p.n ? (t + 1) * kChunk : p.n);
+  });
 }
 
 }  // namespace
