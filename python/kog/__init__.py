@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kog.errors import (
     BackendError,
+    ConversationDiverged,
     EngineDraining,
     EngineStepError,
     InvalidOperation,
@@ -12,6 +13,7 @@ from kog.errors import (
     KVCacheFull,
     ModelLoadError,
     QueueFull,
+    SessionClosed,
     UnknownSequence,
 )
 from kog.info import backend_info
@@ -21,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendError",
+    "ConversationDiverged",
     "EngineDraining",
     "EngineStepError",
     "InvalidOperation",
@@ -29,6 +32,7 @@ __all__ = [
     "KogError",
     "ModelLoadError",
     "QueueFull",
+    "SessionClosed",
     "UnknownSequence",
     "LLM",
     "SamplingParams",

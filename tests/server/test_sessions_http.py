@@ -1,6 +1,7 @@
 """/v1/sessions in process over the fake model (turns equal stateless chat, fork, rollback,
-suspend, delete, errors, 409 on a busy session, KV freed), and against a real `kog serve`
-(a disconnect mid-stream aborts the generation and leaves the context as it was)."""
+suspend, delete, errors, 409 on a busy session, KV freed, a delete ends the generation in
+flight), and against a real `kog serve` (a disconnect mid-stream aborts the generation and
+leaves the context as it was)."""
 
 import json
 import threading
@@ -9,9 +10,10 @@ import time
 import httpx
 import pytest
 
+from kog.testing.fake_runner import FakeRunner
 from kog.testing.server_process import API_KEY, ServerProcess, tiny_gguf
 
-from server_helpers import make_engine
+from server_helpers import TOK, make_engine
 
 SYSTEM = [{"role": "system", "content": "You are a weather agent. Call get_weather(city)."},
           {"role": "user", "content": "Weather in Paris?"}]
@@ -143,6 +145,45 @@ def test_a_second_generation_on_a_busy_session_is_409(make_client):
     client.delete(f"/v1/sessions/{sid}")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_deleting_a_session_ends_its_generation_in_flight(make_client, stream):
+    client = make_client(make_engine(FakeRunner(TOK.vocab_size, 256, 4), step_delay=0.02))
+    sid = open_session(client)["id"]
+    answer = {}
+
+    def run():  # at 20 ms a step, 400 tokens take 8 s or more: ending sooner means it was cut
+        answer["r"] = client.post(f"/v1/sessions/{sid}/generate",
+                                  json={**GREEDY, "max_tokens": 400, "stream": stream})
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    engine = client.app.state.kog.engine
+    _wait_for(lambda: info(client, sid)["busy"] and engine.stats()["running"] == 1)
+    assert client.delete(f"/v1/sessions/{sid}").json() == {"id": sid, "object": "session", "deleted": True}
+    worker.join(timeout=3)
+    assert not worker.is_alive(), "the generation's client was left waiting"
+    r = answer["r"]
+    if stream:
+        assert r.status_code == 200
+        events = [e for e in r.text.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][6:])["error"]
+        finishes = [c["finish_reason"] for e in events[:-2] for c in json.loads(e[6:])["choices"]]
+        assert "abort" in finishes and "length" not in finishes
+    else:
+        assert r.status_code == 409
+        error = r.json()["error"]
+        assert error["type"] == "conflict_error"
+    assert error["code"] == "session_closed" and sid in error["message"]
+    assert blocks_used(client) == 0 and engine.stats()["in_flight"] == 0
+    metrics = client.get("/metrics").text
+    assert 'kog_requests_total{finish_reason="abort"} 1.0' in metrics
+    assert 'finish_reason="length"' not in metrics
+    assert client.get(f"/v1/sessions/{sid}").status_code == 404
+    again = open_session(client)["id"]  # the server keeps serving
+    assert generate(client, again)["choices"][0]["finish_reason"] == "length"
+
+
 def test_closing_the_engine_closes_every_session(make_client):
     client = make_client()
     sid = open_session(client)["id"]
@@ -180,6 +221,13 @@ def test_disconnect_mid_stream_leaves_the_context_over_a_real_server(tmp_path):
             assert srv.metric("kog_kv_blocks_used") == 0
     finally:
         srv.stop()
+
+
+def _wait_for(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
 
 
 def _ended(server, reason):

@@ -163,12 +163,13 @@ async def get_session(session_id: str, request: Request) -> SessionInfo:
 
 @router.delete("/v1/sessions/{session_id}", response_model=SessionDeleted, responses=_ERRORS)
 async def delete_session(session_id: str, request: Request) -> SessionDeleted:
-    """Aborts the session's request in flight, frees its KV, unpins its prefix. Deleting an
+    """Ends the session's request in flight at once (its client gets a 409 `session_closed`
+    error, or that error event in its stream), frees its KV, unpins its prefix. Deleting an
     unknown (or already deleted) session is not an error: `deleted` is false."""
     state = get_state(request)
     known = state.sessions.pop(session_id, None) is not None
     if known:
-        await state.engine.call(state.engine.engine.close_session, session_id)
+        await state.engine.close_session(session_id)
     return SessionDeleted(id=session_id, deleted=known)
 
 
@@ -206,7 +207,7 @@ def _completed(out) -> bool:
 
 async def _close_quietly(state: ServerState, session_id: str) -> None:
     try:
-        await state.engine.call(state.engine.engine.close_session, session_id)
+        await state.engine.close_session(session_id)
     except Exception:  # the engine is stopping: it closes every session itself
         pass
 
