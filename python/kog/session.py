@@ -43,15 +43,16 @@ class Session:
         self._messages = copy.deepcopy(messages) if messages is not None else None
         self._tools = tools
         self._chat_kwargs = dict(chat_kwargs or {})
+        self._closed = False
         # NOTE: tokens [0, _rendered) came from chat-template renders; a later render that
         # changes one of them means the template is not incremental (an error, not a fix-up).
         self._rendered = len(self.token_ids)
-        self._closed = False
 
     # ---- public API ---------------------------------------------------------------------------
     @property
     def token_ids(self) -> list[int]:
         """The session's whole context."""
+        self._check_open()
         return self.llm.engine.session_info(self.session_id)["token_ids"]
 
     @property
@@ -149,6 +150,10 @@ class Session:
 
     # ---- internal helpers ---------------------------------------------------------------------
     def _check_open(self) -> None:
+        """Raises InvalidOperation once the session is closed, here or directly in the engine
+        (LLMEngine.close_session, which also aborts its request in flight)."""
+        if not self._closed and not self.llm.engine.has_session(self.session_id):
+            self._closed = True
         if self._closed:
             raise InvalidOperation(f"session {self.session_id!r} is closed")
 

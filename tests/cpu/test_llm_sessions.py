@@ -84,6 +84,22 @@ def test_token_sessions_fork_rollback_and_close():
     assert llm.engine.kv.stats()["blocks_used"] == 0 and llm.engine.kv.stats()["num_sequences"] == 0
 
 
+def test_a_session_closed_in_the_engine_while_its_request_runs_reads_as_closed():
+    llm = make_llm()
+    s = llm.session(messages=SYSTEM)
+    llm.engine.session_generate(s.session_id, "t", kog.SamplingParams(max_tokens=40, ignore_eos=True))
+    llm.engine.step()
+    llm.engine.close_session(s.session_id)  # e.g. the server's DELETE, between two steps
+    out = llm.engine.get_output("t")
+    assert out.finished and out.outputs[0].finish_reason == "abort" and not llm.engine.has_unfinished()
+    for use in (lambda: s.generate(GREEDY), lambda: s.token_ids, lambda: s.append(messages=SYSTEM), lambda: s.fork(1)):
+        with pytest.raises(kog.InvalidOperation, match="closed"):
+            use()
+    s.close()  # idempotent
+    assert llm.engine.kv.stats()["blocks_used"] == 0 and llm.engine.kv.stats()["blocks_pinned"] == 0
+    assert llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)[0].outputs[0].finish_reason == "length"
+
+
 def test_session_arguments_are_checked():
     llm = make_llm()
     with pytest.raises(kog.InvalidRequest, match="exactly one"):
