@@ -40,6 +40,24 @@ def test_chat_session_turns_equal_stateless_chat_and_render_exact_tokens():
     assert llm.engine.kv.stats()["blocks_used"] == 0 and llm.engine.kv.stats()["blocks_pinned"] == 0
 
 
+def test_append_takes_the_whole_conversation_and_adds_only_the_new_messages():
+    llm = make_llm()
+    tool = [{"role": "tool", "content": '{"city": "Paris", "temp": 21}'}]
+    with llm.session(messages=SYSTEM) as a, llm.session(messages=SYSTEM) as b:
+        reply = {"role": "assistant", "content": a.generate(GREEDY).outputs[0].text}
+        b.generate(GREEDY)
+        a.append(messages=tool)
+        b.append(messages=[{**SYSTEM[0], "content": [{"type": "text", "text": SYSTEM[0]["content"]}]}, reply] + tool)
+        assert b.token_ids == a.token_ids and b.messages == a.messages == SYSTEM + [reply] + tool
+        with pytest.raises(kog.ConversationDiverged, match="message 1 differs"):
+            b.append(messages=SYSTEM + [{"role": "assistant", "content": "no"}] + tool)
+        with pytest.raises(kog.ConversationDiverged, match="fewer"):
+            b.append(messages=SYSTEM)
+        with pytest.raises(kog.InvalidRequest, match="no new message"):
+            b.append(messages=b.messages)
+        assert b.token_ids == a.token_ids
+
+
 def test_a_template_that_rewrites_earlier_tokens_is_a_clear_error():
     counting = ChatTemplate("{{ messages|length }} turns\n" + CHATML_TEMPLATE)
     llm = make_llm(counting)
