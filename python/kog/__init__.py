@@ -8,6 +8,7 @@ configure_openmp()  # before anything imports torch (libgomp reads its wait poli
 
 from kog.errors import (  # noqa: E402
     BackendError,
+    ConversationDiverged,
     EngineDraining,
     EngineStepError,
     InvalidOperation,
@@ -16,6 +17,7 @@ from kog.errors import (  # noqa: E402
     KVCacheFull,
     ModelLoadError,
     QueueFull,
+    SessionClosed,
     UnknownSequence,
 )
 from kog.info import backend_info  # noqa: E402
@@ -25,6 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendError",
+    "ConversationDiverged",
     "EngineDraining",
     "EngineStepError",
     "InvalidOperation",
@@ -33,6 +36,7 @@ __all__ = [
     "KogError",
     "ModelLoadError",
     "QueueFull",
+    "SessionClosed",
     "UnknownSequence",
     "LLM",
     "SamplingParams",

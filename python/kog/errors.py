@@ -26,6 +26,15 @@ class InvalidOperation(KogError):
     """An operation not allowed in the object's current state (e.g. appending to a suspended sequence)."""
 
 
+class SessionClosed(InvalidOperation):
+    """The session was closed while this request ran on it (HTTP 409 `session_closed`)."""
+
+
+class ConversationDiverged(InvalidOperation):
+    """A conversation sent to a session's append starts like the session's but differs from it
+    (HTTP 409 `conversation_diverged`); docs/SESSIONS.md says what counts as the same."""
+
+
 class ModelLoadError(KogError):
     """A checkpoint cannot be loaded: missing or misshapen tensor, corrupt file, unknown architecture."""
 
@@ -48,6 +57,7 @@ class EngineStepError(KogError, RuntimeError):
 
 __all__ = [
     "BackendError",
+    "ConversationDiverged",
     "EngineDraining",
     "EngineStepError",
     "InvalidOperation",
@@ -56,5 +66,6 @@ __all__ = [
     "KogError",
     "ModelLoadError",
     "QueueFull",
+    "SessionClosed",
     "UnknownSequence",
 ]

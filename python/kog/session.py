@@ -8,9 +8,10 @@
         branches = s.fork(3)                                    # KV shared copy-on-write
 
 A session opened with messages is in chat mode: generate() records the output as an assistant
-message and append(messages=...) adds exactly the tokens the chat template produces for the
-whole conversation (checked against a full render every time). Token-level appends and
-rollbacks leave chat mode. Semantics and memory policy: docs/SESSIONS.md.
+message and append(messages=...) takes the new messages or the whole conversation
+(kog.conversation) and adds exactly the tokens the chat template produces for the whole
+conversation (checked against a full render every time). Token-level appends and rollbacks
+leave chat mode. Semantics and memory policy: docs/SESSIONS.md.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any
 
+from kog.conversation import appended_messages
 from kog.engine import RequestOutput
 from kog.errors import InvalidOperation, InvalidRequest
 from kog.sampling_params import SamplingParams
@@ -43,15 +45,16 @@ class Session:
         self._messages = copy.deepcopy(messages) if messages is not None else None
         self._tools = tools
         self._chat_kwargs = dict(chat_kwargs or {})
+        self._closed = False
         # NOTE: tokens [0, _rendered) came from chat-template renders; a later render that
         # changes one of them means the template is not incremental (an error, not a fix-up).
         self._rendered = len(self.token_ids)
-        self._closed = False
 
     # ---- public API ---------------------------------------------------------------------------
     @property
     def token_ids(self) -> list[int]:
         """The session's whole context."""
+        self._check_open()
         return self.llm.engine.session_info(self.session_id)["token_ids"]
 
     @property
@@ -78,9 +81,15 @@ class Session:
     def append(self, messages: list[dict[str, Any]] | None = None, token_ids: list[int] | None = None) -> None:
         """Adds a tool result / the next turn: messages (chat mode) or raw token ids.
 
+        Args:
+            messages: the new messages, or the whole conversation (s.messages followed by the
+                new ones; only those are appended). kog.conversation says which is which.
+            token_ids: raw tokens (leaves chat mode).
         Raises:
-            InvalidRequest: both or neither given; messages outside chat mode; a chat template
-                whose render of the whole conversation changes tokens already in the context.
+            InvalidRequest: both or neither given; messages outside chat mode; no new message;
+                a chat template whose render of the whole conversation changes tokens already
+                in the context.
+            ConversationDiverged: messages read as the whole conversation differ from s.messages.
         """
         self._check_open()
         if (messages is None) == (token_ids is None):
@@ -92,7 +101,7 @@ class Session:
         if self._messages is None:
             raise InvalidRequest("append(messages=...) needs a session opened with messages "
                                  "(and no token-level append or rollback since)")
-        conversation = self._messages + copy.deepcopy(list(messages))
+        conversation = self._messages + copy.deepcopy(appended_messages(self._messages, list(messages)))
         full = self.llm.encode_chat(conversation, self._tools, True, self._chat_kwargs)
         append_render(self.llm.engine, self.session_id, full, self._rendered)
         self._messages = conversation
@@ -149,6 +158,10 @@ class Session:
 
     # ---- internal helpers ---------------------------------------------------------------------
     def _check_open(self) -> None:
+        """Raises InvalidOperation once the session is closed, here or directly in the engine
+        (LLMEngine.close_session, which also aborts its request in flight)."""
+        if not self._closed and not self.llm.engine.has_session(self.session_id):
+            self._closed = True
         if self._closed:
             raise InvalidOperation(f"session {self.session_id!r} is closed")
 

@@ -40,6 +40,24 @@ def test_chat_session_turns_equal_stateless_chat_and_render_exact_tokens():
     assert llm.engine.kv.stats()["blocks_used"] == 0 and llm.engine.kv.stats()["blocks_pinned"] == 0
 
 
+def test_append_takes_the_whole_conversation_and_adds_only_the_new_messages():
+    llm = make_llm()
+    tool = [{"role": "tool", "content": '{"city": "Paris", "temp": 21}'}]
+    with llm.session(messages=SYSTEM) as a, llm.session(messages=SYSTEM) as b:
+        reply = {"role": "assistant", "content": a.generate(GREEDY).outputs[0].text}
+        b.generate(GREEDY)
+        a.append(messages=tool)
+        b.append(messages=[{**SYSTEM[0], "content": [{"type": "text", "text": SYSTEM[0]["content"]}]}, reply] + tool)
+        assert b.token_ids == a.token_ids and b.messages == a.messages == SYSTEM + [reply] + tool
+        with pytest.raises(kog.ConversationDiverged, match="message 1 differs"):
+            b.append(messages=SYSTEM + [{"role": "assistant", "content": "no"}] + tool)
+        with pytest.raises(kog.ConversationDiverged, match="fewer"):
+            b.append(messages=SYSTEM)
+        with pytest.raises(kog.InvalidRequest, match="no new message"):
+            b.append(messages=b.messages)
+        assert b.token_ids == a.token_ids
+
+
 def test_a_template_that_rewrites_earlier_tokens_is_a_clear_error():
     counting = ChatTemplate("{{ messages|length }} turns\n" + CHATML_TEMPLATE)
     llm = make_llm(counting)
@@ -82,6 +100,22 @@ def test_token_sessions_fork_rollback_and_close():
     with pytest.raises(kog.InvalidOperation, match="closed"):
         s.generate(GREEDY)
     assert llm.engine.kv.stats()["blocks_used"] == 0 and llm.engine.kv.stats()["num_sequences"] == 0
+
+
+def test_a_session_closed_in_the_engine_while_its_request_runs_reads_as_closed():
+    llm = make_llm()
+    s = llm.session(messages=SYSTEM)
+    llm.engine.session_generate(s.session_id, "t", kog.SamplingParams(max_tokens=40, ignore_eos=True))
+    llm.engine.step()
+    llm.engine.close_session(s.session_id)  # e.g. the server's DELETE, between two steps
+    out = llm.engine.get_output("t")
+    assert out.finished and out.outputs[0].finish_reason == "abort" and not llm.engine.has_unfinished()
+    for use in (lambda: s.generate(GREEDY), lambda: s.token_ids, lambda: s.append(messages=SYSTEM), lambda: s.fork(1)):
+        with pytest.raises(kog.InvalidOperation, match="closed"):
+            use()
+    s.close()  # idempotent
+    assert llm.engine.kv.stats()["blocks_used"] == 0 and llm.engine.kv.stats()["blocks_pinned"] == 0
+    assert llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)[0].outputs[0].finish_reason == "length"
 
 
 def test_session_arguments_are_checked():

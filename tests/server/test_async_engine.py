@@ -82,6 +82,32 @@ def test_cancelled_consumer_aborts_and_frees_kv():
     assert stats["in_flight"] == 0 and stats["kv"]["blocks_used"] == 0
 
 
+def test_closing_a_session_ends_its_request_in_flight_with_session_closed():
+    async def main():
+        engine = AsyncEngine(make_engine(step_delay=0.005))
+        async for _ in await engine.open_session("s", PROMPT):
+            pass
+        stream = await engine.add_session_request("s", params(200))
+        first = await stream.__anext__()
+        assert not first.finished and engine.stats()["kv"]["blocks_used"] > 0
+        assert await engine.close_session("s") is True
+        rest = []
+        with pytest.raises(kog.SessionClosed, match="'s' was closed"):
+            async for u in stream:
+                rest.append(u)
+        assert rest[-1].finished and rest[-1].output.outputs[0].finish_reason == "abort"
+        assert not any(u.finished for u in rest[:-1]) and len(rest[-1].output.outputs[0].token_ids) < 200
+        assert await engine.close_session("s") is False  # already gone
+        stats = engine.stats()
+        after = [u async for u in engine.generate(PROMPT, params(4))][-1].output  # still serving
+        await engine.shutdown()
+        return stats, after
+
+    stats, after = run(main())
+    assert stats["in_flight"] == 0 and stats["kv"]["blocks_used"] == 0 and stats["kv"]["blocks_pinned"] == 0
+    assert len(after.outputs[0].token_ids) == 4
+
+
 def test_invalid_request_raises_at_submission():
     async def main():
         engine = AsyncEngine(make_engine())
@@ -104,6 +130,27 @@ def test_waiting_queue_limit_raises_queue_full():
             await asyncio.sleep(0.01)
         with pytest.raises(kog.QueueFull):
             await engine.add_request(PROMPT, params())
+        for s in streams:
+            s.close()
+        await engine.shutdown()
+
+    run(main())
+
+
+def test_a_batch_is_queued_whole_or_not_at_all():
+    async def main():
+        engine = AsyncEngine(make_engine(step_delay=0.005, max_num_seqs=1), max_waiting=2)
+        with pytest.raises(kog.InvalidRequest, match="empty"):
+            await engine.add_requests([PROMPT, PROMPT, []], params(64), ["a", "b", "c"])
+        assert engine.stats()["in_flight"] == 0 and engine.stats()["kv"]["blocks_used"] == 0
+        # checked once: a batch larger than max_waiting is queued whole while the queue has room
+        streams = await engine.add_requests([PROMPT] * 4, params(64), ["a", "b", "c", "d"])
+        for _ in range(100):
+            if engine.stats()["waiting"] == 3:
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(kog.QueueFull):
+            await engine.add_requests([PROMPT], params(), ["e"])
         for s in streams:
             s.close()
         await engine.shutdown()

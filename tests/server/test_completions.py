@@ -1,10 +1,15 @@
 """/v1/completions, /v1/models, /health and /metrics in process over the fake model."""
 
+import asyncio
 import json
 import re
+import time
+
+import pytest
 
 import kog
 from kog.llm import LLM
+from kog.testing.fake_runner import FakeRunner
 
 from server_helpers import TOK, make_engine
 
@@ -109,3 +114,94 @@ def test_extra_routers_plug_in_with_state_and_auth():
         assert "/v1/sessions" in client.get("/openapi.json").json()["paths"]
     finally:
         engine.close()
+
+
+def counted_engine(step_delay=0.0, **config):
+    """An engine over a large fake KV pool that records (running, waiting) after each step."""
+    engine = make_engine(FakeRunner(TOK.vocab_size, 1024, 4), step_delay, **config)
+    steps = []
+    step = engine.step
+
+    def counted():
+        out = step()
+        steps.append((len(engine.scheduler.running), len(engine.scheduler.waiting)))
+        return out
+
+    engine.step = counted
+    return engine, steps
+
+
+def distinct_prompts(n):
+    return [[5 + i, 6 + i, 7 + i, 8 + i, 9 + i] for i in range(n)]
+
+
+@pytest.mark.parametrize("n,first_step", [(12, (12, 0)), (24, (16, 8))])
+def test_a_list_of_prompts_is_admitted_in_one_step(make_client, n, first_step):
+    engine, steps = counted_engine(max_num_seqs=16)
+    client = make_client(engine)
+    body = complete(client, prompt=distinct_prompts(n), max_tokens=4, ignore_eos=True).json()
+    assert len(body["choices"]) == n and body["usage"]["completion_tokens"] == 4 * n
+    assert steps[0] == first_step  # every prompt was queued before the first step: it admits all that fit
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_leaving_a_list_of_prompts_aborts_every_one(make_client, stream):
+    n = 40
+    engine, steps = counted_engine(step_delay=0.01, max_num_seqs=16)
+    client = make_client(engine)
+    left_at: list[int] = []
+    body = {"model": "kog", "prompt": distinct_prompts(n), "max_tokens": 200, "ignore_eos": True, "stream": stream}
+
+    async def main():
+        leave = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        inner = engine.step
+
+        def step_then_maybe_leave():
+            out = inner()
+            if len(steps) == 3:  # some prompts are running: the client goes away
+                left_at.append(len(steps))
+                loop.call_soon_threadsafe(leave.set)
+            return out
+
+        engine.step = step_then_maybe_leave
+        return await call_asgi(client.app, "/v1/completions", body, leave)
+
+    sent = asyncio.run(asyncio.wait_for(main(), 60))
+    status = sent[0]["status"]
+    assert status == (200 if stream else 499)
+    stats = client.app.state.kog.engine.stats
+    deadline = time.monotonic() + 10
+    while stats()["in_flight"] or stats()["running"] or stats()["waiting"]:
+        assert time.monotonic() < deadline, stats()
+        time.sleep(0.01)
+    assert stats()["kv"]["blocks_used"] == 0
+    # Every prompt was queued at once, so the aborts land within a step or two of the client
+    # leaving (one prompt per step would queue the other 37 first, a step each).
+    assert len(steps) - left_at[0] <= 3, (len(steps), left_at)
+    assert f'kog_requests_total{{finish_reason="abort"}} {float(n)}' in client.get("/metrics").text
+
+
+async def call_asgi(app, path, body, leave: asyncio.Event) -> list[dict]:
+    """POSTs body to the app as an ASGI server would; the client disconnects once `leave` is set.
+    Returns the messages the app sent."""
+    data = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"test"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(data)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("test", 80)}
+    pending = [{"type": "http.request", "body": data, "more_body": False}]
+    sent = []
+
+    async def receive():
+        if pending:
+            return pending.pop()
+        await leave.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent

@@ -1,6 +1,7 @@
 """/v1/sessions in process over the fake model (turns equal stateless chat, fork, rollback,
-suspend, delete, errors, 409 on a busy session, KV freed), and against a real `kog serve`
-(a disconnect mid-stream aborts the generation and leaves the context as it was)."""
+suspend, delete, errors, 409 on a busy session, KV freed, a delete ends the generation in
+flight), and against a real `kog serve` (a disconnect mid-stream aborts the generation and
+leaves the context as it was)."""
 
 import json
 import threading
@@ -9,9 +10,10 @@ import time
 import httpx
 import pytest
 
+from kog.testing.fake_runner import FakeRunner
 from kog.testing.server_process import API_KEY, ServerProcess, tiny_gguf
 
-from server_helpers import make_engine
+from server_helpers import TOK, ScriptedRunner, make_engine
 
 SYSTEM = [{"role": "system", "content": "You are a weather agent. Call get_weather(city)."},
           {"role": "user", "content": "Weather in Paris?"}]
@@ -143,6 +145,95 @@ def test_a_second_generation_on_a_busy_session_is_409(make_client):
     client.delete(f"/v1/sessions/{sid}")
 
 
+def test_append_takes_the_whole_conversation_and_adds_only_the_new_messages(client):
+    sids = [open_session(client)["id"] for _ in range(3)]
+    replies = [generate(client, sid)["choices"][0]["message"] for sid in sids]
+    client.post(f"/v1/sessions/{sids[0]}/append", json={"messages": TOOL})  # only the new message
+    whole = SYSTEM + [replies[1]] + TOOL  # the conversation as the client holds it
+    r = client.post(f"/v1/sessions/{sids[1]}/append", json={"messages": whole})
+    assert r.status_code == 200, r.text
+    from_get = info(client, sids[2])["messages"] + TOOL  # the server's copy of it
+    assert client.post(f"/v1/sessions/{sids[2]}/append", json={"messages": from_get}).status_code == 200
+    assert info(client, sids[1])["token_ids"] == info(client, sids[0])["token_ids"] == info(client, sids[2])["token_ids"]
+    assert info(client, sids[1])["messages"] == info(client, sids[0])["messages"]
+    assert r.json()["num_tokens"] == info(client, sids[0])["num_tokens"]
+
+
+@pytest.mark.parametrize("messages,status,code", [
+    ([SYSTEM[0], {"role": "user", "content": "Weather in Rome?"}, {"role": "assistant", "content": "x"}] + TOOL,
+     409, "conversation_diverged"),  # the same first message, then a different one
+    ([{"role": "system", "content": "You are a chef."}] + SYSTEM[1:] + TOOL, 409, "conversation_diverged"),
+    (SYSTEM, 409, "conversation_diverged"),  # shorter than the session's conversation
+    ("session", 400, None),  # the session's own conversation: nothing new
+])
+def test_append_of_a_conversation_that_diverges_is_409_and_changes_nothing(client, messages, status, code):
+    sid = open_session(client)["id"]
+    generate(client, sid)
+    before = info(client, sid)
+    if messages == "session":
+        messages = before["messages"]
+    r = client.post(f"/v1/sessions/{sid}/append", json={"messages": messages})
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code and r.json()["error"]["param"] == "messages"
+    assert info(client, sid) == before
+
+
+def test_append_matches_a_tool_call_reply_in_the_form_the_api_returned_it(make_client):
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+    client = make_client(make_engine(ScriptedRunner(TOK.encode(call), TOK.eos_token_id)))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    sids = [open_session(client, messages=SYSTEM, tools=tools)["id"] for _ in range(2)]
+    replies = [generate(client, sid, max_tokens=64, ignore_eos=False)["choices"][0] for sid in sids]
+    assert replies[0]["finish_reason"] == "tool_calls" and replies[0]["message"]["content"] is None
+    reply = replies[1]["message"]
+    args = json.loads(reply["tool_calls"][0]["function"]["arguments"])
+    reply["tool_calls"][0]["function"]["arguments"] = json.dumps(dict(reversed(args.items())))  # same JSON
+    tool = [{"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": '{"temp": 21}'}]
+    client.post(f"/v1/sessions/{sids[0]}/append", json={"messages": tool})
+    r = client.post(f"/v1/sessions/{sids[1]}/append", json={"messages": SYSTEM + [reply] + tool})
+    assert r.status_code == 200, r.text
+    assert info(client, sids[1])["token_ids"] == info(client, sids[0])["token_ids"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_deleting_a_session_ends_its_generation_in_flight(make_client, stream):
+    client = make_client(make_engine(FakeRunner(TOK.vocab_size, 256, 4), step_delay=0.02))
+    sid = open_session(client)["id"]
+    answer = {}
+
+    def run():  # at 20 ms a step, 400 tokens take 8 s or more: ending sooner means it was cut
+        answer["r"] = client.post(f"/v1/sessions/{sid}/generate",
+                                  json={**GREEDY, "max_tokens": 400, "stream": stream})
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    engine = client.app.state.kog.engine
+    _wait_for(lambda: info(client, sid)["busy"] and engine.stats()["running"] == 1)
+    assert client.delete(f"/v1/sessions/{sid}").json() == {"id": sid, "object": "session", "deleted": True}
+    worker.join(timeout=3)
+    assert not worker.is_alive(), "the generation's client was left waiting"
+    r = answer["r"]
+    if stream:
+        assert r.status_code == 200
+        events = [e for e in r.text.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][6:])["error"]
+        finishes = [c["finish_reason"] for e in events[:-2] for c in json.loads(e[6:])["choices"]]
+        assert "abort" in finishes and "length" not in finishes
+    else:
+        assert r.status_code == 409
+        error = r.json()["error"]
+        assert error["type"] == "conflict_error"
+    assert error["code"] == "session_closed" and sid in error["message"]
+    assert blocks_used(client) == 0 and engine.stats()["in_flight"] == 0
+    metrics = client.get("/metrics").text
+    assert 'kog_requests_total{finish_reason="abort"} 1.0' in metrics
+    assert 'finish_reason="length"' not in metrics
+    assert client.get(f"/v1/sessions/{sid}").status_code == 404
+    again = open_session(client)["id"]  # the server keeps serving
+    assert generate(client, again)["choices"][0]["finish_reason"] == "length"
+
+
 def test_closing_the_engine_closes_every_session(make_client):
     client = make_client()
     sid = open_session(client)["id"]
@@ -180,6 +271,13 @@ def test_disconnect_mid_stream_leaves_the_context_over_a_real_server(tmp_path):
             assert srv.metric("kog_kv_blocks_used") == 0
     finally:
         srv.stop()
+
+
+def _wait_for(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
 
 
 def _ended(server, reason):

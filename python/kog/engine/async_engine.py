@@ -25,16 +25,18 @@ from typing import Any, AsyncIterator, Callable, Sequence as Seq
 from kog.engine.engine import LLMEngine
 from kog.engine.outputs import StreamDelta
 from kog.engine.request_stream import END, RequestStream, RequestUpdate
-from kog.errors import EngineDraining, EngineStepError, QueueFull
+from kog.errors import EngineDraining, EngineStepError, QueueFull, SessionClosed
 from kog.sampling_params import SamplingParams
 
 log = logging.getLogger("kog.engine")
 
 @dataclass
 class _Add:
-    request_id: str
-    submit: Callable[[LLMEngine], Any]  # queues the request in the engine (add_request, session_generate, ...)
-    stream: RequestStream
+    """Requests queued in the engine together, all or none (one loop iteration, before a step)."""
+
+    request_ids: list[str]
+    submits: list[Callable[[LLMEngine], Any]]  # each queues one request (add_request, session_generate, ...)
+    streams: list[RequestStream]
     accepted: asyncio.Future = field(repr=False)
     silent: bool = False  # prefill-only: produces no stream delta
 
@@ -56,7 +58,9 @@ class AsyncEngine:
 
     Args:
         engine: the engine to drive; from now on only the loop thread may call it.
-        max_waiting: most requests queued and not yet running; one more raises QueueFull.
+        max_waiting: most requests queued and not yet running; one more raises QueueFull. A
+            batch (add_requests) is checked once: refused when the queue is full, else queued
+            whole, even past the limit.
     """
 
     def __init__(self, engine: LLMEngine, max_waiting: int = 256) -> None:
@@ -90,8 +94,23 @@ class AsyncEngine:
             EngineStepError: the engine failed earlier and cannot run anything.
         """
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        ids = list(prompt_token_ids)
-        return await self._submit(rid, lambda e: e.add_request(rid, ids, params, prompt, priority))
+        return (await self.add_requests([prompt_token_ids], params, [rid], priority, [prompt]))[0]
+
+    async def add_requests(self, prompts: Seq[Seq[int]], params: SamplingParams, request_ids: Seq[str],
+                           priority: int = 0, texts: Seq[str | None] | None = None) -> list[RequestStream]:
+        """Queues one request per prompt, all in the same loop iteration: they are all in the
+        engine before its next step, which admits as many as its budget allows. All or none:
+        when one is refused, none stays queued.
+
+        Returns:
+            The requests' streams, in the order of prompts.
+        Raises:
+            As add_request (the first refusal).
+        """
+        items = []
+        for rid, ids, text in zip(request_ids, [list(p) for p in prompts], texts or [None] * len(prompts), strict=True):
+            items.append((rid, lambda e, rid=rid, ids=ids, text=text: e.add_request(rid, ids, params, text, priority)))
+        return await self._submit(items)
 
     async def add_session_request(self, session_id: str, params: SamplingParams | None, request_id: str | None = None,
                                   priority: int = 0) -> RequestStream:
@@ -101,15 +120,26 @@ class AsyncEngine:
         session has a request in flight)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if params is None:
-            return await self._submit(rid, lambda e: e.prefill_session(session_id, rid, priority), silent=True)
-        return await self._submit(rid, lambda e: e.session_generate(session_id, rid, params, priority))
+            return (await self._submit([(rid, lambda e: e.prefill_session(session_id, rid, priority))], True))[0]
+        return (await self._submit([(rid, lambda e: e.session_generate(session_id, rid, params, priority))]))[0]
 
     async def open_session(self, session_id: str, prompt_token_ids: Seq[int], pin: bool = True,
                            priority: int = 0) -> RequestStream:
         """LLMEngine.open_session; the stream ends when the prefix's KV is computed."""
         ids = list(prompt_token_ids)
-        return await self._submit(f"session-open:{session_id}", lambda e: e.open_session(session_id, ids, pin, priority),
-                                  silent=True)
+        open_ = (f"session-open:{session_id}", lambda e: e.open_session(session_id, ids, pin, priority))
+        return (await self._submit([open_], silent=True))[0]
+
+    async def close_session(self, session_id: str) -> bool:
+        """LLMEngine.close_session; the session's request in flight ends at once: its stream
+        gets a last update (finish_reason "abort", its KV freed) then raises SessionClosed.
+
+        Returns:
+            False when no session has this id (closing is idempotent).
+        Raises:
+            EngineDraining, EngineStepError: as call().
+        """
+        return await self.call(self._close_session, session_id)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs fn(*args) on the loop thread between two steps (any LLMEngine method, or a
@@ -125,23 +155,27 @@ class AsyncEngine:
             self._wake.notify()
         return await call.done
 
-    async def _submit(self, rid: str, submit: Callable[[LLMEngine], Any], silent: bool = False) -> RequestStream:
+    async def _submit(self, items: list[tuple[str, Callable[[LLMEngine], Any]]],
+                      silent: bool = False) -> list[RequestStream]:
+        """Queues (request id, submit) pairs as one _Add command; returns their streams once accepted."""
         loop = asyncio.get_running_loop()
-        stream = RequestStream(rid, loop, self.abort)
-        add = _Add(rid, submit, stream, loop.create_future(), silent)
+        rids = [rid for rid, _ in items]
+        add = _Add(rids, [submit for _, submit in items], [RequestStream(rid, loop, self.abort) for rid in rids],
+                   loop.create_future(), silent)
         with self._wake:
             self._check_accepting()
             if self._pending_adds + self._stats["waiting"] >= self.max_waiting:
                 raise QueueFull(f"{self.max_waiting} requests are already waiting; retry later")
-            self._pending_adds += 1
+            self._pending_adds += len(rids)
             self._commands.append(add)
             self._wake.notify()
         try:
             await add.accepted
         except asyncio.CancelledError:
-            self.abort(rid)  # commands run in order: this abort comes after the add
+            for rid in rids:  # commands run in order: these aborts come after the add
+                self.abort(rid)
             raise
-        return stream
+        return add.streams
 
     async def generate(self, prompt_token_ids: Seq[int], params: SamplingParams, request_id: str | None = None,
                        priority: int = 0, prompt: str | None = None) -> AsyncIterator[RequestUpdate]:
@@ -251,24 +285,43 @@ class AsyncEngine:
             except Exception as e:
                 self._outbox.append((cmd.done, e))
         elif isinstance(cmd, _Add):
-            with self._wake:
-                self._pending_adds -= 1
-            try:
-                if self._dead is not None:
-                    raise self._dead
-                cmd.submit(self.engine)
-            except Exception as e:  # delivered to the submitter, who raises it
-                self._outbox.append((cmd.accepted, e))
-                return
-            self._streams[cmd.request_id] = cmd.stream
-            if cmd.silent:
-                self._silent.add(cmd.request_id)
-            self._outbox.append((cmd.accepted, None))
+            self._apply_add(cmd)
         elif cmd[0] == "abort" and cmd[1] in self._streams:
             self._finish(cmd[1], abort=True)
         elif cmd[0] == "abort_all":
             for rid in list(self._streams):
                 self._finish(rid, abort=True)
+
+    def _apply_add(self, cmd: _Add) -> None:
+        with self._wake:
+            self._pending_adds -= len(cmd.request_ids)
+        queued: list[str] = []
+        try:
+            if self._dead is not None:
+                raise self._dead
+            for rid, submit in zip(cmd.request_ids, cmd.submits):
+                submit(self.engine)
+                queued.append(rid)
+        except Exception as e:  # delivered to the submitter, who raises it
+            for rid in queued:  # all or none
+                self.engine.release(rid)
+            self._outbox.append((cmd.accepted, e))
+            return
+        for rid, stream in zip(cmd.request_ids, cmd.streams):
+            self._streams[rid] = stream
+            if cmd.silent:
+                self._silent.add(rid)
+        self._outbox.append((cmd.accepted, None))
+
+    def _close_session(self, session_id: str) -> bool:
+        session = self.engine.sessions.sessions.get(session_id)
+        if session is None:
+            return False
+        if session.request_id in self._streams:
+            self._finish(session.request_id, abort=True,
+                         error=SessionClosed(f"session {session_id!r} was closed while this request ran on it"))
+        self.engine.close_session(session_id)
+        return True
 
     def _step(self) -> None:
         try:
@@ -292,15 +345,16 @@ class AsyncEngine:
             if out.finished:
                 self._finish(rid, abort=False)
 
-    def _finish(self, rid: str, abort: bool) -> None:
-        """Ends a request: aborts it when asked (KV freed now), forgets it, closes its stream."""
+    def _finish(self, rid: str, abort: bool, error: Exception | None = None) -> None:
+        """Ends a request: aborts it when asked (KV freed now), forgets it, closes its stream
+        (with `error` raised to its reader after the last update, when one is given)."""
         stream = self._streams.pop(rid)
         self._silent.discard(rid)
         if abort:
             self.engine.abort(rid)
             self._outbox.append((stream, RequestUpdate([], self.engine.get_output(rid))))
         self.engine.release(rid)
-        self._outbox.append((stream, END))
+        self._outbox.append((stream, END if error is None else error))
 
     def _close_sessions(self) -> None:
         for sid in list(self.engine.sessions.sessions):

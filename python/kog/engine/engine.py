@@ -160,6 +160,10 @@ class LLMEngine:
         """Aborts the session's request in flight, frees its KV and unpins its prefix."""
         self.sessions.close(session_id)
 
+    def has_session(self, session_id: str) -> bool:
+        """Whether a session with this id is open."""
+        return session_id in self.sessions.sessions
+
     def session_info(self, session_id: str) -> dict:
         """token_ids, num_computed (tokens with KV), kv_state, pinned_tokens, request_id."""
         return self.sessions.info(session_id)

@@ -8,6 +8,9 @@
 | prompt (+ max_tokens) over the context         | 400    | invalid_request_error / context_length_exceeded |
 | missing or wrong API key                       | 401    | authentication_error / invalid_api_key    |
 | unknown model, unknown path                    | 404    | not_found_error / model_not_found         |
+| session busy (kog.InvalidOperation)            | 409    | conflict_error                            |
+| session deleted under a request (SessionClosed)| 409    | conflict_error / session_closed           |
+| append diverges (kog.ConversationDiverged)     | 409    | conflict_error / conversation_diverged    |
 | body over the size limit                       | 413    | invalid_request_error / request_too_large |
 | waiting queue full (kog.QueueFull)             | 429    | rate_limit_error, with Retry-After        |
 | shutting down (kog.EngineDraining)             | 503    | service_unavailable                       |
@@ -24,7 +27,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kog.errors import EngineDraining, EngineStepError, InvalidOperation, InvalidRequest, QueueFull
+from kog.errors import (ConversationDiverged, EngineDraining, EngineStepError, InvalidOperation, InvalidRequest,
+                        QueueFull, SessionClosed)
 from kog.server.responses import ErrorDetail, ErrorResponse
 
 log = logging.getLogger("kog.server")
@@ -70,6 +74,10 @@ def to_api_error(exc: BaseException, retry_after_s: int = 1) -> APIError:
         return exc
     if isinstance(exc, InvalidRequest):
         return APIError(400, str(exc), param=_param_of(str(exc)))
+    if isinstance(exc, SessionClosed):
+        return APIError(409, str(exc), code="session_closed")
+    if isinstance(exc, ConversationDiverged):
+        return APIError(409, str(exc), param="messages", code="conversation_diverged")
     if isinstance(exc, InvalidOperation):  # e.g. a session that has a request in flight
         return APIError(409, str(exc))
     if isinstance(exc, QueueFull):

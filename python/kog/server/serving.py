@@ -62,17 +62,17 @@ class Generation:
 
     async def start(self, prompts: list[list[int]], params: SamplingParams, request_id: str, priority: int,
                     texts: list[str | None] | None = None) -> None:
-        """Submits one engine request per prompt; on any refusal the ones already queued are aborted.
+        """Submits one engine request per prompt, all at once; on any refusal none stays queued.
 
         Raises:
             InvalidRequest, QueueFull, EngineDraining, EngineStepError: from AsyncEngine.add_request.
         """
+        # NOTE: one batch: every prompt is in the engine before its next step (one per step
+        # would take a step per prompt before the last one is even queued).
+        rids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         try:
-            for i, ids in enumerate(prompts):
-                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                text = texts[i] if texts else None
-                self.streams.append(await self.state.engine.add_request(ids, params, rid, priority, text))
-                self.timers.append(self.state.metrics.timer(len(ids)))
+            self.streams = await self.state.engine.add_requests(prompts, params, rids, priority, texts)
+            self.timers = [self.state.metrics.timer(len(ids)) for ids in prompts]
         except BaseException:
             self.close()
             raise

@@ -20,6 +20,8 @@ class ServerSession:
         tools: the tools rendered into the prefix (their calls are parsed from generations).
         chat_kwargs: the chat template's extra variables.
         rendered: context tokens [0, rendered) came from chat-template renders.
+        replies: index in messages -> that generated reply as the API returned it (content and
+            parsed tool_calls), the form a client sending the whole conversation back has.
     """
 
     id: str
@@ -27,7 +29,14 @@ class ServerSession:
     tools: list[dict[str, Any]] | None
     chat_kwargs: dict[str, Any] = field(default_factory=dict)
     rendered: int = 0
+    replies: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def fork(self, child_id: str) -> ServerSession:
         """A branch with the same conversation."""
-        return ServerSession(child_id, copy.deepcopy(self.messages), self.tools, self.chat_kwargs, self.rendered)
+        return ServerSession(child_id, copy.deepcopy(self.messages), self.tools, self.chat_kwargs, self.rendered,
+                             copy.deepcopy(self.replies))
+
+    def leave_chat_mode(self) -> None:
+        """After a token-level append or a rollback: the context is no longer a conversation."""
+        self.messages = None
+        self.replies = {}

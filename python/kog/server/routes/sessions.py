@@ -14,6 +14,7 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
+from kog.conversation import appended_messages
 from kog.engine.request_stream import RequestStream
 from kog.server.chat_prompt import encode_messages, message_dict
 from kog.server.errors import APIError
@@ -87,14 +88,16 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
         return StreamingResponse(_stream_and_record(gen, ctx, session), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     [out] = await gen.run_to_end(request)
-    _record_output(session, out)
+    _record_output(session, out, ctx)
     return SessionCompletionResponse(id=rid, created=ctx.created, model=state.model_name,
                                      choices=[_choice(ctx, c) for c in out.outputs], usage=_usage(ctx, out))
 
 
 @router.post("/v1/sessions/{session_id}/append", response_model=SessionTokens, responses=_ERRORS)
 async def append(session_id: str, body: SessionAppendRequest, request: Request) -> SessionTokens:
-    """Adds messages (chat mode: the whole conversation is re-rendered and checked) or token ids."""
+    """Adds messages (chat mode: the new ones, or the whole conversation of which only what
+    follows the session's messages is added, 409 `conversation_diverged` when it differs from
+    them; the whole conversation is re-rendered and checked) or token ids."""
     state = get_state(request)
     session = _session(state, session_id)
     engine = state.engine.engine
@@ -102,12 +105,13 @@ async def append(session_id: str, body: SessionAppendRequest, request: Request) 
         raise APIError(400, "pass exactly one of messages or token_ids", param="messages")
     if body.token_ids is not None:
         await state.engine.call(engine.append_session, session_id, body.token_ids)
-        session.messages = None
+        session.leave_chat_mode()
     else:
         if session.messages is None:
             raise APIError(400, "messages can only be appended to a session opened with messages (and no "
                                 "token-level append or rollback since)", param="messages")
-        conversation = session.messages + [message_dict(m) for m in body.messages]
+        new = appended_messages(session.messages, [message_dict(m) for m in body.messages], session.replies)
+        conversation = session.messages + new
         full = encode_messages(conversation, state.chat_template, state.tokenizer, session.tools, True,
                                session.chat_kwargs)
         await state.engine.call(append_render, engine, session_id, full, session.rendered)
@@ -145,7 +149,8 @@ async def rollback(session_id: str, body: SessionRollbackRequest, request: Reque
     state = get_state(request)
     session = _session(state, session_id)
     await state.engine.call(state.engine.engine.rollback_session, session_id, body.num_tokens)
-    session.messages, session.rendered = None, min(session.rendered, body.num_tokens)
+    session.leave_chat_mode()
+    session.rendered = min(session.rendered, body.num_tokens)
     return SessionTokens(num_tokens=await _num_tokens(state, session_id))
 
 
@@ -163,12 +168,13 @@ async def get_session(session_id: str, request: Request) -> SessionInfo:
 
 @router.delete("/v1/sessions/{session_id}", response_model=SessionDeleted, responses=_ERRORS)
 async def delete_session(session_id: str, request: Request) -> SessionDeleted:
-    """Aborts the session's request in flight, frees its KV, unpins its prefix. Deleting an
+    """Ends the session's request in flight at once (its client gets a 409 `session_closed`
+    error, or that error event in its stream), frees its KV, unpins its prefix. Deleting an
     unknown (or already deleted) session is not an error: `deleted` is false."""
     state = get_state(request)
     known = state.sessions.pop(session_id, None) is not None
     if known:
-        await state.engine.call(state.engine.engine.close_session, session_id)
+        await state.engine.close_session(session_id)
     return SessionDeleted(id=session_id, deleted=known)
 
 
@@ -206,15 +212,18 @@ def _completed(out) -> bool:
 
 async def _close_quietly(state: ServerState, session_id: str) -> None:
     try:
-        await state.engine.call(state.engine.engine.close_session, session_id)
+        await state.engine.close_session(session_id)
     except Exception:  # the engine is stopping: it closes every session itself
         pass
 
 
-def _record_output(session: ServerSession, out) -> None:
+def _record_output(session: ServerSession, out, ctx: _Ctx) -> None:
     """Chat mode: a generation that joined the context becomes an assistant message."""
-    # NOTE: recorded as the raw text; append_render aligns any re-tokenization difference.
+    # NOTE: recorded as the raw text, which the template renders back as the model wrote it
+    # (append_render aligns any re-tokenization difference); the reply as the client got it
+    # is kept beside, to recognise it in a whole conversation sent back to append.
     if session.messages is not None and _completed(out):
+        session.replies[len(session.messages)] = _choice(ctx, out.outputs[0]).message.model_dump(exclude_none=True)
         session.messages.append({"role": "assistant", "content": out.outputs[0].text})
 
 
@@ -226,4 +235,4 @@ async def _stream_and_record(gen: Generation, ctx: _Ctx, session: ServerSession)
     finally:
         out = gen.last.get(0)
         if out is not None:
-            _record_output(session, out)
+            _record_output(session, out, ctx)
