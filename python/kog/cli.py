@@ -90,8 +90,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, except that `kog generate [MODEL] PROMPT` may have options between its two
+    positionals (`kog generate m.gguf --max-tokens 8 "Hi"`), which plain parse_args refuses."""
+    args, extra = parser.parse_known_args(argv)
+    if args.command != "generate":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return args
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands.choices["generate"].parse_intermixed_args(argv[argv.index("generate") + 1:])
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse(parser, argv)
     if hasattr(args, "check"):  # checks across flags, after parsing (exits with status 2)
         args.check(args)
     return args.func(args)

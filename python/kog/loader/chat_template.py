@@ -134,12 +134,14 @@ def read_chat_template(value: str) -> str:
     """
     path = Path(value).expanduser()
     try:
-        if path.is_file():
+        is_file = path.is_file()
+    except (OSError, ValueError):  # a name too long for a path, a NUL byte: inline text
+        is_file = False
+    if is_file:
+        try:
             return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"chat template {value!r}: cannot read: {e}") from None
-    except ValueError:  # a path with a NUL byte: inline text
-        pass
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"chat template {value!r}: cannot read: {e}") from None
     if any(c in value for c in "{}\n"):
         return value
     raise ModelLoadError(f"chat template {value!r} is neither a file nor a Jinja template")
