@@ -46,12 +46,13 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
     check_text(messages, "messages")
     check_text(tools, "tools")
     pattern = tokenizer.special_token_pattern
-    if template.allow_special_tokens_in_content or pattern is None or not _mentions(pattern, (messages, tools)):
-        return tokenizer.encode(template.render(messages, tools, add_generation_prompt, **kwargs),
-                                add_special_tokens=False)
-    masks = _Masks(pattern)
-    text = template.render(masks.apply(messages), masks.apply(tools), add_generation_prompt, **kwargs)
-    return _encode_masked(tokenizer, text, masks)
+    if not template.allow_special_tokens_in_content and pattern is not None:
+        masks = _Masks(pattern)
+        masked_messages, masked_tools = masks.apply(messages), masks.apply(tools)
+        if masks.texts:  # else the usual encode below gives the same tokens
+            text = template.render(masked_messages, masked_tools, add_generation_prompt, **kwargs)
+            return _encode_masked(tokenizer, text, masks)
+    return tokenizer.encode(template.render(messages, tools, add_generation_prompt, **kwargs), add_special_tokens=False)
 
 
 # ---------------------------------------------------------------------- internal helpers
@@ -114,12 +115,3 @@ def _encode_masked(tokenizer: Tokenizer, text: str, masks: _Masks) -> list[int]:
     flush()
     return out
 
-
-def _mentions(pattern: re.Pattern[str], value: Any) -> bool:
-    if isinstance(value, str):
-        return pattern.search(value) is not None
-    if isinstance(value, dict):
-        return any(_mentions(pattern, v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_mentions(pattern, v) for v in value)
-    return False
