@@ -58,8 +58,15 @@ def test_a_hermes_reply_is_parsed_under_auto_when_streamed(hermes_client):
     assert not "".join(ch["delta"].get("content") or "" for e in events for ch in e["choices"]).strip()
 
 
-def test_a_session_opened_with_tools_shows_them_to_the_model(hermes_client):
+def test_a_session_opened_with_tools_shows_them_and_appends_through_the_tool_template(hermes_client):
     r = hermes_client.post("/v1/sessions", json={"messages": MSGS, "tools": TOOLS})
     assert r.status_code == 200, r.text
-    ids = hermes_client.get(f"/v1/sessions/{r.json()['id']}").json()["token_ids"]
+    sid = r.json()["id"]
+    ids = hermes_client.get(f"/v1/sessions/{sid}").json()["token_ids"]
     assert "<tools>" in TOK.decode(ids) and '"name": "get_weather"' in TOK.decode(ids)
+    turn = hermes_client.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 64, "temperature": 0}).json()
+    assert turn["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    r = hermes_client.post(f"/v1/sessions/{sid}/append", json={"messages": [{"role": "tool", "content": "21 C"}]})
+    assert r.status_code == 200, r.text  # the tool template renders incrementally
+    assert TOK.decode(hermes_client.get(f"/v1/sessions/{sid}").json()["token_ids"]).endswith(
+        "<|im_start|>tool\n<tool_response>\n21 C\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
