@@ -44,25 +44,44 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run(args)
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default ("on"/"off" for switches), unless its text
+    already states it; an option whose default is None must state it in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        optional = action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE)
+        if not optional or "default" in text or action.default in (None, argparse.SUPPRESS):
+            return text
+        value = ("on" if action.default else "off") if isinstance(action.default, bool) else "%(default)s"
+        return f"{text} (default: {value})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kog", description="Kog: LLM inference for AI agents")
+    parser = argparse.ArgumentParser(prog="kog", description="Kog: LLM inference for AI agents",
+                                     formatter_class=DefaultsHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p_info = sub.add_parser("info", help="show the native backend, devices and versions")
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=DefaultsHelpFormatter)
+
+    p_info = add("info", "show the native backend, devices and versions")
     p_info.add_argument("--json", action="store_true", help="print JSON instead of text")
     p_info.set_defaults(func=_cmd_info)
-    p_conv = sub.add_parser("convert", help="write a GGUF model as a Hugging Face folder (safetensors)")
+    p_conv = add("convert", "write a GGUF model as a Hugging Face folder (safetensors)")
     p_conv.add_argument("model", help="a .gguf file, or SmolLM2-135M-Instruct for the default model")
     p_conv.add_argument("out_dir", help="folder to write config.json, model.safetensors, tokenizer files into")
     p_conv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="dtype of the written weights (default: the file's; float32 for quantized files)")
     p_conv.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_conv.set_defaults(func=_cmd_convert)
-    p_gen = sub.add_parser("generate", help="stream a completion from a model, then report TTFT and tok/s")
+    p_gen = add("generate", "stream a completion from a model, then report TTFT and tok/s")
     from kog.generate_cli import add_arguments
+    from kog.generate_cli import check_arguments as check_generate_arguments
 
     add_arguments(p_gen)
-    p_gen.set_defaults(func=_cmd_generate)
-    p_serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p_gen.set_defaults(func=_cmd_generate, check=lambda args: check_generate_arguments(p_gen, args))
+    p_serve = add("serve", "serve a model over an OpenAI-compatible HTTP API")
     from kog.serve_cli import add_arguments as add_serve_arguments
     from kog.serve_cli import check_arguments as check_serve_arguments
 
@@ -71,8 +90,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, except that `kog generate [MODEL] PROMPT` may have options between its two
+    positionals (`kog generate m.gguf --max-tokens 8 "Hi"`), which plain parse_args refuses."""
+    args, extra = parser.parse_known_args(argv)
+    if args.command != "generate":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return args
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands.choices["generate"].parse_intermixed_args(argv[argv.index("generate") + 1:])
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse(parser, argv)
     if hasattr(args, "check"):  # checks across flags, after parsing (exits with status 2)
         args.check(args)
     return args.func(args)

@@ -1,4 +1,4 @@
-"""`kog generate`: stream one completion to the terminal, then report TTFT and tok/s."""
+"""`kog generate [MODEL] PROMPT`: stream one completion to the terminal, then report TTFT and tok/s."""
 
 from __future__ import annotations
 
@@ -9,19 +9,33 @@ from typing import TextIO
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`kog generate`'s flags: the model comes positionally (as `kog serve MODEL`) or with --model."""
+    from kog.serve_cli import DTYPES, add_chat_arguments
+
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("prompt", help="the user message (or raw text with --raw)")
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="run dtype")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda (a GPU build of kog)")
+    p.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                   help="the model, as a flag (default: the positional MODEL)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="run dtype; auto: bfloat16 for bf16 checkpoints, else float32 (half is float16)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU build of kog)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    p.add_argument("--system", default=None, help="a system message (chat mode)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    p.add_argument("--system", default=None, help="a system message (chat mode; default: none)")
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0: all")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the likeliest")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable; default: none)")
+    add_chat_arguments(p)
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The model given both ways is an error (exits with status 2)."""
+    if args.model is not None and args.model_option is not None:
+        parser.error(f"the model is given twice: {args.model!r} and --model {args.model_option!r}")
 
 
 def run(args: argparse.Namespace, llm=None, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
@@ -35,7 +49,10 @@ def run(args: argparse.Namespace, llm=None, out: TextIO = sys.stdout, err: TextI
             from kog.llm import LLM
 
             t0 = time.perf_counter()
-            llm = LLM(args.model, args.dtype, max_num_seqs=1, device=args.device)
+            model = args.model if args.model is not None else args.model_option
+            llm = LLM(model, None if args.dtype == "auto" else args.dtype, max_num_seqs=1, device=args.device,
+                      chat_template=args.chat_template,
+                      allow_special_tokens_in_content=args.allow_special_tokens_in_content)
             print(f"[kog] loaded {llm.model.path.name} ({llm.model.dtype}) in {time.perf_counter() - t0:.1f}s",
                   file=err)
         if args.raw or llm.chat_template is None:

@@ -20,9 +20,12 @@ import torch
 from kog.engine import EngineConfig, LLMEngine, RequestOutput, StreamDelta
 from kog.errors import InvalidRequest
 from kog.loader import ChatTemplate, Tokenizer, load_model
+from kog.loader.chat_encoding import encode_conversation
+from kog.loader.chat_template import read_chat_template
 from kog.sampling_params import SamplingParams
 from kog.session import Session
 from kog.spec.params import StructuredOutputParams
+from kog.valid_text import check_text
 
 PromptType = str | dict[str, Any]
 
@@ -35,11 +38,16 @@ class LLM:
 
     Args:
         model: an HF folder, a .gguf file, or None for the default SmolLM2-135M-Instruct.
-        dtype: "float32", "bfloat16" or None (bf16 checkpoints run in bf16, others in fp32).
+        dtype: "float32", "bfloat16", "float16" (or "half") or None (bf16 checkpoints run in
+            bf16, others in fp32).
         max_model_len: context length limit (default: the model's).
         max_num_seqs: most sequences decoded together.
         max_num_batched_tokens: token budget of one engine step (chunked prefill size).
-        kv_cache_gib: memory for the paged KV cache.
+        kv_cache_gib: memory for the paged KV cache (default: enough for every sequence at full
+            length, at most 1 GiB).
+        gpu_memory_utilization: instead of kv_cache_gib, the fraction of the device's memory
+            that weights and KV cache may use, as vLLM's (on the CPU: of the host memory
+            available once the weights are loaded); see kog.memory_budget.
         block_size: tokens per KV block.
         progress: progress bar while loading (None: when stderr is a TTY).
         swap_space_gib: host memory for swapped-out KV (suspended sessions, preempted
@@ -51,23 +59,36 @@ class LLM:
         speculative_model: a small model with the same tokenizer that drafts tokens for
             requests with `SamplingParams(speculative={"method": "draft"})` (None: only n-gram
             drafting is available).
+        chat_template: a Jinja chat template, or the path of a file holding one, used instead of
+            the model's (vLLM's --chat-template). With the model's own template, a ChatML model
+            whose template ignores `tools` renders requests with tools through Kog's Hermes tool
+            template (kog/templates/hermes_tools.jinja).
+        allow_special_tokens_in_content: tokenize control-token text in messages and tools
+            (`<|im_end|>` in a tool result) as the control token. Off by default: untrusted text
+            must not be able to end a turn or open a system one.
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, dtype: str | torch.dtype | None = None, *,
                  max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
                  kv_cache_gib: float | None = None, block_size: int = 16, progress: bool | None = None,
                  swap_space_gib: float = 0.0, enable_prefix_caching: bool = True,
-                 device: str = "cpu", speculative_model: str | os.PathLike[str] | None = None) -> None:
+                 device: str = "cpu", speculative_model: str | os.PathLike[str] | None = None,
+                 gpu_memory_utilization: float | None = None, chat_template: str | None = None,
+                 allow_special_tokens_in_content: bool = False) -> None:
         from kog.kvcache import KVLayout
         from kog.models.runner import ModelRunner
 
-        loaded = load_model(model, dtype, progress)
+        if kv_cache_gib is not None and gpu_memory_utilization is not None:
+            raise InvalidRequest("give kv_cache_gib or gpu_memory_utilization, not both")
+        template_source = read_chat_template(chat_template) if chat_template is not None else None
+        loaded = load_model(model, dtype, progress, template_source)
+        if loaded.chat_template is not None:
+            loaded.chat_template.allow_special_tokens_in_content = allow_special_tokens_in_content
         cfg = loaded.config
         context = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, loaded.dtype)
-        wanted = max_num_seqs * -(-context // block_size)
-        budget = int((kv_cache_gib or DEFAULT_KV_CACHE_GIB) * 2**30) // layout.bytes_per_block
-        num_blocks = max(2, budget if kv_cache_gib else min(wanted, budget))
+        num_blocks = _num_kv_blocks(layout.bytes_per_block, max_num_seqs * -(-context // block_size), kv_cache_gib,
+                                    gpu_memory_utilization, device, loaded.weights)
         if swap_space_gib < 0:
             raise InvalidRequest(f"swap_space_gib must be >= 0, got {swap_space_gib}")
         num_host_blocks = int(swap_space_gib * 2**30) // layout.bytes_per_block
@@ -111,6 +132,7 @@ class LLM:
         A prompt is a string or {"prompt_token_ids": [...]} (or {"prompt": "..."}).
         """
         items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        check_text(items, "prompts")
         params = self._params_list(sampling_params, len(items))
         ids = [self._add(item, p) for item, p in zip(items, params)]
         return self._run(ids)
@@ -179,11 +201,17 @@ class LLM:
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The prompt tokens of a conversation: the chat template's render, with control-token
+        text inside messages and tools tokenized as plain text (kog.loader.chat_encoding).
+
+        Raises:
+            InvalidRequest: no chat template, a lone surrogate in a message (named), or the
+                template refused the conversation.
+        """
         if self.chat_template is None:
             raise InvalidRequest("this model has no chat template; use generate() with a plain prompt")
-        text = self.chat_template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                         **(chat_template_kwargs or {}))
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return encode_conversation(self.chat_template, self.tokenizer, messages, tools, add_generation_prompt,
+                                   **(chat_template_kwargs or {}))
 
     # ---- internal helpers ---------------------------------------------------------------------
     @staticmethod
@@ -227,6 +255,26 @@ class LLM:
         finally:
             for r in request_ids:
                 self.engine.release(r)
+
+
+def _num_kv_blocks(bytes_per_block: int, wanted: int, kv_cache_gib: float | None,
+                   gpu_memory_utilization: float | None, device: str, weights: dict[str, torch.Tensor]) -> int:
+    """KV blocks: kv_cache_gib's worth, or gpu_memory_utilization's (kog.memory_budget), or by
+    default enough for `wanted` blocks (every sequence at full length) within DEFAULT_KV_CACHE_GIB."""
+    from kog.memory_budget import device_memory, kv_cache_bytes
+
+    if gpu_memory_utilization is not None:
+        on_gpu = str(device).startswith("cuda")
+        if on_gpu:
+            from kog.info import gpu_unavailable_reason
+
+            if (reason := gpu_unavailable_reason()) is not None:
+                raise InvalidRequest(f"device {device!r}: {reason}")
+        weight_bytes = sum(w.nbytes for w in weights.values()) if on_gpu else 0
+        memory = device_memory(device if on_gpu else "cpu")
+        return max(2, kv_cache_bytes(gpu_memory_utilization, memory, weight_bytes) // bytes_per_block)
+    budget = int((kv_cache_gib or DEFAULT_KV_CACHE_GIB) * 2**30) // bytes_per_block
+    return max(2, budget if kv_cache_gib else min(wanted, budget))
 
 
 def _with_tools(params: list[SamplingParams], tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any],

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kog.errors import InvalidRequest
 from kog.spec.params import SpeculativeParams, StructuredOutputParams
+from kog.valid_text import check_text
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
@@ -119,6 +120,7 @@ class SamplingParams:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop", "must be non-empty strings")
+        check_text(self.stop, "stop")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
         if self.logprobs is not None and not 0 <= integer("logprobs") <= MAX_LOGPROBS:

@@ -1,7 +1,9 @@
 """`kog serve`: the OpenAI-compatible server (flag names and meanings follow `vllm serve`).
 
-SIGTERM drains: new requests get 503 (and /health turns 503) while the requests in flight
-finish, then the process exits 0. A second SIGTERM, or SIGINT, stops at once.
+SIGTERM drains: new requests get 503 with Retry-After (and /health turns 503) while the requests
+in flight finish, then the process exits 0. A second SIGTERM, or SIGINT, stops at once.
+
+The port is bound before the model loads: a busy port fails in a second, not after the load.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
 
@@ -16,8 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """`kog serve`'s flags."""
     p.add_argument("model", nargs="?", default=None,
                    help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=os.environ.get("KOG_API_KEY"),
                    help="require `Authorization: Bearer <key>` on /v1/* (default: $KOG_API_KEY, else none)")
     p.add_argument("--served-model-name", nargs="+", default=None,
@@ -25,14 +28,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="most sequences running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="run dtype")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="run dtype; auto: bfloat16 for bf16 checkpoints, else float32 (half is float16)")
     p.add_argument("--device", default="cpu",
-                   help="cpu (default), or cuda / cuda:N for a GPU build of kog (ROCm GPUs are cuda too)")
-    p.add_argument("--kv-cache-gib", type=float, default=None,
-                   help="memory for the paged KV cache (default: enough for every sequence, at most 1 GiB)")
+                   help="cpu, or cuda / cuda:N for a GPU build of kog (ROCm GPUs are cuda too)")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="memory for the paged KV cache (default: enough for every sequence, at most 1 GiB)")
+    kv.add_argument("--gpu-memory-utilization", type=fraction, default=None, metavar="FRACTION",
+                    help="size the KV cache as vLLM does: weights and KV cache take this fraction of the GPU's "
+                         "memory; on the CPU backend, the KV cache takes this fraction of the host memory available "
+                         "once the weights are loaded (default: unset, --kv-cache-gib's default applies)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV of cached prompt prefixes across requests (default: on)")
+                   help="reuse the KV of cached prompt prefixes across requests")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="most requests queued and not yet running; more get 429 with Retry-After")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="largest request body (413 above)")
@@ -40,15 +49,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how tool calls are read from the model's text")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility; tool calls are always parsed when a request has tools")
+    add_chat_arguments(p)
     p.add_argument("--speculative-model", default=None, metavar="PATH",
-                   help="a small model with the model's tokenizer that drafts tokens (speculative method 'draft')")
+                   help="a small model with the model's tokenizer that drafts tokens (speculative method 'draft'; "
+                        "default: none)")
     p.add_argument("--speculative", type=speculative_spec, default=None, metavar="METHOD[:K]",
                    help="speculative decoding for requests that do not set `speculative`: METHOD ngram or draft "
                         "(draft needs --speculative-model), K draft tokens per step (default 4); default: off")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds in-flight requests may take after SIGTERM")
     p.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+
+
+DTYPES = ["auto", "float32", "bfloat16", "float16", "half"]
+
+
+def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    """The chat-template and model-code flags `kog serve` and `kog generate` share."""
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template, or a file holding one, used instead of the model's (default: the "
+                        "model's; a ChatML model whose template ignores tools gets Kog's Hermes tool template for "
+                        "requests with tools)")
+    p.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="tokenize control-token text in messages and tools (<|im_end|> in a tool result) as the "
+                        "control token, as Kog did before; unsafe with untrusted text")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM compatibility; means nothing: Kog never runs a model's own code")
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1] (argparse type of --gpu-memory-utilization)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a fraction in (0, 1], e.g. 0.9")
+    return value
 
 
 def speculative_spec(text: str):
@@ -86,19 +124,51 @@ def load_llm(args: argparse.Namespace):
 
     return LLM(args.model, None if args.dtype == "auto" else args.dtype, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               kv_cache_gib=args.kv_cache_gib, block_size=args.block_size,
-               enable_prefix_caching=args.enable_prefix_caching, progress=False,
-               speculative_model=args.speculative_model, device=args.device)
+               kv_cache_gib=args.kv_cache_gib, gpu_memory_utilization=args.gpu_memory_utilization,
+               block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching, progress=False,
+               speculative_model=args.speculative_model, device=args.device, chat_template=args.chat_template,
+               allow_special_tokens_in_content=args.allow_special_tokens_in_content)
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), not listening yet (uvicorn listens once the app is up:
+    until then connections are refused rather than left waiting).
+
+    Raises:
+        OSError: the address is in use, or cannot be bound here.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restarts reuse TIME_WAIT ports
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        sock = bind_port(args.host, args.port)
+    except OSError as e:
+        print(f"kog serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    try:
+        return _serve_on(sock, args)
+    finally:
+        sock.close()
+
+
+def _serve_on(sock: socket.socket, args: argparse.Namespace) -> int:
     import uvicorn
 
     from kog.engine.async_engine import AsyncEngine
     from kog.server import ServerConfig, build_app
     from kog.server.draining import DrainingServer
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     llm = load_llm(args)
     names = args.served_model_name or [llm.model.path.stem if llm.model.path.suffix else llm.model.path.name]
     engine = AsyncEngine(llm.engine, max_waiting=args.max_waiting)
@@ -111,6 +181,6 @@ def _serve(args: argparse.Namespace) -> int:
     server = DrainingServer(uv_config, engine, args.drain_timeout)
     print(f"kog serve: {names[0]} (context {llm.engine.max_model_len}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
-    server.run()
+    server.run(sockets=[sock])
     return 0
 

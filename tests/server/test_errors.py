@@ -1,5 +1,5 @@
 """Every failure is an OpenAI error object with the right status: 400 (never FastAPI's 422),
-401, 404, 413, 429 with Retry-After, 503 while draining, 500 when the engine fails."""
+401, 404, 413, 429 with Retry-After, 503 with Retry-After while draining, 500 when the engine fails."""
 
 import asyncio
 import json
@@ -148,9 +148,10 @@ def test_draining_refuses_new_requests_with_503_and_finishes_in_flight():
         assert await shutdown
         return refused, health, finished
 
-    refused, health, finished = run_async(dict(engine=make_engine(step_delay=0.01)), scenario)
+    refused, health, finished = run_async(dict(engine=make_engine(step_delay=0.01), retry_after_s=5), scenario)
     assert_error(refused, 503)
     assert health.status_code == 503 and health.json()["status"] == "draining"
+    assert refused.headers["retry-after"] == health.headers["retry-after"] == "5"  # clients retry elsewhere
     events = [json.loads(e[6:]) for e in finished.text.split("\n\n") if e.startswith("data: {")]
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert sum(len(ch["text"]) > 0 for e in events for ch in e["choices"]) > 1

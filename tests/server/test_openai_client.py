@@ -89,7 +89,7 @@ def test_errors_through_the_client(server, client):
         client.chat.completions.create(model="tiny", messages=messages(), temperature=5)
     assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt="x " * 400, max_tokens=1)
+        client.completions.create(model="tiny", prompt="x " * 1200, max_tokens=1)
     assert e.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=messages())

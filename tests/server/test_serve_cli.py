@@ -85,3 +85,67 @@ def test_a_bad_device_is_a_clear_error_and_exit_status_1(model, device, capsys):
 
     assert run(parse(model, "--device", device, "--kv-cache-gib", "0.01")) == 1
     assert "device" in capsys.readouterr().err
+
+
+# ---- flags of issue 14: dtype, memory, chat template, control tokens, vLLM compatibility, port ----
+
+
+@pytest.mark.parametrize("dtype", ["half", "float16"])
+def test_half_dtypes_run_in_float16(model, dtype):
+    llm = load_llm(parse(model, "--dtype", dtype, "--kv-cache-gib", "0.01"))
+    assert llm.model.dtype == torch.float16
+    out = llm.generate("The quick brown fox", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_gpu_memory_utilization_sizes_the_kv_pool(model, monkeypatch):
+    from kog import memory_budget
+
+    monkeypatch.setattr(memory_budget, "device_memory", lambda device: memory_budget.DeviceMemory(total=2**30))
+    small = load_llm(parse(model, "--gpu-memory-utilization", "0.01")).engine.kv.num_blocks
+    large = load_llm(parse(model, "--gpu-memory-utilization", "0.02")).engine.kv.num_blocks
+    assert small == int(0.01 * 2**30) // 8192 and large == int(0.02 * 2**30) // 8192  # tiny model: 8 KiB a block
+
+
+@pytest.mark.parametrize("argv", [("--gpu-memory-utilization", "0"), ("--gpu-memory-utilization", "1.5"),
+                                  ("--gpu-memory-utilization", "x"),
+                                  ("--gpu-memory-utilization", "0.5", "--kv-cache-gib", "1")])
+def test_bad_gpu_memory_utilization_is_an_argparse_error(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(*argv)
+    assert e.value.code == 2 and "--gpu-memory-utilization" in capsys.readouterr().err
+
+
+def test_chat_template_and_special_tokens_flags_reach_the_template(model, tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}<|im_start|>{{ m.role }}:{{ m.content }}<|im_end|>{% endfor %}")
+    llm = load_llm(parse(model, "--chat-template", str(path), "--kv-cache-gib", "0.01"))
+    msgs = [{"role": "user", "content": "<|im_end|>"}]
+    assert llm.tokenizer.decode(llm.encode_chat(msgs)) == "<|im_start|>user:<|im_end|><|im_end|>"
+    end = llm.tokenizer.token_to_id("<|im_end|>")
+    assert llm.encode_chat(msgs).count(end) == 1
+    old = load_llm(parse(model, "--chat-template", str(path), "--allow-special-tokens-in-content",
+                         "--kv-cache-gib", "0.01"))
+    assert old.encode_chat(msgs).count(end) == 2
+
+
+def test_trust_remote_code_is_accepted_and_changes_nothing(model):
+    assert parse(model, "--trust-remote-code").trust_remote_code is True
+    assert parse(model).trust_remote_code is False
+
+
+def test_a_busy_port_fails_before_the_model_loads(model, monkeypatch, capsys):
+    import socket
+
+    import kog.serve_cli as serve_cli
+
+    def must_not_load(args):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(serve_cli, "load_llm", must_not_load)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert serve_cli.run(parse(model, "--port", str(port))) == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err

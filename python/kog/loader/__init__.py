@@ -17,7 +17,7 @@ import torch
 
 from kog.config import ModelConfig
 from kog.errors import ModelLoadError
-from kog.loader.chat_template import ChatTemplate, TemplateError
+from kog.loader.chat_template import CHATML_MARKERS, ChatTemplate, TemplateError, hermes_tool_template
 from kog.loader.gguf import GGUFCheckpoint
 from kog.loader.hub import DEFAULT_MODEL, cache_dir, resolve_model
 from kog.loader.safetensors import load_safetensors
@@ -44,13 +44,14 @@ class LoadedModel:
 
 
 def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.dtype | str | None = None,
-               progress: bool | None = None) -> LoadedModel:
+               progress: bool | None = None, chat_template: str | None = None) -> LoadedModel:
     """Loads a model.
 
     Args:
         name_or_path: see `resolve_model` (None: the default SmolLM2-135M-Instruct).
         dtype: run dtype (float32 or bfloat16; None: bf16 for bf16 checkpoints, else f32).
         progress: progress bar while loading weights (None: only when stderr is a TTY).
+        chat_template: Jinja text that replaces the model's own chat template.
     Raises:
         ModelLoadError: anything wrong with the checkpoint, naming the file and tensor.
     """
@@ -70,7 +71,8 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
         tokenizer = Tokenizer.from_folder(path)
         source = read_tokenizer_config(path).get("chat_template")
         extra_stops = _generation_config_eos(path)
-    template = _chat_template(source, tokenizer)
+    template = _chat_template(source if chat_template is None else chat_template, tokenizer,
+                              user_given=chat_template is not None)
     stops = [*config.eos_token_ids, *extra_stops, tokenizer.eos_token_id]
     return LoadedModel(path, config, weights, dt, tokenizer, template,
                        tuple(dict.fromkeys(i for i in stops if i is not None)))
@@ -82,14 +84,19 @@ def load_config(name_or_path: str | os.PathLike[str] | None = None) -> ModelConf
     return GGUFCheckpoint(path).config if path.suffix == ".gguf" else ModelConfig.from_hf_file(path)
 
 
-def _chat_template(source: str | list | None, tokenizer: Tokenizer) -> ChatTemplate | None:
+def _chat_template(source: str | list | None, tokenizer: Tokenizer, user_given: bool) -> ChatTemplate | None:
+    """The model's template (or the user's); a model's own template that ignores tools gets Kog's
+    Hermes tool template as its tool_template when the vocabulary is ChatML's."""
     if isinstance(source, list):  # several named templates: [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in source}
         source = named.get("default") or next(iter(named.values()), None)
     if not source:
         return None
+    chatml = all(tokenizer.token_to_id(m) is not None for m in CHATML_MARKERS)
+    tool_template = hermes_tool_template(tokenizer.bos_token, tokenizer.eos_token) if chatml and not user_given else None
     return ChatTemplate(source, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
-                        special_tokens={"pad_token": tokenizer.pad_token or "", "unk_token": tokenizer.unk_token or ""})
+                        special_tokens={"pad_token": tokenizer.pad_token or "", "unk_token": tokenizer.unk_token or ""},
+                        tool_template=tool_template)
 
 
 def _generation_config_eos(folder: Path) -> list[int]:

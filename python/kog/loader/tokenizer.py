@@ -9,6 +9,8 @@ that the model's own `tokenizer.json` describes, so ids match HF's.
 from __future__ import annotations
 
 import json
+import re
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from kog.errors import ModelLoadError
+from kog.valid_text import check_text
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -52,7 +55,34 @@ class Tokenizer:
         return self.hf.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; the text of a special token (`<|im_end|>`) becomes that token.
+
+        Raises:
+            InvalidRequest: text with a lone surrogate (it has no UTF-8 form).
+        """
+        return self._encode(self.hf, text, add_special_tokens).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` read as plain text: `<|im_end|>` in it is the characters, never the
+        control token (untrusted message content). Adds no BOS/EOS."""
+        return self._encode(self._plain_hf, text, False).ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """encode(text, add_special_tokens=False) plus each token's [start, end) character span."""
+        enc = self._encode(self.hf, text, False)
+        return enc.ids, enc.offsets
+
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the control tokens (added tokens marked special: `<|im_start|>`, `<s>`, ...)."""
+        return frozenset(i for i, t in self.hf.get_added_tokens_decoder().items() if t.special)
+
+    @cached_property
+    def special_token_pattern(self) -> re.Pattern[str] | None:
+        """Matches the text of any control token (longest first); None when there are none."""
+        texts = sorted({t.content for t in self.hf.get_added_tokens_decoder().values() if t.special}, key=len,
+                       reverse=True)
+        return re.compile("|".join(map(re.escape, texts))) if texts else None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -104,6 +134,22 @@ class Tokenizer:
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self.hf.token_to_id(token)
+
+    @cached_property
+    def _plain_hf(self) -> HFTokenizer:
+        # NOTE: a copy, not a toggle of self.hf.encode_special_tokens: the flag belongs to the
+        # tokenizer object, which several threads encode with (server routes, grammar compiles).
+        plain = HFTokenizer.from_str(self.hf.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    @staticmethod
+    def _encode(hf: HFTokenizer, text: str, add_special_tokens: bool):
+        try:
+            return hf.encode(text, add_special_tokens=add_special_tokens)
+        except TypeError:
+            check_text(text, "text")  # the tokenizer's TypeError for a lone surrogate, made an InvalidRequest
+            raise
 
 
 class IncrementalDetokenizer:

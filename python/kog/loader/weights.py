@@ -22,7 +22,7 @@ Weights = dict[str, torch.Tensor]
 RUN_DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16,
+    "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16,
 }
 
 # Tensors some checkpoints carry that no model needs (old Llama exports store RoPE's inv_freq).

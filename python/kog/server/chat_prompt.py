@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kog.loader.chat_encoding import encode_conversation
 from kog.loader.chat_template import ChatTemplate
 from kog.loader.tokenizer import Tokenizer
 from kog.server.errors import APIError
@@ -48,12 +49,14 @@ def encode_chat(req: ChatCompletionRequest, template: ChatTemplate | None, token
 def encode_messages(messages: list[dict[str, Any]], template: ChatTemplate | None, tokenizer: Tokenizer,
                     tools: list[dict[str, Any]] | None, add_generation_prompt: bool = True,
                     chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """encode_chat for messages already in template form (message_dict); same errors."""
+    """encode_chat for messages already in template form (message_dict); same errors.
+
+    Control-token text in the messages and tools is tokenized as plain text unless the template
+    allows it (kog.loader.chat_encoding)."""
     if template is None:
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    text = template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                           **(chat_template_kwargs or {}))
-    return tokenizer.encode(text, add_special_tokens=False)
+    return encode_conversation(template, tokenizer, messages, tools, add_generation_prompt,
+                               **(chat_template_kwargs or {}))
 
 
 def message_dict(m: ChatMessage) -> dict[str, Any]:

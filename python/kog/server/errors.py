@@ -13,7 +13,7 @@
 | append diverges (kog.ConversationDiverged)     | 409    | conflict_error / conversation_diverged    |
 | body over the size limit                       | 413    | invalid_request_error / request_too_large |
 | waiting queue full (kog.QueueFull)             | 429    | rate_limit_error, with Retry-After        |
-| shutting down (kog.EngineDraining)             | 503    | service_unavailable                       |
+| shutting down (kog.EngineDraining)             | 503    | service_unavailable, with Retry-After     |
 | engine step failed (kog.EngineStepError)       | 500    | server_error                              |
 """
 
@@ -82,8 +82,8 @@ def to_api_error(exc: BaseException, retry_after_s: int = 1) -> APIError:
         return APIError(409, str(exc))
     if isinstance(exc, QueueFull):
         return APIError(429, str(exc), headers={"Retry-After": str(retry_after_s)})
-    if isinstance(exc, EngineDraining):
-        return APIError(503, str(exc))
+    if isinstance(exc, EngineDraining):  # another replica can take it; this one is going away
+        return APIError(503, str(exc), headers={"Retry-After": str(retry_after_s)})
     if isinstance(exc, EngineStepError):
         return APIError(500, str(exc))
     log.exception("unexpected error", exc_info=exc)
@@ -99,10 +99,8 @@ def install_error_handlers(app: FastAPI, retry_after_s: int = 1) -> None:
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-                            for e in errors[:5])
+        param = _field_of(first) or None
+        message = "; ".join(f"{_field_of(e) or 'body'}: {e.get('msg')}" for e in errors[:5])
         return error_response(APIError(400, message or "invalid request body", param=param))
 
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -113,6 +111,13 @@ def install_error_handlers(app: FastAPI, retry_after_s: int = 1) -> None:
     app.add_exception_handler(StarletteHTTPException, on_http)
     for cls in (APIError, InvalidRequest, InvalidOperation, QueueFull, EngineDraining, EngineStepError, Exception):
         app.add_exception_handler(cls, on_kog_error)
+
+
+def _field_of(error: dict) -> str:
+    """The dotted field of a pydantic error: its location in the body, or the ctx.param of a
+    whole-body check (protocol.RequestBody)."""
+    loc = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+    return loc or str((error.get("ctx") or {}).get("param") or "")
 
 
 def _param_of(message: str) -> str | None:

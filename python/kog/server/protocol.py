@@ -2,16 +2,20 @@
 vLLM's extensions: top_k, min_p, repetition_penalty, min_tokens, ignore_eos, priority, ...) and
 Kog's `speculative`.
 
-Unknown fields are ignored, as OpenAI-compatible servers do. Response shapes: responses.py.
+Unknown fields are ignored, as OpenAI-compatible servers do. Text holding a lone surrogate
+(JSON `"\\ud800"`) anywhere in a request body is a 400 naming the field (RequestBody).
+Response shapes: responses.py.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from kog.spec.params import MAX_SPECULATIVE_TOKENS
+from kog.valid_text import lone_surrogate_at
 
 MAX_TOP_LOGPROBS = 20
 NAME_PATTERN = r"^[a-zA-Z0-9_.\-]{1,64}$"
@@ -19,6 +23,24 @@ NAME_PATTERN = r"^[a-zA-Z0-9_.\-]{1,64}$"
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class RequestBody(_Body):
+    """A whole request body. Refuses text that has no UTF-8 form before any field is read: the
+    tokenizer cannot take it, and an error that echoed it could not be sent."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        found = lone_surrogate_at(data)
+        if found is not None:
+            path, index, codepoint = found
+            # NOTE: ctx.param is the field for the 400 (server/errors.py); the input is not quoted.
+            raise PydanticCustomError(
+                "invalid_text", "not valid Unicode text: it holds a lone surrogate ({codepoint} at character "
+                "{index}); send UTF-8 text, or replace unpaired surrogates with U+FFFD",
+                {"param": ".".join(map(str, path)) or "body", "codepoint": codepoint, "index": index})
+        return data
 
 
 class StreamOptions(_Body):
@@ -113,7 +135,7 @@ class ChatMessage(_Body):
 
 
 # ---- requests -------------------------------------------------------------------------------------
-class SamplingFields(_Body):
+class SamplingFields(RequestBody):
     """Fields shared by chat and text completions."""
 
     model: str

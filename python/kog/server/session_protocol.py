@@ -6,12 +6,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from kog.server.protocol import (MAX_TOP_LOGPROBS, ChatMessage, ResponseFormat, SamplingFields, Tool, ToolChoice,
-                                 _Body)
+from kog.server.protocol import (MAX_TOP_LOGPROBS, ChatMessage, RequestBody, ResponseFormat, SamplingFields, Tool,
+                                 ToolChoice, _Body)
 from kog.server.responses import ChatCompletionResponse, SessionUsage
 
 
-class SessionOpenRequest(_Body):
+class SessionOpenRequest(RequestBody):
     """Exactly one of messages (chat mode) or prompt_token_ids."""
 
     model: str | None = None
@@ -38,7 +38,7 @@ class SessionGenerateRequest(SamplingFields):
     response_format: ResponseFormat | None = None
 
 
-class SessionAppendRequest(_Body):
+class SessionAppendRequest(RequestBody):
     """Exactly one of messages (chat mode) or token_ids."""
 
     messages: list[ChatMessage] | None = Field(None, min_length=1)

@@ -14,12 +14,13 @@ router = APIRouter(tags=["ops"])
 
 @router.get("/health", response_model=Health, responses={503: {"model": Health, "description": "Draining or failed"}})
 async def health(request: Request) -> JSONResponse:
-    """200 while accepting requests; 503 when draining or after an engine failure."""
-    engine = get_state(request).engine
-    s = engine.stats()
+    """200 while accepting requests; 503 when draining (with Retry-After) or after an engine failure."""
+    state = get_state(request)
+    s = state.engine.stats()
     status = "failed" if s["dead"] else "ok" if s["accepting"] else "draining"
     body = Health(status=status, running=s["running"], waiting=s["waiting"], kv_usage=s["kv_usage"])
-    return JSONResponse(body.model_dump(), status_code=200 if status == "ok" else 503)
+    headers = {"Retry-After": str(state.config.retry_after_s)} if status == "draining" else None
+    return JSONResponse(body.model_dump(), status_code=200 if status == "ok" else 503, headers=headers)
 
 
 @router.get("/metrics", response_class=Response,
