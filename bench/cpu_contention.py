@@ -31,6 +31,7 @@ SPIN = "while True: pass"
 
 
 def child(steps: int, repeats: int) -> None:
+    import kog  # noqa: F401  first, as the CLI and server do (it sets torch's OpenMP wait policy)
     import numpy as np
     import torch
 

@@ -80,6 +80,21 @@ int64_t throw_check(int n_threads, int thrower, bool nested) {
   return inline_ok.load();
 }
 
+// A region of n_threads in which thread nt - 1 sleeps sleep_us before each of n_phases barriers
+// (a thread another process keeps off its core). Returns the threads of the region.
+int slow_barriers(int n_threads, int n_phases, int sleep_us) {
+  ThreadPool& pool = ThreadPool::instance();
+  std::atomic<int> team{0};
+  pool.run(n_threads, [&](int t, int nt) {
+    if (t == 0) team.store(nt);
+    for (int k = 0; k < n_phases; ++k) {
+      if (t == nt - 1 && nt > 1) std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+      pool.barrier();
+    }
+  });
+  return team.load();
+}
+
 }  // namespace
 
 void bind_thread_pool(py::module_& m) {
@@ -98,6 +113,15 @@ void bind_thread_pool(py::module_& m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("_thread_pool_wait_cpu", &wait_cpu, arg("n_threads"), arg("hold_ms"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("_thread_pool_slow_barriers", &slow_barriers, arg("n_threads"), arg("n_phases"), arg("sleep_us"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("_thread_pool_contention", [] {
+    ThreadPool& pool = ThreadPool::instance();
+    return std::make_tuple(pool.backoffs(), pool.backing_off());
+  }, "(back-offs so far, backing off now)");
+  m.def("_thread_pool_reset_contention", [] { ThreadPool::instance().reset_contention(); },
+        py::call_guard<py::gil_scoped_release>());
+  m.def("_thread_pool_set_backoff", [](bool on) { ThreadPool::instance().set_backoff_enabled(on); }, arg("enabled"));
   m.def("_thread_pool_throw_check", &throw_check, arg("n_threads"), arg("thrower"), arg("nested") = false,
         py::call_guard<py::gil_scoped_release>());
 }

@@ -79,14 +79,14 @@ void WaitWord::bump() {
   if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake_all(&v_);
 }
 
-void WaitWord::wait_while(uint32_t old, int64_t& spin_ns) const {
-  if (v_.load(std::memory_order_acquire) != old) return;
-  const int64_t deadline = now_ns() + spin_ns;
+int64_t WaitWord::wait_while(uint32_t old, int64_t& spin_ns) const {
+  if (v_.load(std::memory_order_acquire) != old) return 0;
+  const int64_t start = now_ns(), deadline = start + spin_ns;
   for (int i = 1;; ++i) {
     cpu_relax();
     if (v_.load(std::memory_order_acquire) != old) {
       spin_ns = std::min(kMaxSpinNs, spin_ns * 2);
-      return;
+      return 0;
     }
     if (i % 32 == 0 && now_ns() >= deadline) break;
   }
@@ -94,6 +94,7 @@ void WaitWord::wait_while(uint32_t old, int64_t& spin_ns) const {
   sleepers_.fetch_add(1, std::memory_order_seq_cst);
   while (v_.load(std::memory_order_seq_cst) == old) futex_wait(&v_, old);
   sleepers_.fetch_sub(1, std::memory_order_relaxed);
+  return now_ns() - start;
 }
 
 namespace {
@@ -169,7 +170,7 @@ void ThreadPool::worker(int t, uint32_t seen) {
 void ThreadPool::run(int n, const std::function<void(int, int)>& fn) {
   n = std::min(n, size());
   std::unique_lock<std::mutex> lock(region_mu_, std::defer_lock);
-  if (n <= 1 || t_region_threads > 0 || !lock.try_lock()) {
+  if (n <= 1 || t_region_threads > 0 || !lock.try_lock() || now_ns() < backoff_until_ns_) {
     const int outer = t_region_threads;
     t_region_threads = 1;
     struct Restore { int v; ~Restore() { t_region_threads = v; } } restore{outer};
@@ -193,6 +194,7 @@ void ThreadPool::run(int n, const std::function<void(int, int)>& fn) {
   }
   t_region_threads = 0;
   while (pending_.load(std::memory_order_acquire) != 0) done_word_.wait_while(done, t_spin_ns);
+  note_contention(long_waits_.exchange(0, std::memory_order_relaxed));
   if (mine) std::rethrow_exception(mine);
   if (error_) std::rethrow_exception(error_);
 }
@@ -206,8 +208,34 @@ void ThreadPool::barrier() {
     barrier_count_.store(0, std::memory_order_relaxed);
     barrier_word_.bump();
   } else {
-    barrier_word_.wait_while(gen, t_spin_ns);
+    if (barrier_word_.wait_while(gen, t_spin_ns) > kLongWaitNs) long_waits_.fetch_add(1, std::memory_order_relaxed);
   }
 }
+
+// NOTE: a barrier wait longer than a scheduler time slice means a thread of the region was not
+// running: another process holds its core. Then every barrier of the region can cost a time
+// slice, and one thread (which never waits) is faster than the team: regions run on the caller
+// alone for a while, which doubles while contention persists and is probed again with the
+// whole team when it ends.
+void ThreadPool::note_contention(int long_waits) {
+  contention_ = contention_ / 2 + long_waits;
+  if (contention_ >= kContentionTrigger && backoff_enabled_.load(std::memory_order_relaxed)) {
+    backoff_until_ns_ = now_ns() + backoff_ns_;
+    backoff_ns_ = std::min(kMaxBackoffNs, backoff_ns_ * 2);
+    contention_ = 0;
+    backoffs_.fetch_add(1, std::memory_order_relaxed);
+  } else if (long_waits == 0) {
+    backoff_ns_ = kBaseBackoffNs;
+  }
+}
+
+void ThreadPool::reset_contention() {
+  std::lock_guard<std::mutex> lock(region_mu_);
+  contention_ = 0;
+  backoff_until_ns_ = 0;
+  backoff_ns_ = kBaseBackoffNs;
+}
+
+bool ThreadPool::backing_off() const { return now_ns() < backoff_until_ns_.load(std::memory_order_relaxed); }
 
 }  // namespace kog::cpu

@@ -40,9 +40,10 @@ class WaitWord {
   uint32_t load() const { return v_.load(std::memory_order_acquire); }
   // Adds 1 (release) and wakes every sleeper.
   void bump();
-  // Returns once the word differs from `old` (acquire). `spin_ns` is the caller's adaptive
-  // budget: halved when this wait had to sleep, doubled (to kMaxSpinNs) when it did not.
-  void wait_while(uint32_t old, int64_t& spin_ns) const;
+  // Returns once the word differs from `old` (acquire): 0 if within the spin, else the ns the
+  // whole wait took. `spin_ns` is the caller's adaptive budget: halved when this wait had to
+  // sleep, doubled (to kMaxSpinNs) when it did not.
+  int64_t wait_while(uint32_t old, int64_t& spin_ns) const;
 
   static constexpr int64_t kMaxSpinNs = 50'000, kMinSpinNs = 500;
 
@@ -66,6 +67,17 @@ class ThreadPool {
   // Inside a region: waits for every thread of the region.
   void barrier();
 
+  // Contention back-off (see note_contention): regions run on the caller alone until then.
+  bool backing_off() const;
+  int64_t backoffs() const { return backoffs_.load(std::memory_order_relaxed); }
+  void reset_contention();
+  void set_backoff_enabled(bool on) { backoff_enabled_.store(on, std::memory_order_relaxed); }
+
+  static constexpr int64_t kLongWaitNs = 1'000'000;       // a barrier wait this long: contention
+  static constexpr int kContentionTrigger = 2;             // long waits (decayed by half a region)
+  static constexpr int64_t kBaseBackoffNs = 100'000'000;   // first back-off: 100 ms
+  static constexpr int64_t kMaxBackoffNs = 1'600'000'000;  // doubling up to 1.6 s
+
   // True on a thread that is running a region's function.
   static bool in_region();
 
@@ -75,7 +87,8 @@ class ThreadPool {
   ThreadPool();
   void start_workers(int n);  // holds region_mu_
   void stop_workers();
-  void worker(int t, uint32_t seen);  // seen: the start_ generation before its first region
+  void worker(int t, uint32_t seen);
+  void note_contention(int long_waits);  // holds region_mu_  // seen: the start_ generation before its first region
 
   std::atomic<int> size_;
   std::mutex region_mu_;  // one region at a time
@@ -90,6 +103,13 @@ class ThreadPool {
   bool stop_ = false;
   std::mutex error_mu_;
   std::exception_ptr error_;  // the first exception a worker's fn threw in this region
+  alignas(64) std::atomic<int> long_waits_{0};  // barrier waits > kLongWaitNs in this region
+  // Guarded by region_mu_ (written after regions), read racily by run's fast check:
+  int contention_ = 0;
+  std::atomic<int64_t> backoffs_{0};
+  std::atomic<bool> backoff_enabled_{true};
+  std::atomic<int64_t> backoff_until_ns_{0};
+  int64_t backoff_ns_ = kBaseBackoffNs;
 };
 
 // fn(i) for i in [0, n) split statically over a region (on the caller alone when `parallel`

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -20,10 +21,16 @@ from test_decode_executor import fill, run_schedule_in_python, tiny_runner
 
 @pytest.fixture
 def pool_threads():
-    """Sets the pool size for one test, then restores it."""
+    """Sets the pool size for one test, then restores it. The contention back-off is off (a
+    loaded test machine must not turn the team these tests check into a team of one), but for
+    the test of the back-off itself."""
     before = _C.cpu_num_threads()
+    _C._thread_pool_reset_contention()
+    _C._thread_pool_set_backoff(False)
     yield _C.set_cpu_num_threads
     _C.set_cpu_num_threads(before)
+    _C._thread_pool_set_backoff(True)
+    _C._thread_pool_reset_contention()
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -49,6 +56,20 @@ def test_waiting_threads_sleep_instead_of_spinning(pool_threads):
     assert team == 3
     assert in_region < 0.06, f"{in_region:.3f} s of CPU while two threads waited 0.3 s"
     assert parked < 0.03, f"{parked:.3f} s of CPU while the pool was parked 0.3 s"
+
+
+def test_barrier_waits_of_a_time_slice_make_regions_run_on_one_thread_for_a_while(pool_threads):
+    # A thread kept off its core (simulated: it sleeps 3 ms before each barrier) makes every
+    # barrier cost a time slice; then one thread is faster than the team, so the pool backs
+    # off to the caller alone (100 ms at first), and probes the whole team again after.
+    pool_threads(2)
+    _C._thread_pool_set_backoff(True)
+    backoffs, _ = _C._thread_pool_contention()
+    assert _C._thread_pool_slow_barriers(2, 4, 3000) == 2
+    assert _C._thread_pool_contention() == (backoffs + 1, True)
+    assert _C._thread_pool_barrier_check(2, 50) == (1, 0)  # backing off: a team of one
+    time.sleep(0.25)
+    assert _C._thread_pool_barrier_check(2, 50) == (2, 0)  # probed again with the whole team
 
 
 @pytest.mark.parametrize("thrower", [0, 1])
