@@ -53,7 +53,8 @@ def test_prompt_logprobs_match_the_reference_forward(tiny):
     assert_matches_reference(tiny, ids, out.prompt_logprobs, 3)
     zero = llm.generate({"prompt_token_ids": ids}, kog.SamplingParams(prompt_logprobs=0, max_tokens=1))[0]
     assert [list(e) for e in zero.prompt_logprobs[1:]] == [[t] for t in ids[1:]]
-    assert llm.generate({"prompt_token_ids": ids}, kog.SamplingParams(max_tokens=1))[0].prompt_logprobs is None
+    plain = llm.generate({"prompt_token_ids": ids}, kog.SamplingParams(max_tokens=1))[0]
+    assert plain.prompt_logprobs is None and plain.num_cached_tokens == 32  # their blocks were cached
 
 
 def test_cached_prefix_is_recomputed_for_prompt_logprobs(tiny):
