@@ -57,7 +57,8 @@ def test_blocks_lines_and_markers():
         "```bash", "kog serve", "```",
     ])
     blocks = python_blocks("PAGE.md", page)
-    assert [(b.line, b.server, b.skip) for b in blocks] == [(4, False, None), (9, True, None), (13, False, "needs a GPU")]
+    assert [(b.line, b.server, b.skip) for b in blocks] == [(4, False, None), (9, True, None),
+                                                            (13, False, "needs a GPU")]
     assert blocks[2].source == "llm = kog.LLM(device='cuda')\n"
 
 

@@ -34,7 +34,8 @@ def test_echo_with_logprobs_puts_the_prompt_tokens_first(client):
     assert choice["text"] == PROMPT + plain["text"]
     n = len(IDS)
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n + 3
-    assert lp["tokens"][n:] == plain["logprobs"]["tokens"] and lp["token_logprobs"][n:] == plain["logprobs"]["token_logprobs"]
+    assert lp["tokens"][n:] == plain["logprobs"]["tokens"]
+    assert lp["token_logprobs"][n:] == plain["logprobs"]["token_logprobs"]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     for p in range(1, n):
         assert lp["token_logprobs"][p] == pytest.approx(expected_logprob(p), abs=1e-5)
@@ -95,3 +96,11 @@ def test_streamed_echo_with_logprobs_equals_the_whole_response(client):
         assert tokens == whole[index]["logprobs"]["token_logprobs"]
         offsets = [o for c in mine if c["logprobs"] for o in c["logprobs"]["text_offset"]]
         assert offsets[len(IDS)] == len(PROMPT)
+
+
+def test_streamed_echo_of_the_prompt_alone(client):
+    r = complete(client, max_tokens=0, echo=True, logprobs=1, stream=True, stream_options={"include_usage": True})
+    chunks = [json.loads(e[len("data: "):]) for e in r.text.split("\n\n") if e and e != "data: [DONE]"]
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(c["text"] for c in choices) == PROMPT and choices[-1]["finish_reason"] == "length"
+    assert len(choices[0]["logprobs"]["tokens"]) == len(IDS) and chunks[-1]["usage"]["completion_tokens"] == 0

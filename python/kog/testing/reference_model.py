@@ -16,7 +16,8 @@ from kog.config import ModelConfig
 from kog.testing import reference as ref
 
 
-def reference_logits(config: ModelConfig, weights: Mapping[str, torch.Tensor], token_ids: Sequence[int]) -> torch.Tensor:
+def reference_logits(config: ModelConfig, weights: Mapping[str, torch.Tensor],
+                     token_ids: Sequence[int]) -> torch.Tensor:
     """[len(token_ids), vocab] f32 next-token logits after every position of one sequence."""
     c = config
     w = {k: v.float() for k, v in weights.items()}
@@ -36,7 +37,9 @@ def reference_logits(config: ModelConfig, weights: Mapping[str, torch.Tensor], t
         q, k = ref.rope(q, k, positions, inv_freq)
         x = x + ref.linear(_causal_attention(q, k, v).reshape(T, -1), w[p + "self_attn.o_proj.weight"])
         h, _ = ref.rmsnorm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-        gate_up = torch.cat([ref.linear(h, w[p + "mlp.gate_proj.weight"]), ref.linear(h, w[p + "mlp.up_proj.weight"])], -1)
+        gate = ref.linear(h, w[p + "mlp.gate_proj.weight"])
+        up = ref.linear(h, w[p + "mlp.up_proj.weight"])
+        gate_up = torch.cat([gate, up], dim=-1)  # [T, 2 * intermediate]
         x = x + ref.linear(ref.silu_and_mul(gate_up), w[p + "mlp.down_proj.weight"])
     h, _ = ref.rmsnorm(x, w["model.norm.weight"], c.rms_norm_eps)
     lm_head = w["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"]

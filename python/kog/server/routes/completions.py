@@ -169,7 +169,8 @@ def _prompt_choices(ctx: _Ctx, i: int, out: RequestOutput | None, offsets: dict[
     return choices
 
 
-def _delta_choices(ctx: _Ctx, i: int, u: RequestUpdate, offsets: dict[int, int], done: set[int]) -> list[CompletionChoice]:
+def _delta_choices(ctx: _Ctx, i: int, u: RequestUpdate, offsets: dict[int, int],
+                   done: set[int]) -> list[CompletionChoice]:
     """The chunks of an update of prompt i: new text (with its logprobs), then the choices it ends."""
     n, choices = ctx.body.n, []
     outs = {c.index: c for c in u.output.outputs}
@@ -188,9 +189,10 @@ def _delta_choices(ctx: _Ctx, i: int, u: RequestUpdate, offsets: dict[int, int],
     if u.finished:
         for c in u.output.outputs:
             reason = c.finish_reason or "abort"
+            if ctx.echo_only and reason != "abort":
+                reason = "length"  # of the prompt: the sampled token is not shown
             if i * n + c.index not in done:
-                choices.append(CompletionChoice(index=i * n + c.index, text="",
-                                                finish_reason="length" if ctx.echo_only and reason != "abort" else reason))
+                choices.append(CompletionChoice(index=i * n + c.index, text="", finish_reason=reason))
     return choices
 
 
