@@ -35,6 +35,10 @@ class SamplingParams:
         ignore_eos: keep generating after EOS.
         logprobs: return the log-probability of each sampled token and of this many top
             alternatives (0: the sampled token's only).
+        prompt_logprobs: return, for every prompt token after the first, its log-probability
+            given the tokens before it and this many top alternatives (vLLM's parameter;
+            RequestOutput.prompt_logprobs). The prompt is then computed whole: its KV is not
+            taken from the prefix cache.
         skip_special_tokens: leave special tokens out of the text.
         structured: constrain the output to a JSON schema, JSON object, grammar, regex or tool
             calls (kog.spec; a dict is taken as StructuredOutputParams' fields). None: free text.
@@ -57,6 +61,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutputParams | None = None
@@ -125,6 +130,8 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if self.logprobs is not None and not 0 <= integer("logprobs") <= MAX_LOGPROBS:
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not 0 <= integer("prompt_logprobs") <= MAX_LOGPROBS:
+            bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutputParams):
                 bad("structured", "must be StructuredOutputParams or a dict of its fields")

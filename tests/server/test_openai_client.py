@@ -1,6 +1,6 @@
 """The official `openai` client against a real `kog serve` subprocess (loopback, tiny model):
-chat and completions, streamed and not, n > 1, tools, errors, prefix-cache hits, disconnects,
-SIGTERM drain."""
+chat and completions, streamed and not, n > 1, prompt scoring (echo + logprobs), tools, errors,
+prefix-cache hits, disconnects, SIGTERM drain."""
 
 import json
 import threading
@@ -9,8 +9,11 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
+from kog.testing.reference_model import reference_logits
 from kog.testing.server_process import API_KEY, ServerProcess, tiny_gguf
+from kog.testing.tiny_models import random_weights, tiny_config
 
 SYSTEM = "You are a helpful assistant. " * 6  # > 2 KV blocks of 16 tokens: a cacheable prefix
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -70,6 +73,19 @@ def test_logprobs_through_the_client(client):
                                          top_logprobs=2, temperature=0)
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_prompt_scoring_through_the_client_matches_the_reference_forward(client):
+    config = tiny_config("llama")
+    ids = list(range(40, 60))
+    want = torch.log_softmax(reference_logits(config, random_weights(config), ids), dim=-1)  # tiny_gguf's weights
+    scored = client.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    lp = scored.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and scored.usage.completion_tokens == 0
+    assert lp.token_logprobs[1:] == pytest.approx([float(want[p - 1, ids[p]]) for p in range(1, len(ids))], abs=1e-4)
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    entries = out.choices[0].model_extra["prompt_logprobs"]
+    assert [e and e[str(ids[p])]["logprob"] for p, e in enumerate(entries)] == [None] + lp.token_logprobs[1:]
 
 
 def test_tools_request_shape(client):

@@ -18,10 +18,10 @@ from typing import Protocol, Sequence as Seq
 import numpy as np
 import torch
 
-from kog.engine import structured
+from kog.engine import prompt_logprobs, structured
 from kog.engine.chunks import forward_chunks
 from kog.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
-from kog.engine.scheduler import Scheduler, SchedulerOutput
+from kog.engine.scheduler import PrefillWork, Scheduler, SchedulerOutput
 from kog.engine.sequence import Sequence
 from kog.engine.session import SessionManager
 from kog.engine.speculative import Speculator, VerifyWork
@@ -123,7 +123,10 @@ class LLMEngine:
                          priority: int = 0) -> None:
         """add_request on a session: the prompt is the session's context, only its tokens
         without KV are prefilled, and when the request ends normally its output tokens join the
-        context. params.n must be 1 (use fork_session for branches)."""
+        context. params.n must be 1 (use fork_session for branches); no prompt_logprobs (most of
+        the context's KV is computed already)."""
+        if params.prompt_logprobs is not None:
+            raise InvalidRequest("prompt_logprobs is not supported on a session's generations")
         self.sessions.generate(session_id, request_id, params, priority)
 
     def prefill_session(self, session_id: str, request_id: str, priority: int = 0) -> None:
@@ -183,9 +186,12 @@ class LLMEngine:
         metrics = {"arrival_time": parent.arrival_time}
         if parent.first_token_time is not None:
             metrics["first_token_time"] = parent.first_token_time
+        prompt_lps = None
+        if parent.params.prompt_logprobs is not None and not parent.prompt_logprobs_pending:
+            prompt_lps = list(parent.prompt_logprobs)
         return RequestOutput(request_id, self._prompts[request_id], list(parent.prompt_ids), outs, done,
                              parent.num_cached_tokens, sum(s.num_prefill_computed for s in seqs), metrics,
-                             sum(s.num_forward_passes for s in seqs))
+                             sum(s.num_forward_passes for s in seqs), prompt_lps)
 
     def release(self, request_id: str) -> None:
         """Forgets a finished request's bookkeeping."""
@@ -224,10 +230,7 @@ class LLMEngine:
                 rows.append((i, seq))
         if work.prefill:
             base = len(work.decode)
-            chunks = [PrefillChunk(w.seq.all_ids[w.start : w.start + w.n], w.start,
-                                   self.kv.block_table(w.seq.seq_id), w.slots) for w in work.prefill]
-            # Jump-forward runs (sequences with output) may take the native decode path (engine/chunks.py).
-            parts.append(forward_chunks(self.runner, chunks, use_decode=all(w.seq.output_ids for w in work.prefill)))
+            parts.append(self._run_prefill(work.prefill))
             for i, w in enumerate(work.prefill):
                 w.seq.num_computed += w.n
                 w.seq.num_forward_passes += 1
@@ -306,6 +309,7 @@ class LLMEngine:
             self.kv.fork(parent.seq_id, child.seq_id)
             child.num_computed = parent.num_computed
             child.num_cached_tokens = parent.num_cached_tokens
+            child.prompt_logprobs = parent.prompt_logprobs  # complete: the prompt is done
             self.scheduler.add_running(child)
             seqs.append(child)
             children.append(child)
@@ -321,6 +325,20 @@ class LLMEngine:
         tokens = np.array([s.all_ids[-1] for s in seqs], dtype=np.int64)
         return self.runner.decode(tokens, positions, block_tables, (positions + 1).astype(np.int32),
                                   np.asarray(slots, dtype=np.int64))
+
+    def _run_prefill(self, work: list[PrefillWork]) -> torch.Tensor:
+        """[len(work), vocab] logits of each chunk's last token; prompt logprobs recorded on the way."""
+        chunks = [PrefillChunk(w.seq.all_ids[w.start : w.start + w.n], w.start,
+                               self.kv.block_table(w.seq.seq_id), w.slots) for w in work]
+        if not any(w.seq.prompt_logprobs_pending for w in work):
+            # Jump-forward runs (sequences with output) may take the native decode path (engine/chunks.py).
+            return forward_chunks(self.runner, chunks, use_decode=all(w.seq.output_ids for w in work))
+        # NOTE: every row of the batch gets logits then: a cost only steps that prefill a prompt
+        # asking for prompt logprobs pay.
+        per_chunk = forward_chunks(self.runner, chunks, all_logits=True, use_decode=False)  # [len(chunk), vocab] each
+        for w, chunk_logits in zip(work, per_chunk):
+            prompt_logprobs.record(w.seq, w.start, chunk_logits)
+        return torch.stack([chunk_logits[-1] for chunk_logits in per_chunk])
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         return SampleRow(seq.params, seq.prompt_ids, seq.output_ids, self.eos_token_ids, seq.generator,

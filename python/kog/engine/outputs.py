@@ -30,6 +30,10 @@ class RequestOutput:
     prefill_tokens_computed: int = 0    # tokens prefilled for this request, recomputation included
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished (monotonic s)
     num_forward_passes: int = 0         # target-model forwards over this request's sequences (summed)
+    # With SamplingParams.prompt_logprobs: per prompt token {token id: logprob}, the prompt's token
+    # first, then the top alternatives; None for the first token (nothing predicts it). Filled
+    # when the prompt's prefill is done, None until then and without the parameter (vLLM's field).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass

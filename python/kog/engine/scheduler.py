@@ -173,8 +173,9 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> bool:
         """Gives seq its KV: resumes KV the allocator kept (a session, a swapped preemption), or
-        starts from the longest cached prefix. Only blocks registered in earlier steps can hit
-        (their KV is computed); at least one token is left to compute, for logits."""
+        starts from the longest cached prefix (none while prompt logprobs are pending). Only
+        blocks registered in earlier steps can hit (their KV is computed); at least one token is
+        left to compute, for logits."""
         if seq.seq_id in self.kv:
             try:
                 moves = self.kv.resume(seq.seq_id)
@@ -183,7 +184,8 @@ class Scheduler:
             self.apply_moves(moves)
             return True
         ids = seq.all_ids
-        hit = self.kv.lookup(ids) if self.enable_prefix_caching else 0
+        # NOTE: prompt logprobs come from the prefill's logits, so such a prompt is computed whole.
+        hit = self.kv.lookup(ids) if self.enable_prefix_caching and not seq.prompt_logprobs_pending else 0
         if hit >= len(ids):
             hit -= self.kv.block_size
         try:

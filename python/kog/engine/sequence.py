@@ -48,6 +48,9 @@ class Sequence:
     finish_reason: str | None = None            # "stop", "length" or "abort"
     stop_reason: int | str | None = None        # the stop token id or stop string that matched
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # NOTE: with params.prompt_logprobs, entry p is prompt token p's (entry 0 is None); they are
+    # recorded in position order as prefill chunks compute them, each exactly once.
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -77,6 +80,12 @@ class Sequence:
         whose sampled token has no KV yet: the next generation feeds it and gets its logits.
         """
         return self.num_to_compute - (1 if self.prefill_only else 0)
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Prompt positions still lack the logprobs the request asked for (its prefill must
+        compute them: none may come from the prefix cache)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from kog.loader.tokenizer import Tokenizer
-from kog.server.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from kog.server.responses import ChatLogprobs, CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:
@@ -65,11 +65,12 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list[dict
     return ChatLogprobs(content=content)
 
 
-def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list[dict[int, float]], k: int,
+def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list[dict[int, float] | None], k: int,
                         text_offset: int = 0) -> CompletionLogprobs:
     """Completions format: parallel lists tokens / token_logprobs / top_logprobs / text_offset.
 
     Args:
+        entries: per token; None (an echoed prompt's first token) gives a null logprob and top.
         text_offset: characters of the choice's text before the first of these tokens.
     """
     out = CompletionLogprobs()
@@ -77,11 +78,27 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: lis
     for tid, entry in zip(token_ids, entries):
         text = token_text(tokenizer, tid)
         out.tokens.append(text)
-        out.token_logprobs.append(entry[tid])
+        out.token_logprobs.append(None if entry is None else entry[tid])
         top: dict[str, float] = {}
-        for i, lp in _top(entry, k):  # NOTE: tokens with the same text keep the best logprob
+        for i, lp in _top(entry or {}, k):  # NOTE: tokens with the same text keep the best logprob
             top.setdefault(token_text(tokenizer, i), lp)
-        out.top_logprobs.append(top if k > 0 else None)
+        out.top_logprobs.append(top if k > 0 and entry is not None else None)
         out.text_offset.append(offset)
         offset += len(text)
+    return out
+
+
+def prompt_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list[dict[int, float] | None],
+                    k: int) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token {token id: {logprob, decoded_token}} of the
+    prompt's token and the top k (the engine may hold more); None for the first token."""
+    out: list[dict[str, PromptLogprob] | None] = []
+    for tid, entry in zip(token_ids, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        chosen = {tid: entry[tid]}  # the prompt's token first, as vLLM
+        chosen.update(_top(entry, k))
+        out.append({str(i): PromptLogprob(logprob=lp, decoded_token=token_text(tokenizer, i))
+                    for i, lp in chosen.items()})
     return out

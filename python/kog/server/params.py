@@ -15,7 +15,8 @@ _SEED_RANGE = 2**63 - 64  # torch seeds are 64-bit; n > 1 adds the choice index 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                     structured: StructuredOutputParams | None = None,
-                    speculative: SpeculativeParams | None = None) -> SamplingParams:
+                    speculative: SpeculativeParams | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's parameters for a request.
 
     Args:
@@ -24,11 +25,13 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         logprobs: top alternatives per token to return (None: no logprobs).
         structured: the output constraint (server/structured.py), None for free output.
         speculative: the request's speculative decoding (speculative_params).
+        prompt_logprobs: top alternatives per prompt token to compute (None: none).
     Raises:
         InvalidRequest: a combination the engine refuses (e.g. min_tokens > max_tokens), naming the field.
     """
     fields: dict = dict(n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
                         stop=req.stop, stop_token_ids=req.stop_token_ids or [], logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs,
                         skip_special_tokens=req.skip_special_tokens,
                         include_stop_str_in_output=req.include_stop_str_in_output,
                         seed=None if req.seed is None else req.seed % _SEED_RANGE,

@@ -182,7 +182,8 @@ PromptInput = Union[str, list[str], list[int], list[list[int]]]
 
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: int | None = Field(16, ge=0)  # 0: with echo, the prompt alone (scoring), as vLLM
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # with echo, the prompt's tokens' too
     echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's extension
     response_format: ResponseFormat | None = None

@@ -48,6 +48,13 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One candidate of a prompt position (vLLM's prompt_logprobs entries, without rank)."""
+
+    logprob: float
+    decoded_token: str
+
+
 # ---- chat -----------------------------------------------------------------------------------------
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
@@ -111,6 +118,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: per prompt token, {token id: candidate}, the prompt's token and the top N; the first is null
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
