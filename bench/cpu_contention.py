@@ -57,8 +57,9 @@ def child(steps: int, repeats: int) -> None:
             runner.decode(tok, [p], table[None], [p + 1], [slot(p)], sampled=tok)
         decode.append(steps / (time.perf_counter() - t))
     from kog import _C
+    contention = getattr(_C, "_thread_pool_contention", None)  # absent in builds before the pool
     print(json.dumps({"decode": statistics.median(decode), "prefill": statistics.median(prefill),
-                      "threads": _C.build_info()["cpu_threads"]}))
+                      "threads": _C.build_info()["cpu_threads"], "backoffs": contention()[0] if contention else -1}))
 
 
 def measure(pythonpath: str, env_extra: dict[str, str], busy: int, steps: int, repeats: int) -> dict:
@@ -97,11 +98,13 @@ def main() -> None:
         res = {name: measure(path, extra, busy, args.steps, args.repeats) for name, path, extra in settings}
         one = res["KOG_NUM_THREADS=1"]["decode"]
         for name, r in res.items():
-            rows.append((busy, name, r["threads"], r["decode"], r["decode"] / one, r["prefill"] * 1e3))
+            rows.append((busy, name, r["threads"], r["decode"], r["decode"] / one, r["prefill"] * 1e3, r["backoffs"]))
     print(f"SmolLM2-135M bf16, batch 1, {os.cpu_count()} CPUs; medians of {args.repeats} runs of {args.steps} steps")
-    print(f"{'busy':>4}  {'setting':<20}{'threads':>8}{'decode tok/s':>14}{'x 1-thread':>12}{'prefill 256 ms':>16}")
-    for busy, name, threads, tps, ratio, pre in rows:
-        print(f"{busy:>4}  {name:<20}{threads:>8}{tps:>14.1f}{ratio:>12.2f}{pre:>16.1f}")
+    print(f"{'busy':>4}  {'setting':<20}{'threads':>8}{'decode tok/s':>14}{'x 1-thread':>12}{'prefill 256 ms':>16}"
+          f"{'back-offs':>11}")
+    for busy, name, threads, tps, ratio, pre, backoffs in rows:
+        print(f"{busy:>4}  {name:<20}{threads:>8}{tps:>14.1f}{ratio:>12.2f}{pre:>16.1f}"
+              f"{backoffs if backoffs >= 0 else '-':>11}")
     if args.baseline:
         base = {b: r[3] for r in rows if r[1] == "baseline default" for b in [r[0]]}
         for busy, name, *_rest in rows:

@@ -90,14 +90,21 @@ int64_t WaitWord::wait_while(uint32_t old, int64_t& spin_ns) const {
     }
     if (i % 32 == 0 && now_ns() >= deadline) break;
   }
-  spin_ns = std::max(kMinSpinNs, spin_ns / 2);
   sleepers_.fetch_add(1, std::memory_order_seq_cst);
   while (v_.load(std::memory_order_seq_cst) == old) futex_wait(&v_, old);
   sleepers_.fetch_sub(1, std::memory_order_relaxed);
-  return now_ns() - start;
+  // NOTE: only a wait of a time slice (another process held the awaited thread's core) shrinks
+  // the budget; a long op on an idle machine must not teach the threads to sleep at every
+  // barrier (a sleep and wake-up costs ~10-50 us, ~200 barriers a decode step).
+  const int64_t took = now_ns() - start;
+  if (took > kSliceNs) spin_ns = std::max(kMinSpinNs, spin_ns / 2);
+  return took;
 }
 
 namespace {
+// Spin budget of this thread's barrier waits (and the caller's wait for its workers), adapted by
+// wait_while. Parking between regions has its own fixed budget: the host's work between decode
+// steps outlasts any spin, and must not shrink the barriers' budget.
 thread_local int64_t t_spin_ns = WaitWord::kMaxSpinNs;
 }  // namespace
 
@@ -150,7 +157,8 @@ void ThreadPool::stop_workers() {
 // the generation it woke for, and sees each generation exactly once.
 void ThreadPool::worker(int t, uint32_t seen) {
   for (;;) {
-    start_.wait_while(seen, t_spin_ns);
+    int64_t park_spin_ns = WaitWord::kMaxSpinNs;
+    start_.wait_while(seen, park_spin_ns);
     seen = start_.load();
     if (stop_) return;
     if (t < nt_) {

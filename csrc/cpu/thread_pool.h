@@ -5,8 +5,9 @@
 // another process holds a core (an agent's compiler next to its model), the thread that
 // arrives first burns its time slice waiting for one that is not running: 0.8 tok/s where one
 // thread makes 30. Here every wait spins for at most a budget that adapts (it halves each time
-// a wait had to sleep, so under contention the threads yield the CPU almost at once, and
-// grows back while waits end within it), then sleeps on a futex.
+// a wait lasted a time slice, so under contention the threads yield the CPU almost at once, and
+// grows back while waits end within it), then sleeps on a futex; and while barrier waits of a
+// time slice recur, regions run on the caller alone (note_contention).
 //
 //   ThreadPool& pool = ThreadPool::instance();
 //   pool.run(n, [&](int t, int nt) {   // t in [0, nt), the caller is t = 0
@@ -41,11 +42,13 @@ class WaitWord {
   // Adds 1 (release) and wakes every sleeper.
   void bump();
   // Returns once the word differs from `old` (acquire): 0 if within the spin, else the ns the
-  // whole wait took. `spin_ns` is the caller's adaptive budget: halved when this wait had to
-  // sleep, doubled (to kMaxSpinNs) when it did not.
+  // whole wait took. `spin_ns` is the caller's adaptive budget: halved when this wait lasted
+  // over kSliceNs (the awaited thread was not running), doubled (to kMaxSpinNs) when it ended
+  // within the spin.
   int64_t wait_while(uint32_t old, int64_t& spin_ns) const;
 
   static constexpr int64_t kMaxSpinNs = 50'000, kMinSpinNs = 500;
+  static constexpr int64_t kSliceNs = 1'000'000;  // a wait this long: a scheduler time slice
 
  private:
   alignas(64) std::atomic<uint32_t> v_{0};
@@ -73,7 +76,7 @@ class ThreadPool {
   void reset_contention();
   void set_backoff_enabled(bool on) { backoff_enabled_.store(on, std::memory_order_relaxed); }
 
-  static constexpr int64_t kLongWaitNs = 1'000'000;       // a barrier wait this long: contention
+  static constexpr int64_t kLongWaitNs = WaitWord::kSliceNs;  // a barrier wait this long: contention
   static constexpr int kContentionTrigger = 2;             // long waits (decayed by half a region)
   static constexpr int64_t kBaseBackoffNs = 100'000'000;   // first back-off: 100 ms
   static constexpr int64_t kMaxBackoffNs = 1'600'000'000;  // doubling up to 1.6 s
