@@ -118,7 +118,8 @@ class GpuDecoder:
         stops = torch.tensor(list(stop_ids) or [0], dtype=torch.int32, device=dev)
         positions_d, seq_lens_d = pos.to(dev), (pos + 1).to(dev, torch.int32)
         slots_d, tables_d = slots.to(dev), tables.to(dev).contiguous()
-        out = torch.empty(n_steps, b, dtype=torch.int32, device=dev)
+        # NOTE: -1, not empty: once every sequence finished the kernel stops and writes no later step.
+        out = torch.full((n_steps, b), -1, dtype=torch.int32, device=dev)
         finished = torch.zeros(b, dtype=torch.int32, device=dev)
         logits = torch.empty(b, self.vocab_size, dtype=torch.float32, device=dev)
         stream = torch.cuda.current_stream(dev).cuda_stream
