@@ -135,12 +135,12 @@ build() {
   "$PY" -c "import kog, gguf; print('kog from', kog.__file__, '| gguf', gguf.__file__)" && "$PY" -m kog info
 }
 
-# pytest_step NAME ARGS...: pytest with junit xml into the logs, a per-test timeout where
-# pytest-timeout is installed (a hung kernel then fails its test, by name, instead of the step).
+# pytest_step NAME ARGS...: pytest with junit xml into the logs, a 40 s per-test timeout where
+# pytest-timeout is installed (a hung kernel then ends the step early, its test named in the log).
 pytest_step() {
   local name=$1; shift
   local extra=()
-  "$PY" -c "import pytest_timeout" 2>/dev/null && extra=(--timeout=100 --timeout-method=thread)  # its plugin loads itself
+  "$PY" -c "import pytest_timeout" 2>/dev/null && extra=(--timeout=40 --timeout-method=thread)  # its plugin loads itself
   "$PY" -m pytest -v -rfEs -p no:cacheprovider "${extra[@]}" --junitxml="$LOGS/$name.xml" "$@"
 }
 export -f env_info wheels build pytest_step
