@@ -184,11 +184,13 @@ if ((built)); then
     ops+=" or (reference and (7-4-2-128-128 or 3-7 or 5-129)) or prefill_other_head_dims"
     san=("$sanitizer" --error-exitcode 99 --kernel-name kns=kog)
     ign=(--ignore=tests/gpu/test_greedy_1b_gpu.py "${decode_tests[@]/#/--ignore=}")
-    step memcheck_ops 60 "${san[@]}" --tool memcheck "$PY" -m pytest -q -p no:cacheprovider -x tests/gpu "${ign[@]}" -k "$ops"
+    step memcheck_ops 60 "${san[@]}" --tool memcheck "$PY" -m pytest -q -p no:cacheprovider -x tests/gpu \
+      "${ign[@]}" -k "$ops"
     step memcheck_decode 45 "${san[@]}" --tool memcheck "$PY" -m pytest -q -p no:cacheprovider -x \
       tests/gpu/test_persistent_decode_gpu.py -k "(one_step and lens0 and llama and dtype0) or loop_mode"
+    races="rmsnorm_in_place or rope_small or out_aliases_q or (one_step and lens0 and llama and dtype0)"
     step racecheck 40 "${san[@]}" --tool racecheck "$PY" -m pytest -q -p no:cacheprovider -x tests/gpu \
-      --ignore=tests/gpu/test_greedy_1b_gpu.py -k "rmsnorm_in_place or rope_small or out_aliases_q or (one_step and lens0 and llama and dtype0)"
+      --ignore=tests/gpu/test_greedy_1b_gpu.py -k "$races"
   else
     note sanitizers "not run (no compute-sanitizer for backend $backend)"
   fi

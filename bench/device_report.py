@@ -19,6 +19,10 @@ FAIL_LINE = re.compile(r"^(FAILED|ERROR) |^E  +|error[: ]|Error:|Traceback|Timeo
 RESULT = re.compile(r" (PASSED|SKIPPED|XFAIL|XPASS)\b")  # a -v line of a test that did not fail
 
 
+def read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
 def read_steps(logs: Path) -> list[dict]:
     """steps.tsv rows: name, status, seconds, exit code ('-' when it did not run), limit."""
     steps = []
@@ -98,12 +102,9 @@ def main() -> None:
         s["tests"] = test_counts(logs, s["name"])
         s["first_failure"] = first_failure(logs, s["name"]) if s["status"] != "ok" and s["rc"] != "-" else []
     latency_text, latency = latency_table(logs)
-    prefill = logs / "prefill_attention.log"
-    prefill_text = prefill.read_text(errors="replace") if prefill.exists() else ""
-    build = logs / "build.log"
-    gpu_code = re.findall(r"^\s*\d+ (sm_\w+(?: \(ptx\))?)$", build.read_text(errors="replace"), re.M) if build.exists() else []
-    env = logs / "env.log"
-    torch_line = next((ln for ln in env.read_text(errors="replace").splitlines() if " torch " in ln), "") if env.exists() else ""
+    prefill_text = read(logs / "prefill_attention.log")
+    gpu_code = re.findall(r"^\s*\d+ (sm_\w+(?: \(ptx\))?)$", read(logs / "build.log"), re.M)
+    torch_line = next((ln for ln in read(logs / "env.log").splitlines() if " torch " in ln), "")
     failed = [s["name"] for s in steps
               if s["rc"] not in ("0", "-") or s["status"].startswith(("failed", "skipped (budget"))]
     ok = not failed
