@@ -1,12 +1,16 @@
 """GPU decode latency at batch 1: Kog's persistent decode kernel vs torch eager and torch with
 CUDA graphs on the same random bf16 weights, plus KV swap through pinned host memory.
 
-    python bench/decode_latency.py [--out DIR] [--iters N]
+    python bench/decode_latency.py [--out DIR] [--iters N] [--models llama-1b,llama-1b:8] [--ctx 1024]
 
-Models: random-weight Llama-3.2-1B and a 2.3B Llama-shaped model; contexts 1k and 4k.
+Models: random-weight Llama-3.2-1B and a 2.3B Llama-shaped model; contexts 1k and 4k; NAME:N
+keeps N of the model's layers (1, 8 and 16 layers separate the per-layer cost from the rest).
 Per row: us/token p50, tok/s, and achieved bandwidth (weights + KV read per token / time) as a
 fraction of a device-to-device copy measured in the same run. Kog runs one launch per token
-("kog 1-step", host builds the inputs each call) and 32 tokens per launch ("kog loop32").
+("kog 1-step", host builds the inputs each call; "kog kernel", the same launch over inputs staged
+once) and 32 tokens per launch ("kog loop32").
+With --out, each row is appended to DIR/decode_latency.jsonl as soon as it is measured (a run cut
+short keeps what it measured), and the table goes to DIR/decode_latency.txt at the end.
 Swap: 1 GiB of KV blocks out to pinned host memory and back in through Kog's block-copy
 kernel, in GB/s beside a plain pinned host<->device copy of the same bytes.
 """
@@ -36,7 +40,10 @@ SHAPES = {  # name: (hidden, layers, q heads, kv heads, head_dim, intermediate, 
 
 
 def config_for(name: str) -> ModelConfig:
-    h, n, q, kv, hd, inter, vocab = SHAPES[name]
+    """NAME or NAME:LAYERS (the first LAYERS of the model's layers)."""
+    base, _, layers = name.partition(":")
+    h, n, q, kv, hd, inter, vocab = SHAPES[base]
+    n = int(layers or n)
     return ModelConfig(architecture="llama", hidden_size=h, num_hidden_layers=n, num_attention_heads=q,
                        num_key_value_heads=kv, head_dim=hd, intermediate_size=inter, vocab_size=vocab,
                        rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
@@ -126,33 +133,25 @@ class TorchDecode:
         return self.token
 
 
-def bench_model(name: str, ctxs: list[int], iters: int, copy_bw: float, dev) -> list[dict]:
+def bench_model(name: str, ctxs: list[int], iters: int, copy_bw: float, dev, emit) -> list[dict]:
+    """Rows for one model; emit(row) is called as each is measured."""
     c = config_for(name)
     w = random_weights(c, dev)
     weight_bytes = sum(t.numel() * 2 for k, t in w.items())
     rows = []
     for ctx in ctxs:
         loop = 32
-        n_blocks = (ctx + loop) // BS + 2
-        kv = torch.randn(c.num_hidden_layers, n_blocks, 2, c.num_key_value_heads, BS, c.head_dim,
-                         device=dev, dtype=torch.bfloat16)
-        dec = GpuDecoder(c, w, kv, BS, rope_inv_freq(c.head_dim, c.rope_theta, None))
-        table = np.arange(n_blocks, dtype=np.int32)[None]
         kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * ctx
         per_token = weight_bytes + kv_bytes
 
-        def row(engine: str, us: float) -> dict:
-            return dict(model=name, ctx=ctx, engine=engine, us_per_token=us, tok_s=1e6 / us,
-                        bw_fraction=per_token / us / 1e3 / copy_bw)
+        def row(engine: str, us: float) -> None:
+            rows.append(dict(model=name, ctx=ctx, engine=engine, us_per_token=us, tok_s=1e6 / us,
+                             bw_fraction=per_token / us / 1e3 / copy_bw))
+            emit(rows[-1])
 
-        one = statistics.median(timed_us(lambda: dec.decode([1], [ctx], table), iters))
-        rows.append(row("kog 1-step", one))
-        l32 = statistics.median(timed_us(lambda: dec.decode([1], [ctx - loop + 1], table, n_steps=loop), max(3, iters // 8)))
-        rows.append(row("kog loop32", l32 / loop))
-        del dec, kv
+        # The baselines first: a run whose kernel hangs or dies still brings them back.
         t = TorchDecode(c, w, ctx, dev)
-        eager = statistics.median(timed_us(t.step, iters))
-        rows.append(row("torch eager", eager))
+        row("torch eager", statistics.median(timed_us(t.step, iters)))
         graph = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -161,8 +160,19 @@ def bench_model(name: str, ctxs: list[int], iters: int, copy_bw: float, dev) -> 
         torch.cuda.current_stream().wait_stream(s)
         with torch.cuda.graph(graph):
             t.step()
-        rows.append(row("torch cuda-graph", statistics.median(timed_us(graph.replay, iters))))
+        row("torch cuda-graph", statistics.median(timed_us(graph.replay, iters)))
         del t, graph
+        n_blocks = (ctx + loop) // BS + 2
+        kv = torch.randn(c.num_hidden_layers, n_blocks, 2, c.num_key_value_heads, BS, c.head_dim,
+                         device=dev, dtype=torch.bfloat16)
+        dec = GpuDecoder(c, w, kv, BS, rope_inv_freq(c.head_dim, c.rope_theta, None))
+        table = np.arange(n_blocks, dtype=np.int32)[None]
+        row("kog 1-step", statistics.median(timed_us(lambda: dec.decode([1], [ctx], table), iters)))
+        staged = dec.stage([1], [ctx], table)  # one step leaves its staged inputs as they were
+        row("kog kernel", statistics.median(timed_us(lambda: dec.launch(staged), iters)))
+        l32 = statistics.median(timed_us(lambda: dec.decode([1], [ctx - loop + 1], table, n_steps=loop), max(3, iters // 8)))
+        row("kog loop32", l32 / loop)
+        del dec, kv, staged
         torch.cuda.empty_cache()
     return rows
 
@@ -183,33 +193,56 @@ def bench_swap(dev) -> list[dict]:
             dict(case="swap-in 1 GiB", kog_gbs=gbs(in_us), plain_gbs=gbs(h2d))]
 
 
+ROW_HEADER = f"{'model':<14}{'ctx':>6}  {'engine':<18}{'us/token':>10}{'tok/s':>9}{'% copy bw':>11}"
+
+
+def row_line(r: dict) -> str:
+    return (f"{r['model']:<14}{r['ctx']:>6}  {r['engine']:<18}{r['us_per_token']:>10.1f}{r['tok_s']:>9.1f}"
+            f"{100 * r['bw_fraction']:>10.1f}%")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--models", default="llama-1b,llama-2.3b")
+    ap.add_argument("--models", default="llama-1b,llama-1b:1,llama-1b:8,llama-2.3b")
     ap.add_argument("--ctx", default="1024,4096")
+    ap.add_argument("--no-swap", action="store_true", help="skip the KV swap rows")
     args = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
+    jsonl = None
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        jsonl = open(Path(args.out, "decode_latency.jsonl"), "a", buffering=1)  # noqa: SIM115 (line-buffered)
+
+    def emit(r: dict) -> None:
+        print(row_line(r) if "engine" in r else r, flush=True)
+        if jsonl:
+            jsonl.write(json.dumps(r) + "\n")
+
     copy_bw = copy_gbs(dev)
+    head = f"{torch.cuda.get_device_name(dev)}; device-to-device copy {copy_bw:.0f} GB/s; batch 1, bf16"
+    print(head, ROW_HEADER, sep="\n", flush=True)
+    emit(dict(device=torch.cuda.get_device_name(dev), copy_gbs=copy_bw))
     rows = []
     for name in args.models.split(","):
-        rows += bench_model(name, [int(x) for x in args.ctx.split(",")], args.iters, copy_bw, dev)
-    swap = bench_swap(dev)
-    lines = [f"{torch.cuda.get_device_name(dev)}; device-to-device copy {copy_bw:.0f} GB/s; batch 1, bf16",
-             f"{'model':<12}{'ctx':>6}  {'engine':<18}{'us/token':>10}{'tok/s':>9}{'% copy bw':>11}{'x graph':>9}"]
+        rows += bench_model(name, [int(x) for x in args.ctx.split(",")], args.iters, copy_bw, dev, emit)
+    swap = [] if args.no_swap else bench_swap(dev)
+    for s in swap:
+        emit(s)
+    lines = [head, ROW_HEADER + f"{'x graph':>9}"]
     for r in rows:
-        graph = next(x for x in rows if x["model"] == r["model"] and x["ctx"] == r["ctx"] and x["engine"] == "torch cuda-graph")
-        lines.append(f"{r['model']:<12}{r['ctx']:>6}  {r['engine']:<18}{r['us_per_token']:>10.1f}{r['tok_s']:>9.1f}"
-                     f"{100 * r['bw_fraction']:>10.1f}%{graph['us_per_token'] / r['us_per_token']:>9.2f}")
-    lines.append(f"{'swap':<20}{'kog GB/s':>10}{'plain pinned GB/s':>19}")
-    lines += [f"{s['case']:<20}{s['kog_gbs']:>10.1f}{s['plain_gbs']:>19.1f}" for s in swap]
+        graph = next((x for x in rows if x["model"] == r["model"] and x["ctx"] == r["ctx"]
+                      and x["engine"] == "torch cuda-graph"), None)
+        lines.append(row_line(r) + (f"{graph['us_per_token'] / r['us_per_token']:>9.2f}" if graph else ""))
+    if swap:
+        lines.append(f"{'swap':<20}{'kog GB/s':>10}{'plain pinned GB/s':>19}")
+        lines += [f"{s['case']:<20}{s['kog_gbs']:>10.1f}{s['plain_gbs']:>19.1f}" for s in swap]
     table = "\n".join(lines)
     print(table)
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "decode_latency.txt").write_text(table + "\n")
-        Path(args.out, "decode_latency.json").write_text(json.dumps(dict(rows=rows, swap=swap), indent=1))
+        Path(args.out, "decode_latency.json").write_text(json.dumps(dict(copy_gbs=copy_bw, rows=rows, swap=swap), indent=1))
 
 
 if __name__ == "__main__":

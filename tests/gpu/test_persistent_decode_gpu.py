@@ -43,7 +43,7 @@ def gpu_decoder(r: ModelRunner, device) -> GpuDecoder:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("lens", [[5], [300, 17, 600]])  # 600 tokens: three attention partitions
 def test_one_step_logits_match_cpu_executor(device, arch, dtype, rtol, lens):
-    r = cpu_runner(arch, dtype)
+    r = cpu_runner(arch, dtype, max_position_embeddings=1024)  # the tiny model's 256 would refuse 600
     gen = torch.Generator().manual_seed(sum(lens))
     prompts = [torch.randint(0, r.vocab_size, (n,), generator=gen).tolist() for n in lens]
     tables = prefill(r, prompts)
@@ -78,11 +78,30 @@ def test_stop_ids_finish_a_sequence_on_the_device(device):
     tables = prefill(r, [prompt])
     first = gpu_decoder(r, device).decode([prompt[-1]], [len(prompt)], tables, n_steps=8).tokens[:, 0].cpu()
     stop = int(first[2])
+    # The kernel leaves the steps after the last sequence finished unwritten: the allocator may hand
+    # the stop run the first run's token memory, so those steps read -1 only if decode() filled them.
     res = gpu_decoder(r, device).decode([prompt[-1]], [len(prompt)], tables, n_steps=8, stop_ids=[stop])
     toks = res.tokens[:, 0].cpu().tolist()
     k = toks.index(stop)
-    assert toks[: k + 1] == first[: k + 1].tolist() and all(t == -1 for t in toks[k + 1 :])
+    assert toks[: k + 1] == first[: k + 1].tolist() and toks[k + 1 :] == [-1] * (7 - k)
     assert int(res.finished[0]) == 1
+
+
+def test_finished_sequence_reads_minus_one_while_others_run(device):
+    r = cpu_runner("llama", torch.float32)
+    prompts = [list(range(1, 30)), list(range(40, 90))]
+    tables = prefill(r, prompts)
+    last, pos = [p[-1] for p in prompts], [len(p) for p in prompts]
+    free = gpu_decoder(r, device).decode(last, pos, tables, n_steps=8).tokens.cpu()
+    row0, row1 = free[:, 0].tolist(), free[:, 1].tolist()
+    k = next((i for i in range(1, 7) if row0[i] not in row1 and row0[i] not in row0[:i]), None)
+    if k is None:
+        pytest.skip(f"no stop id ends row 0 alone: {row0} / {row1}")
+    res = gpu_decoder(r, device).decode(last, pos, tables, n_steps=8, stop_ids=[row0[k]])
+    toks = res.tokens.cpu()
+    assert toks[:, 0].tolist() == row0[: k + 1] + [-1] * (7 - k)
+    assert toks[:, 1].tolist() == row1  # the other row runs all 8 steps
+    assert res.finished.cpu().tolist() == [1, 0]
 
 
 def test_sampling_is_seeded_and_respects_top_k(device):

@@ -46,6 +46,15 @@ class GpuDecodeResult:
     finished: torch.Tensor     # [B] int32, 1 once a sequence sampled a stop id
 
 
+@dataclass
+class StagedDecode:
+    """One call's inputs on the device (GpuDecoder.stage) and the result its launch fills."""
+
+    args: tuple                # GpuDecodeExecutor.run's arguments before the stream
+    inputs: tuple              # the device tensors args points into, kept alive
+    result: GpuDecodeResult
+
+
 class GpuDecoder:
     """Args:
         config: the model.
@@ -93,6 +102,13 @@ class GpuDecoder:
             stop_ids: ids that finish a sequence (its later tokens come back as -1).
             rng_step: counter of the first step (sampling draws depend on (seed, counter)).
         """
+        staged = self.stage(tokens, positions, block_tables, sampling, n_steps, stop_ids, rng_step)
+        self.launch(staged)
+        return staged.result
+
+    def stage(self, tokens, positions, block_tables, sampling: Sequence[DeviceSampling] | None = None,
+              n_steps: int = 1, stop_ids: Sequence[int] = (), rng_step: int = 0) -> StagedDecode:
+        """Checks a call's inputs and copies them to the device (arguments as for decode)."""
         dev = self.device
         tokens_t = torch.as_tensor(tokens).to(dev, torch.int32).contiguous()
         b = tokens_t.numel()
@@ -118,14 +134,20 @@ class GpuDecoder:
         stops = torch.tensor(list(stop_ids) or [0], dtype=torch.int32, device=dev)
         positions_d, seq_lens_d = pos.to(dev), (pos + 1).to(dev, torch.int32)
         slots_d, tables_d = slots.to(dev), tables.to(dev).contiguous()
-        out = torch.empty(n_steps, b, dtype=torch.int32, device=dev)
+        # NOTE: -1, not empty: once every sequence finished the kernel stops and writes no later step.
+        out = torch.full((n_steps, b), -1, dtype=torch.int32, device=dev)
         finished = torch.zeros(b, dtype=torch.int32, device=dev)
         logits = torch.empty(b, self.vocab_size, dtype=torch.float32, device=dev)
-        stream = torch.cuda.current_stream(dev).cuda_stream
-        self._executor.run(b, n_steps, tokens_t.data_ptr(), positions_d.data_ptr(), seq_lens_d.data_ptr(),
-                           slots_d.data_ptr(), tables_d.data_ptr(), tables_d.shape[1], last,
-                           samp.data_ptr(), rng_step, stops.data_ptr(), len(stop_ids), out.data_ptr(),
-                           finished.data_ptr(), logits.data_ptr(), stream)
-        # NOTE: the inputs may be freed when this returns: the caching allocator is stream-ordered,
+        inputs = (tokens_t, positions_d, seq_lens_d, slots_d, tables_d, samp, stops)
+        args = (b, n_steps, tokens_t.data_ptr(), positions_d.data_ptr(), seq_lens_d.data_ptr(),
+                slots_d.data_ptr(), tables_d.data_ptr(), tables_d.shape[1], last,
+                samp.data_ptr(), rng_step, stops.data_ptr(), len(stop_ids), out.data_ptr(),
+                finished.data_ptr(), logits.data_ptr())
+        return StagedDecode(args, inputs, GpuDecodeResult(out, logits, finished))
+
+    def launch(self, staged: StagedDecode) -> None:
+        """Queues the kernel over staged inputs on the current stream. A loop (n_steps > 1) moves
+        the staged positions, slots and finished flags on: launch such a staging once only."""
+        self._executor.run(*staged.args, torch.cuda.current_stream(self.device).cuda_stream)
+        # NOTE: the inputs may be freed when decode() returns: the caching allocator is stream-ordered,
         # so their memory is reused only by work queued after this launch on the same stream.
-        return GpuDecodeResult(out, logits, finished)
