@@ -103,8 +103,8 @@ int64_t WaitWord::wait_while(uint32_t old, int64_t& spin_ns) const {
 
 namespace {
 // Spin budget of this thread's barrier waits (and the caller's wait for its workers), adapted by
-// wait_while. Parking between regions has its own fixed budget: the host's work between decode
-// steps outlasts any spin, and must not shrink the barriers' budget.
+// wait_while. Parking between regions has its own budget (park_spin_ns_), which must not shrink
+// the barriers' one.
 thread_local int64_t t_spin_ns = WaitWord::kMaxSpinNs;
 }  // namespace
 
@@ -157,7 +157,7 @@ void ThreadPool::stop_workers() {
 // the generation it woke for, and sees each generation exactly once.
 void ThreadPool::worker(int t, uint32_t seen) {
   for (;;) {
-    int64_t park_spin_ns = WaitWord::kMaxSpinNs;
+    int64_t park_spin_ns = park_spin_ns_.load(std::memory_order_relaxed);
     start_.wait_while(seen, park_spin_ns);
     seen = start_.load();
     if (stop_) return;
@@ -227,6 +227,7 @@ void ThreadPool::barrier() {
 // whole team when it ends.
 void ThreadPool::note_contention(int long_waits) {
   contention_ = contention_ / 2 + long_waits;
+  park_spin_ns_.store(contention_ > 0 ? WaitWord::kMaxSpinNs : kParkSpinNs, std::memory_order_relaxed);
   if (contention_ >= kContentionTrigger && backoff_enabled_.load(std::memory_order_relaxed)) {
     backoff_until_ns_ = now_ns() + backoff_ns_;
     backoff_ns_ = std::min(kMaxBackoffNs, backoff_ns_ * 2);

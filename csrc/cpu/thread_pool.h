@@ -80,6 +80,7 @@ class ThreadPool {
   static constexpr int kContentionTrigger = 2;             // long waits (decayed by half a region)
   static constexpr int64_t kBaseBackoffNs = 100'000'000;   // first back-off: 100 ms
   static constexpr int64_t kMaxBackoffNs = 1'600'000'000;  // doubling up to 1.6 s
+  static constexpr int64_t kParkSpinNs = 2'000'000;        // see park_spin_ns_
 
   // True on a thread that is running a region's function.
   static bool in_region();
@@ -111,6 +112,12 @@ class ThreadPool {
   int contention_ = 0;
   std::atomic<int64_t> backoffs_{0};
   std::atomic<bool> backoff_enabled_{true};
+  // NOTE: a worker parked between regions spins kParkSpinNs before it sleeps, so that on an
+  // idle machine it is still awake when the next decode step starts (the host's work between
+  // steps is ~0.2-2 ms; a sleeping worker costs the step a wake-up, ~50-500 us on a VM, since
+  // the step's first barrier waits for it); kMaxSpinNs while barrier waits of a time slice
+  // were seen lately (note_contention), when the spin would take a core another process needs.
+  std::atomic<int64_t> park_spin_ns_{kParkSpinNs};
   std::atomic<int64_t> backoff_until_ns_{0};
   int64_t backoff_ns_ = kBaseBackoffNs;
 };
