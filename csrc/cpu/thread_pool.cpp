@@ -82,13 +82,20 @@ void WaitWord::bump() {
 int64_t WaitWord::wait_while(uint32_t old, int64_t& spin_ns) const {
   if (v_.load(std::memory_order_acquire) != old) return 0;
   const int64_t start = now_ns(), deadline = start + spin_ns;
+  const int64_t busy_until = start + std::min(spin_ns, kMaxSpinNs);
   for (int i = 1;; ++i) {
     cpu_relax();
     if (v_.load(std::memory_order_acquire) != old) {
       spin_ns = std::min(kMaxSpinNs, spin_ns * 2);
       return 0;
     }
-    if (i % 32 == 0 && now_ns() >= deadline) break;
+    if (i % 32 == 0) {
+      const int64_t now = now_ns();
+      if (now >= deadline) break;
+      // Past kMaxSpinNs (a parked worker's longer budget): poll, but give the core to any
+      // other runnable thread first (torch's OpenMP workers during a prefill GEMM).
+      if (now >= busy_until) std::this_thread::yield();
+    }
   }
   sleepers_.fetch_add(1, std::memory_order_seq_cst);
   while (v_.load(std::memory_order_seq_cst) == old) futex_wait(&v_, old);

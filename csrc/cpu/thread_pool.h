@@ -112,11 +112,12 @@ class ThreadPool {
   int contention_ = 0;
   std::atomic<int64_t> backoffs_{0};
   std::atomic<bool> backoff_enabled_{true};
-  // NOTE: a worker parked between regions spins kParkSpinNs before it sleeps, so that on an
+  // NOTE: a worker parked between regions polls for kParkSpinNs before it sleeps, so that on an
   // idle machine it is still awake when the next decode step starts (the host's work between
   // steps is ~0.2-2 ms; a sleeping worker costs the step a wake-up, ~50-500 us on a VM, since
-  // the step's first barrier waits for it); kMaxSpinNs while barrier waits of a time slice
-  // were seen lately (note_contention), when the spin would take a core another process needs.
+  // the step's first barrier waits for it). Past kMaxSpinNs it yields the core before each
+  // poll (torch's OpenMP workers run the prefill GEMMs between Kog's regions); kMaxSpinNs only
+  // while barrier waits of a time slice were seen lately (note_contention).
   std::atomic<int64_t> park_spin_ns_{kParkSpinNs};
   std::atomic<int64_t> backoff_until_ns_{0};
   int64_t backoff_ns_ = kBaseBackoffNs;

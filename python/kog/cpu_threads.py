@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import os
 
-# libgomp spin iterations before a waiting thread sleeps: ~0.1-0.5 ms on current x86 cores
-# (the default, 300k, is tens of ms; 2000 cost an idle 256-token prefill ~15% in wake-ups).
-GOMP_SPINCOUNT = "20000"
+# libgomp spin iterations before a waiting thread sleeps: ~10-50 us on current x86 cores (the
+# default, 300k, is milliseconds). Measured idle on 2 cores (docs/PERFORMANCE.md, "CPU
+# contention"): 2000 gave the fastest prefill, 20000 a slower one (torch's spinning workers
+# took the cores Kog's pool needed between the GEMMs).
+GOMP_SPINCOUNT = "2000"
 
 
 def configure_openmp() -> None:
