@@ -5,7 +5,8 @@
 - llama3_json (Llama 3.1+): the whole reply is `{"name": ..., "parameters": {...}}`, optionally after
   `<|python_tag|>`, several calls separated by `;`.
 
-"auto" accepts both. Text that does not parse stays content: a malformed call is never dropped.
+"auto" accepts both. Text that does not parse stays content: a malformed call is never dropped,
+except an unclosed last Hermes block after complete ones (a reply cut by max_tokens mid-call).
 While streaming, ToolStreamer holds text back from the first sign of a call to the end.
 """
 
@@ -40,20 +41,25 @@ def parse_tool_calls(text: str, parser: str = "auto") -> ToolParseResult:
         text: the model's whole reply.
         parser: "auto", "hermes" or "llama3_json".
     Returns:
-        The calls found and the remaining content; calls is empty if any candidate is malformed.
+        The calls found and the remaining content; calls is empty if any candidate is malformed
+        (an unclosed last Hermes block that does not parse, after complete calls, is dropped).
     """
     if parser in ("auto", "llama3_json") and _json_start(text):
         calls = _parse_json_calls(text.strip().removeprefix(PYTHON_TAG))
         if calls is not None:
             return ToolParseResult(None, calls)
     if parser in ("auto", "hermes") and HERMES_START in text:
-        calls = []
-        for body in _HERMES_BLOCK.findall(text):
-            call = _to_call(_loads(body))
-            if call is None:
-                return ToolParseResult(text or None)
-            calls.append(call)
-        content = _HERMES_BLOCK.sub("", text).strip()
+        blocks = list(_HERMES_BLOCK.finditer(text))
+        calls = [_to_call(_loads(b.group(1))) for b in blocks]
+        end, last = len(text), blocks[-1]
+        if HERMES_END not in last.group(0):  # the reply ended (or was cut) inside its last call
+            calls[-1] = calls[-1] or _to_call(_loads(_without_end_prefix(last.group(1))))
+            if calls[-1] is None and len(calls) > 1:
+                # Cut mid-call (max_tokens): the calls before it are complete; the cut one is dropped.
+                calls, end = calls[:-1], last.start()
+        if None in calls:
+            return ToolParseResult(text or None)
+        content = _HERMES_BLOCK.sub("", text[:end]).strip()
         return ToolParseResult(content or None, calls)
     return ToolParseResult(text or None)
 
@@ -109,6 +115,14 @@ class ToolStreamer:
 def _json_start(text: str) -> bool:
     stripped = text.lstrip()
     return stripped.startswith("{") or stripped.startswith(PYTHON_TAG)
+
+
+def _without_end_prefix(body: str) -> str:
+    """A call's text without a start of `</tool_call>` the reply was cut in."""
+    for k in range(len(HERMES_END) - 1, 0, -1):
+        if body.endswith(HERMES_END[:k]):
+            return body[:-k].rstrip()
+    return body
 
 
 def _loads(text: str) -> object:
