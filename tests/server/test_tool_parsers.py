@@ -52,6 +52,13 @@ def test_complete_calls_survive_a_cut_last_call(cut):
     assert sent + rest == "" and len(calls) == 2
 
 
+def test_an_end_tag_inside_a_json_string_is_text():
+    inner = '<tool_call>\n{"name": "sql", "arguments": {"q": "SELECT 1 </tool_call> <tool_call>"}}\n</tool_call>'
+    r = parse_tool_calls(f"{inner}\n{CALL}", "hermes")
+    assert [(c.name, args(c)) for c in r.calls] == [("sql", {"q": "SELECT 1 </tool_call> <tool_call>"}),
+                                                    ("get_weather", {"city": "Paris"})] and r.content is None
+
+
 def test_a_call_cut_in_its_end_tag_is_complete():
     r = parse_tool_calls(f"Sure.\n{CALL[:-4]}", "hermes")
     assert [(c.name, args(c)) for c in r.calls] == [("get_weather", {"city": "Paris"})] and r.content == "Sure."

@@ -7,18 +7,17 @@
 
 "auto" accepts both. Text that does not parse stays content: a malformed call is never dropped,
 except an unclosed last Hermes block after complete ones (a reply cut by max_tokens mid-call).
+A Hermes call's JSON is read as JSON, so a `</tool_call>` inside one of its strings is text.
 While streaming, ToolStreamer holds text back from the first sign of a call to the end.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
-_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
 PARSERS = ("auto", "hermes", "llama3_json")
 
 
@@ -49,18 +48,7 @@ def parse_tool_calls(text: str, parser: str = "auto") -> ToolParseResult:
         if calls is not None:
             return ToolParseResult(None, calls)
     if parser in ("auto", "hermes") and HERMES_START in text:
-        blocks = list(_HERMES_BLOCK.finditer(text))
-        calls = [_to_call(_loads(b.group(1))) for b in blocks]
-        end, last = len(text), blocks[-1]
-        if HERMES_END not in last.group(0):  # the reply ended (or was cut) inside its last call
-            calls[-1] = calls[-1] or _to_call(_loads(_without_end_prefix(last.group(1))))
-            if calls[-1] is None and len(calls) > 1:
-                # Cut mid-call (max_tokens): the calls before it are complete; the cut one is dropped.
-                calls, end = calls[:-1], last.start()
-        if None in calls:
-            return ToolParseResult(text or None)
-        content = _HERMES_BLOCK.sub("", text[:end]).strip()
-        return ToolParseResult(content or None, calls)
+        return _parse_hermes(text)
     return ToolParseResult(text or None)
 
 
@@ -117,12 +105,38 @@ def _json_start(text: str) -> bool:
     return stripped.startswith("{") or stripped.startswith(PYTHON_TAG)
 
 
-def _without_end_prefix(body: str) -> str:
-    """A call's text without a start of `</tool_call>` the reply was cut in."""
-    for k in range(len(HERMES_END) - 1, 0, -1):
-        if body.endswith(HERMES_END[:k]):
-            return body[:-k].rstrip()
-    return body
+def _parse_hermes(text: str) -> ToolParseResult:
+    """`<tool_call>` JSON `</tool_call>` blocks and the text around them. The end tag may be
+    missing or cut at the end of the reply; a last block cut inside its JSON is dropped when
+    complete calls precede it; any other block that is not a call makes the whole reply content."""
+    decoder = json.JSONDecoder()
+    calls: list[ParsedToolCall] = []
+    content, pos = [], 0
+    while (at := text.find(HERMES_START, pos)) >= 0:
+        content.append(text[pos:at])
+        start = _skip_space(text, at + len(HERMES_START))
+        try:
+            obj, end = decoder.raw_decode(text, start)
+        except ValueError:
+            if calls and HERMES_END not in text[start:]:  # cut mid-call (max_tokens): dropped
+                pos = len(text)
+                break
+            return ToolParseResult(text or None)
+        call, end = _to_call(obj), _skip_space(text, end)
+        closed = text.startswith(HERMES_END, end)
+        if call is None or not (closed or HERMES_END.startswith(text[end:])):  # junk before the end tag
+            return ToolParseResult(text or None)
+        calls.append(call)
+        pos = end + len(HERMES_END) if closed else len(text)
+    content.append(text[pos:])
+    rest = "".join(content).strip()
+    return ToolParseResult(rest or None, calls)
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
 
 
 def _loads(text: str) -> object:
