@@ -88,7 +88,7 @@ def test_sampling_params_carry_structured_and_speculative():
     (S(json_schema={"type": "array", "minItems": 3, "maxItems": 1}), "minItems"),
     (S(json_schema={"allOf": [{"type": "string"}, {"type": "integer"}]}), "Unsatisfiable"),
     (S(json_schema={"enum": []}), "anyOf is empty"),
-    (S(json_schema={"not": {"type": "string"}}), r"Unimplemented keys: \[\"not\"\]"),
+    (S(json_schema={"not": {"type": "string"}, "x-guidance": {"lenient": False}}), r"Unimplemented keys: \[\"not\"\]"),
     (S(json_schema={"type": "object", "properties": {"a": {"$ref": "http://example.com/a.json"}}}), "example.com"),
     (S(json_schema={"type": "string", "pattern": "[a-"}), "unclosed character class"),
     (S(regex="(ab"), "regex"),
@@ -118,6 +118,31 @@ def test_invalid_or_unsatisfiable_grammars_are_invalid_requests(tok, params, mat
 ])
 def test_unproductive_rules(grammar, stuck):
     assert unproductive_rules(grammar) == stuck
+
+
+RELAXED = {  # keywords llguidance does not implement -> what its lenient mode reports
+    "not": ({"type": "integer", "not": {"const": 3}}, 'Unimplemented keys: ["not"]'),
+    "if/then/else": ({"type": "string", "if": {"maxLength": 2}, "then": {"pattern": "^a"}, "else": {}},
+                     'Unimplemented keys: ["else", "if", "then"]'),
+    "contains": ({"type": "array", "contains": {"const": 1}, "minContains": 2}, '["contains", "minContains"]'),
+    "dependentRequired": ({"type": "object", "dependentRequired": {"a": ["b"]}}, '["dependentRequired"]'),
+    "propertyNames": ({"type": "object", "propertyNames": {"pattern": "^x"}}, '["propertyNames"]'),
+    "uniqueItems over strings": ({"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+                                 '["uniqueItems"]'),
+    "unknown format": ({"type": "string", "format": "isbn"}, "Unknown format: isbn"),
+}
+
+
+@pytest.mark.parametrize("case", list(RELAXED))
+def test_unimplemented_keywords_are_relaxed_and_reported(tok, case):
+    schema, warning = RELAXED[case]
+    answer = build_constraint(tok, S(json_schema={"type": "object", "properties": {"v": schema}}))
+    call = build_constraint(tok, S(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"v": schema}, "x-guidance": {"whitespace_flexible": True}}}}],
+        tool_choice="required"))
+    for c in (answer, call, answer.fork()):
+        assert len(c.relaxed) == 1 and warning in c.relaxed[0]
+    assert build_constraint(tok, S(json_schema={"type": "object"})).relaxed == ()
 
 
 def test_the_error_names_the_schema(tok):

@@ -128,3 +128,38 @@ def test_tool_choice_auto_constrains_only_after_the_trigger(tok):
     text = "<tool_call>" + tok.decode(out)
     check_calls(text[:text.index("\n</tool_call>") + len("\n</tool_call>")], {"get_weather", "add"})
     assert c.is_accepting() and c.allowed().sum() > 0.99 * tok.vocab_size
+
+
+COLORS = ["red", "green", "blue", "cyan", "black"]
+UNIQUE = {  # uniqueItems over enum items: every ordering enforced (5 values), the enum's order (8 values)
+    "orderings": {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": COLORS},
+                                                              "uniqueItems": True, "minItems": 2}},
+                  "required": ["colors"], "additionalProperties": False},
+    "enum order": {"type": "array", "items": {"type": "integer", "enum": [1, 2, 3, 4, 5, 6, 7, 8]},
+                   "uniqueItems": True, "minItems": 3},
+}
+
+
+@pytest.mark.parametrize("case", list(UNIQUE))
+def test_unique_items_over_an_enum_never_repeat(tok, case):
+    schema, seen_orders = UNIQUE[case], set()
+    for seed in range(40):
+        value = json.loads(run(tok, StructuredOutputParams(json_schema=schema), seed, jump_forward=seed % 2 == 0))
+        jsonschema.validate(value, schema)  # jsonschema implements uniqueItems
+        items = value["colors"] if case == "orderings" else value
+        assert len(set(items)) == len(items)
+        seen_orders.add(tuple(items) == tuple(sorted(items, key=COLORS.index if case == "orderings" else int)))
+    assert seen_orders == ({True, False} if case == "orderings" else {True})
+
+
+def test_unique_items_in_tool_parameters(tok):
+    params = {"type": "object", "$defs": {"Color": {"enum": COLORS}},
+              "properties": {"colors": {"type": "array", "items": {"$ref": "#/$defs/Color"}, "uniqueItems": True}},
+              "required": ["colors"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "paint", "parameters": params}}]
+    for seed in range(10):
+        [call] = CALL.findall(run(tok, StructuredOutputParams(tools=tools, tool_choice="required",
+                                                              parallel_tool_calls=False), seed))
+        args = json.loads(call)["arguments"]
+        jsonschema.validate(args, params)
+        assert len(set(args["colors"])) == len(args["colors"])

@@ -101,3 +101,46 @@ def test_session_generate_response_format(make_client):
                                                           "seed": 2, "max_tokens": 200})
     assert r.status_code == 200, r.text
     jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), PERSON)
+
+
+COLORS = ["red", "green", "blue", "cyan", "black"]
+UNIQUE = {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": COLORS}, "uniqueItems": True,
+                                                      "minItems": 2}},
+          "required": ["colors"], "additionalProperties": False}
+
+
+def test_unique_items_over_an_enum_never_repeat(client):
+    """uniqueItems (which llguidance does not implement) over enum items is enforced, answer or tool call."""
+    body = chat(client, response_format=json_schema(UNIQUE), temperature=1.0, seed=4, n=8, max_tokens=200)
+    tools = [{"type": "function", "function": {"name": "paint", "parameters": UNIQUE}}]
+    calls = chat(client, tools=tools, tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=4, n=8,
+                 max_tokens=200)
+    replies = [json.loads(c["message"]["content"]) for c in body["choices"]]
+    replies += [json.loads(c["message"]["tool_calls"][0]["function"]["arguments"]) for c in calls["choices"]]
+    for reply in replies:
+        jsonschema.validate(reply, UNIQUE)  # jsonschema checks uniqueItems
+    assert len(replies) == 16
+
+
+IMPLEMENTED = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "code": {"type": "string", "maxLength": 6},
+                                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 4},
+                                                        "maxItems": 3}},
+               "required": ["n", "code", "tags"], "additionalProperties": False}
+RELAXED = {**IMPLEMENTED, "dependentRequired": {"n": ["code"]}, "properties": {  # + keywords llguidance lacks
+    "n": {**IMPLEMENTED["properties"]["n"], "not": {"const": 3}},
+    "code": {**IMPLEMENTED["properties"]["code"], "format": "isbn"},
+    "tags": {**IMPLEMENTED["properties"]["tags"], "uniqueItems": True}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_unimplemented_keywords_are_served(client, stream):
+    """Keywords the grammar library does not implement are relaxed (docs/STRUCTURED.md lists them), not refused:
+    the reply is 200 and keeps every constraint that is implemented."""
+    r = client.post("/v1/chat/completions", json={"model": "kog", "messages": MSGS, "stream": stream, "seed": 1,
+                                                  "response_format": json_schema(RELAXED), "temperature": 1.0,
+                                                  "max_tokens": 200})
+    assert r.status_code == 200, r.text
+    text = ("".join(c["choices"][0]["delta"].get("content") or "" for c in sse_chunks(r) if c["choices"]) if stream
+            else r.json()["choices"][0]["message"]["content"])
+    jsonschema.validate(json.loads(text), IMPLEMENTED)

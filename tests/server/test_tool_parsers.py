@@ -36,7 +36,37 @@ def test_llama3_json_single_multiple_and_python_tag():
     assert [(c.name, args(c)) for c in r.calls] == [("a", {}), ("b", {"k": [1]})]
 
 
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("cut", ['\n<tool_call>\n{"name": "get_weather", "argu', "\n<tool_call>", "\n<tool_call>\n{",
+                                 '\n<tool_call>\n{"name": "f", "arguments": {"x": "a</tool_'])
+def test_complete_calls_survive_a_cut_last_call(cut):
+    """max_tokens cut the reply in its third call: the two complete calls are the reply, whole or streamed."""
+    text = f"{CALL}\n{CALL}{cut}"
+    r = parse_tool_calls(text, "auto")
+    assert [(c.name, args(c)) for c in r.calls] == [("get_weather", {"city": "Paris"})] * 2 and r.content is None
+    s = ToolStreamer("hermes")
+    sent = "".join(s.feed(text[i:i + 5]) for i in range(0, len(text), 5))
+    rest, calls = s.finish()
+    assert sent + rest == "" and len(calls) == 2
+
+
+def test_an_end_tag_inside_a_json_string_is_text():
+    inner = '<tool_call>\n{"name": "sql", "arguments": {"q": "SELECT 1 </tool_call> <tool_call>"}}\n</tool_call>'
+    r = parse_tool_calls(f"{inner}\n{CALL}", "hermes")
+    assert [(c.name, args(c)) for c in r.calls] == [("sql", {"q": "SELECT 1 </tool_call> <tool_call>"}),
+                                                    ("get_weather", {"city": "Paris"})] and r.content is None
+
+
+def test_a_call_cut_in_its_end_tag_is_complete():
+    r = parse_tool_calls(f"Sure.\n{CALL[:-4]}", "hermes")
+    assert [(c.name, args(c)) for c in r.calls] == [("get_weather", {"city": "Paris"})] and r.content == "Sure."
+
+
 @pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "get_weather", "argu',          # the only call is cut: nothing to return but the text
+    f"{CALL}\n<tool_call>{{not json}}</tool_call>",         # a closed call that does not parse is malformed
     "<tool_call>{not json}</tool_call>",
     '<tool_call>{"arguments": {}}</tool_call>',              # no name
     '{"name": "f", "parameters": [1, 2]}',                   # arguments not an object

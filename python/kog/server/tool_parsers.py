@@ -5,19 +5,19 @@
 - llama3_json (Llama 3.1+): the whole reply is `{"name": ..., "parameters": {...}}`, optionally after
   `<|python_tag|>`, several calls separated by `;`.
 
-"auto" accepts both. Text that does not parse stays content: a malformed call is never dropped.
+"auto" accepts both. Text that does not parse stays content: a malformed call is never dropped,
+except an unclosed last Hermes block after complete ones (a reply cut by max_tokens mid-call).
+A Hermes call's JSON is read as JSON, so a `</tool_call>` inside one of its strings is text.
 While streaming, ToolStreamer holds text back from the first sign of a call to the end.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
-_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
 PARSERS = ("auto", "hermes", "llama3_json")
 
 
@@ -40,21 +40,15 @@ def parse_tool_calls(text: str, parser: str = "auto") -> ToolParseResult:
         text: the model's whole reply.
         parser: "auto", "hermes" or "llama3_json".
     Returns:
-        The calls found and the remaining content; calls is empty if any candidate is malformed.
+        The calls found and the remaining content; calls is empty if any candidate is malformed
+        (an unclosed last Hermes block that does not parse, after complete calls, is dropped).
     """
     if parser in ("auto", "llama3_json") and _json_start(text):
         calls = _parse_json_calls(text.strip().removeprefix(PYTHON_TAG))
         if calls is not None:
             return ToolParseResult(None, calls)
     if parser in ("auto", "hermes") and HERMES_START in text:
-        calls = []
-        for body in _HERMES_BLOCK.findall(text):
-            call = _to_call(_loads(body))
-            if call is None:
-                return ToolParseResult(text or None)
-            calls.append(call)
-        content = _HERMES_BLOCK.sub("", text).strip()
-        return ToolParseResult(content or None, calls)
+        return _parse_hermes(text)
     return ToolParseResult(text or None)
 
 
@@ -109,6 +103,40 @@ class ToolStreamer:
 def _json_start(text: str) -> bool:
     stripped = text.lstrip()
     return stripped.startswith("{") or stripped.startswith(PYTHON_TAG)
+
+
+def _parse_hermes(text: str) -> ToolParseResult:
+    """`<tool_call>` JSON `</tool_call>` blocks and the text around them. The end tag may be
+    missing or cut at the end of the reply; a last block cut inside its JSON is dropped when
+    complete calls precede it; any other block that is not a call makes the whole reply content."""
+    decoder = json.JSONDecoder()
+    calls: list[ParsedToolCall] = []
+    content, pos = [], 0
+    while (at := text.find(HERMES_START, pos)) >= 0:
+        content.append(text[pos:at])
+        start = _skip_space(text, at + len(HERMES_START))
+        try:
+            obj, end = decoder.raw_decode(text, start)
+        except ValueError:
+            if calls and HERMES_END not in text[start:]:  # cut mid-call (max_tokens): dropped
+                pos = len(text)
+                break
+            return ToolParseResult(text or None)
+        call, end = _to_call(obj), _skip_space(text, end)
+        closed = text.startswith(HERMES_END, end)
+        if call is None or not (closed or HERMES_END.startswith(text[end:])):  # junk before the end tag
+            return ToolParseResult(text or None)
+        calls.append(call)
+        pos = end + len(HERMES_END) if closed else len(text)
+    content.append(text[pos:])
+    rest = "".join(content).strip()
+    return ToolParseResult(rest or None, calls)
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
 
 
 def _loads(text: str) -> object:

@@ -15,10 +15,15 @@ from typing import Any
 from llguidance import regex_to_lark
 
 from kog.spec.params import StructuredOutputParams
+from kog.spec.unique_items import enforce_unique_items
 
 # Compact separators: a random or confused model cannot spend its budget on whitespace.
-COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-FLEXIBLE_JSON = {"whitespace_flexible": True}
+# NOTE: lenient: keywords llguidance does not implement (`not`, `if`/`then`/`else`, `contains`, ...,
+# unknown `format`s) are ignored rather than refused; the compiler lists them as warnings
+# (kog.spec.grammar logs them). `uniqueItems` over enum items is enforced first (unique_items.py).
+LENIENT = {"lenient": True}
+COMPACT_JSON = {**LENIENT, "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+FLEXIBLE_JSON = {**LENIENT, "whitespace_flexible": True}
 
 
 @dataclass(frozen=True)
@@ -59,16 +64,21 @@ def lark_grammar(params: StructuredOutputParams, special_tokens: frozenset[str] 
 
 
 def answer_schema(params: StructuredOutputParams) -> Any:
-    """The JSON schema of a json_schema / json_object answer."""
-    return {"type": "object"} if params.json_object else params.json_schema
+    """The JSON schema of a json_schema / json_object answer, as compiled (unique_items.py)."""
+    return {"type": "object"} if params.json_object else enforce_unique_items(params.json_schema)
 
 
 def tool_call_schema(tool: dict[str, Any]) -> dict[str, Any]:
     """`{"name": <this tool's name>, "arguments": <valid against its parameters>}`, in that order."""
     fn = tool["function"]
     return {"type": "object",
-            "properties": {"name": {"const": fn["name"]}, "arguments": fn.get("parameters") or {"type": "object"}},
+            "properties": {"name": {"const": fn["name"]}, "arguments": parameters_schema(tool)},
             "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def parameters_schema(tool: dict[str, Any]) -> Any:
+    """A tool's parameters schema, as compiled (unique_items.py); no parameters: any object."""
+    return enforce_unique_items(tool["function"].get("parameters") or {"type": "object"})
 
 
 # ---------------------------------------------------------------------- internal helpers
@@ -100,9 +110,9 @@ def _tools_grammar(params: StructuredOutputParams, special_tokens: frozenset[str
 
 
 def _json(schema: Any, opts: dict[str, Any]) -> str:
-    """`%json {...}` with Kog's whitespace options unless the schema sets its own x-guidance."""
-    if isinstance(schema, dict) and "x-guidance" not in schema:
-        schema = {**schema, "x-guidance": opts}
+    """`%json {...}` with Kog's options unless the schema sets its own x-guidance (lenient unless it says)."""
+    if isinstance(schema, dict):
+        schema = {**schema, "x-guidance": {**LENIENT, **schema["x-guidance"]} if "x-guidance" in schema else opts}
     return "%json " + json.dumps(schema)
 
 

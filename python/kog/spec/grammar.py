@@ -11,6 +11,7 @@ a 49k vocabulary) is built once per Kog tokenizer and shared by every constraint
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import weakref
@@ -23,10 +24,11 @@ import torch
 
 from kog.errors import InvalidOperation, InvalidRequest
 from kog.loader.tokenizer import Tokenizer
-from kog.spec.formats import HERMES, ToolCallFormat, lark_grammar
+from kog.spec.formats import HERMES, LENIENT, ToolCallFormat, lark_grammar, parameters_schema
 from kog.spec.lark_check import unproductive_rules
 from kog.spec.params import StructuredOutputParams
 
+log = logging.getLogger("kog.spec")
 _LL_TOKENIZERS: weakref.WeakKeyDictionary[Tokenizer, dict[tuple, llg.LLTokenizer]] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 # Compiled grammars, most recently used last: agents send the same tools and schemas every turn.
@@ -95,7 +97,7 @@ def build_constraint(tokenizer: Tokenizer, params: StructuredOutputParams, eos_t
 
 def _compile(ll: llg.LLTokenizer, params: StructuredOutputParams, lark: str, vocab_size: int) -> Constraint:
     """build_constraint without the cache."""
-    what = params.kind + (f" {params.name!r}" if params.name else "")
+    what = _what(params)
     if params.kind == "tools":
         _check_tool_schemas(params, ll)
     try:
@@ -113,7 +115,15 @@ def _compile(ll: llg.LLTokenizer, params: StructuredOutputParams, lark: str, voc
     constraint = Constraint(matcher, ll, vocab_size)
     if not constraint.allowed().any():
         raise InvalidRequest(f"structured output ({what}): the grammar allows no output at all")
+    constraint.relaxed = tuple(matcher.get_grammar_warnings())
+    if constraint.relaxed:  # once per compiled grammar (the cache holds it afterwards)
+        log.warning("structured output (%s): not enforced: %s", what, "; ".join(constraint.relaxed))
     return constraint
+
+
+def _what(params: StructuredOutputParams) -> str:
+    """The constraint's kind and name, as error messages start: `json_schema 'person'`."""
+    return params.kind + (f" {params.name!r}" if params.name else "")
 
 
 class Constraint:
@@ -135,6 +145,8 @@ class Constraint:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.num_tokens = 0  # tokens consumed so far: the most rollback() can undo
+        # what the compiler relaxed (llguidance's warnings: `Unimplemented keys: ["not"]`, `Unknown format: x`)
+        self.relaxed: tuple[str, ...] = ()
         self._allowed: torch.Tensor | None = None  # cache for the current state
 
     # ------------------------------------------------------------------ public API
@@ -204,6 +216,7 @@ class Constraint:
         """An independent copy at the same state (n > 1 completions, a forked session)."""
         twin = Constraint(self.matcher.deep_copy(), self.tokenizer, self.vocab_size)
         twin.num_tokens = self.num_tokens
+        twin.relaxed = self.relaxed
         twin._allowed = self._allowed  # same state, same mask (never modified in place)
         return twin
 
@@ -272,11 +285,10 @@ def batch_allowed(constraints: Sequence[Constraint]) -> torch.Tensor:
 def _check_tool_schemas(params: StructuredOutputParams, ll: llg.LLTokenizer) -> None:
     """InvalidRequest naming the first tool whose parameters schema does not compile."""
     for tool in params.tools:
-        fn = tool["function"]
-        grammar = llg.LLMatcher.grammar_from_json_schema(fn.get("parameters") or {"type": "object"})
+        grammar = llg.LLMatcher.grammar_from_json_schema(parameters_schema(tool), defaults=LENIENT)
         error = llg.LLMatcher.validate_grammar(grammar, ll)
         if error:
-            raise InvalidRequest(f"structured output (tools): function {fn['name']!r} parameters: "
+            raise InvalidRequest(f"structured output (tools): function {tool['function']['name']!r} parameters: "
                                  f"{_without_excerpt(error)}")
 
 
