@@ -226,3 +226,5 @@ def test_between_calls_only_eos_once_another_call_would_not_fit(tok):
             assert budget.before_sampling(c.matcher, c.allowed(), ids, budget.call_need + 2) is None
         else:  # free text may follow a call: nothing to check
             assert budget.call_need is None and budget.before_sampling(c.matcher, c.allowed(), ids, 40) is None
+        c.advance_many(tok.encode("\n" + call))  # the grammar lets the reply end after any complete call
+        assert c.is_accepting() and c.allowed()[tok.eos_token_id]
