@@ -112,6 +112,31 @@ def test_greedy_speculation_under_a_grammar_equals_plain_constrained_greedy():
     assert engine.kv.stats()["blocks_used"] == 0
 
 
+def test_greedy_speculation_keeps_the_tool_call_budget_check():
+    """A tool call whose strings never end (the copying model repeats its context): under max_tokens
+    the call is closed in time (kog.spec.call_budget), with speculation token for token as without:
+    drafts stop at the first token that would leave no room, the target's token is checked."""
+    search = [{"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string"}, "lang": {"type": "string"}},
+        "required": ["query", "lang"]}}}]
+    prompts = [repetitive_prompt(40 + i) + TOK.encode('<tool_call>\n{"name": "search", "arguments": {"query": "')
+               for i in range(6)]
+
+    def params(spec):
+        return SamplingParams(temperature=0, max_tokens=60, speculative=SpeculativeParams("ngram", 4) if spec else None,
+                              structured=StructuredOutputParams(tools=search, tool_choice="required"))
+
+    plain = outputs(make_engine()[0], prompts, params(False))
+    engine, _ = make_engine()
+    fast = outputs(engine, prompts, params(True))
+    for a, b in zip(plain, fast):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        call = json.loads(b.outputs[0].text[len("<tool_call>\n"):b.outputs[0].text.index("\n</tool_call>")])
+        assert set(call["arguments"]) >= {"query", "lang"}
+    assert 0 < engine.speculator.stats["accepted"] < engine.speculator.stats["drafted"]
+    assert engine.kv.stats()["blocks_used"] == 0
+
+
 def test_sampled_speculation_keeps_the_target_distribution():
     """Token 2 of every request comes out of one verify (draft: what followed token 1 in the
     prompt); over many seeds its frequencies must match the target's filtered softmax."""

@@ -4,6 +4,7 @@ forward and matches a reference loop token for token, n > 1 branches keep their 
 states, and invalid requests fail before any token."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -167,3 +168,22 @@ def test_chat_with_tool_choice_builds_the_tool_call_constraint():
                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
     free = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=5), tools=WEATHER)  # no tool_choice: free
     assert len(free[0].outputs[0].token_ids) == 5
+
+
+SEARCH = [{"type": "function", "function": {"name": "search", "parameters": {  # nothing bounds the strings
+    "type": "object", "properties": {"query": {"type": "string"}, "lang": {"type": "string"}},
+    "required": ["query", "lang"]}}}]
+
+
+def test_calls_close_before_max_tokens():
+    """Random strings never end on their own; near max_tokens the engine draws again each token that
+    would leave the call no room to finish (kog.spec.call_budget), so every reply has a valid call."""
+    engine, _ = make_engine()
+    llm = LLM.from_engine(engine, TOK, ChatTemplate(CHATML_TEMPLATE))
+    params = SamplingParams(temperature=1.0, seed=5, n=4, max_tokens=70)
+    [out] = llm.chat([{"role": "user", "content": "search it"}], params, tools=SEARCH, tool_choice="required")
+    for o in out.outputs:
+        calls = re.findall(r"<tool_call>\n(.*?)\n</tool_call>", o.text, re.S)
+        assert calls, o.text
+        for call in calls:
+            jsonschema.validate(json.loads(call)["arguments"], SEARCH[0]["function"]["parameters"])

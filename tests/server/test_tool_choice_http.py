@@ -69,6 +69,36 @@ def test_named_choice_calls_that_tool_only(client, parallel):
             assert len(calls) == 1
 
 
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": {  # nothing bounds a string or an array
+    "type": "object", "properties": {"query": {"type": "string"}, "sites": {"type": "array", "items": {"type": "string"}},
+                                     "options": {"type": "object", "properties": {"lang": {"type": "string"},
+                                                                                  "safe": {"type": "boolean"}},
+                                                 "required": ["lang"]}},
+    "required": ["query", "options"]}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "search"}}])
+def test_max_tokens_never_costs_the_call(client, tool_choice, stream):
+    """Random logits write strings without end (a shortest call is ~60 tokens here): near max_tokens
+    the call is closed (kog.spec.call_budget), so every reply has a complete, valid call."""
+    body = {"model": "kog", "messages": MSGS, "tools": [SEARCH], "tool_choice": tool_choice, "temperature": 1.0,
+            "seed": 3, "n": 6, "max_tokens": 90, "stream": stream}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+        replies = {i: [t for c in chunks for t in c["choices"][0]["delta"].get("tool_calls") or []
+                       if c["choices"] and c["choices"][0]["index"] == i] for i in range(6)}
+    else:
+        replies = {c["index"]: c["message"]["tool_calls"] for c in r.json()["choices"]}
+    for calls in replies.values():
+        assert calls
+        for call in calls:
+            assert call["function"]["name"] == "search"
+            jsonschema.validate(json.loads(call["function"]["arguments"]), SEARCH["function"]["parameters"])
+
+
 def test_none_leaves_the_output_free(make_client):
     plain = make_client()
     free = plain.post("/v1/chat/completions", json={"model": "kog", "messages": MSGS, "max_tokens": 20,

@@ -250,7 +250,10 @@ class LLMEngine:
         logits = torch.cat(parts) if len(parts) > 1 else parts[0]
         masks.wait()
         structured.prepare_masks([s for _, s in rows])  # the rows not prefetched
-        result = sample(logits[[r for r, _ in rows]], [self._sample_row(s) for _, s in rows])
+        seqs, picked = [s for _, s in rows], logits[[r for r, _ in rows]]
+        structured.before_sampling(seqs, self.max_model_len)
+        result = sample(picked, [self._sample_row(s) for s in seqs])
+        structured.keep_calls_in_budget(seqs, picked, result, self._sample_row, self.max_model_len)
         for k, (_, seq) in enumerate(rows):
             delta = self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k], now)
             deltas.append(self._jump_forward(seq, delta, now))

@@ -22,6 +22,7 @@ from typing import Callable, Sequence as Seq
 import numpy as np
 import torch
 
+from kog.engine import structured
 from kog.engine.chunks import forward_chunks
 from kog.engine.outputs import StreamDelta
 from kog.engine.sequence import Sequence
@@ -138,7 +139,9 @@ class Speculator:
             self.stats["accepted"] += v.num_accepted
             seq.num_computed += 1 + v.num_accepted  # the last token and the accepted drafts have KV now
             delta = None
-            for token in v.tokens:
+            for i, token in enumerate(v.tokens):
+                if i == v.num_accepted:  # the target's own token: checked like a sampled one
+                    token = structured.fit_token(seq, token, rows[i], self.eos_token_ids, self.max_model_len)
                 d = append(seq, token)
                 delta = d if delta is None else StreamDelta(d.request_id, d.index, delta.text + d.text,
                                                             delta.token_ids + d.token_ids, d.finish_reason)
@@ -170,6 +173,7 @@ class Speculator:
         n = next((i for i, t in enumerate(draft) if t in stops), len(draft))
         if seq.constraint is not None and n:
             n = seq.constraint.num_allowed(draft[:n])
+            n = structured.fitting_prefix(seq, draft[:n], self.max_model_len)  # a tool call keeps room to close
         draft = draft[:n]
         if not draft:
             return None

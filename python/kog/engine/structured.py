@@ -6,6 +6,9 @@ The engine calls these hooks, in step order:
     fork(parent)                        _fork_children: each of n > 1 completions gets its own state
     prefetch_masks(seqs)                before the forwards: start the masks on a worker thread
     prepare_masks(seqs)                 before sampling: every constrained row's mask, in parallel
+    before_sampling(seqs, max_len)      before sampling: between tool calls, only EOS once no new call fits
+    keep_calls_in_budget(seqs, ...)     after sampling: redraw a token that leaves no room to close its call
+                                        (speculation: fitting_prefix cuts drafts, fit_token checks the target's token)
     consume(seq, token, eos)            _append_token: advance the grammar; end the sequence at its EOS
     jump_forward(seq, append)           after sampling: append the tokens the grammar forces
 
@@ -19,9 +22,12 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence as Seq
 
+import torch
+
 from kog.engine.outputs import StreamDelta
 from kog.engine.sequence import Sequence
 from kog.loader.tokenizer import Tokenizer
+from kog.sampler import SampleResult, SampleRow, sample
 
 
 def admit(seq: Sequence, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...], vocab_size: int) -> None:
@@ -83,6 +89,70 @@ def prepare_masks(seqs: Seq[Sequence]) -> None:
         from kog.spec.grammar import batch_allowed
 
         batch_allowed(constraints)
+
+
+def before_sampling(seqs: Seq[Sequence], max_model_len: int) -> None:
+    """Between tool calls, only EOS once a whole new call would not fit (kog.spec.call_budget);
+    after prepare_masks."""
+    for seq in seqs:
+        c = seq.constraint
+        if c is not None and c.budget is not None:
+            keep = c.budget.before_sampling(c.matcher, c.allowed(), seq.output_ids, remaining(seq, max_model_len))
+            if keep is not None:
+                c.narrow(keep)
+
+
+def keep_calls_in_budget(seqs: Seq[Sequence], logits: torch.Tensor, result: SampleResult,
+                         sample_row: Callable[[Sequence], SampleRow], max_model_len: int) -> None:
+    """Draws again (in place in `result`) each sampled token after which its tool call could not
+    be finished within the budget (kog.spec.call_budget): from the allowed tokens that only
+    close, else the route's token. logits: [len(seqs), V], the rows `result` was sampled from."""
+    for k, seq in enumerate(seqs):
+        c = seq.constraint
+        if c is None or c.budget is None:
+            continue
+        left = remaining(seq, max_model_len)
+        for closers in (True, False):
+            if c.budget.fits(c.matcher, seq.output_ids, result.token_ids[k], left):
+                break
+            keep = c.budget.closing(c.matcher, c.allowed(), seq.output_ids, closers)
+            if keep is None:
+                break
+            c.narrow(keep)
+            again = sample(logits[k:k + 1], [sample_row(seq)])
+            result.token_ids[k], result.logprobs[k] = again.token_ids[0], again.logprobs[0]
+            result.top_logprobs[k] = again.top_logprobs[0]
+
+
+def fitting_prefix(seq: Sequence, draft: list[int], max_model_len: int) -> int:
+    """How many leading draft tokens leave seq's tool call room to finish within the budget
+    (kog.spec.call_budget; all of them outside a call): speculation drafts no further."""
+    c = seq.constraint
+    if c is None or c.budget is None or not c.budget.near(remaining(seq, max_model_len) - len(draft)):
+        return len(draft)
+    twin, out, left = c.fork(), list(seq.output_ids), remaining(seq, max_model_len)
+    for i, token in enumerate(draft):
+        if not c.budget.fits(twin.matcher, out, token, left - i):
+            return i
+        twin.advance(token)
+        out.append(token)
+    return len(draft)
+
+
+def fit_token(seq: Sequence, token: int, logits: torch.Tensor, eos_token_ids: tuple[int, ...],
+              max_model_len: int) -> int:
+    """`token`, or a token drawn again from logits [V] as keep_calls_in_budget does: for the
+    target's own token after a verified draft."""
+    result = SampleResult([token], [None], [None])
+    row = lambda s: SampleRow(s.params, s.prompt_ids, s.output_ids, eos_token_ids, s.generator, s.constraint)  # noqa: E731
+    keep_calls_in_budget([seq], logits[None], result, row, max_model_len)
+    return result.token_ids[0]
+
+
+def remaining(seq: Sequence, max_model_len: int) -> int:
+    """Tokens seq may still generate: max_tokens and the context both bound it."""
+    left = max_model_len - seq.num_tokens
+    return left if seq.params.max_tokens is None else min(left, seq.params.max_tokens - len(seq.output_ids))
 
 
 def consume(seq: Sequence, token: int, eos_token_ids: tuple[int, ...]) -> None:

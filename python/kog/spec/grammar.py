@@ -24,6 +24,7 @@ import torch
 
 from kog.errors import InvalidOperation, InvalidRequest
 from kog.loader.tokenizer import Tokenizer
+from kog.spec.call_budget import CallBudget
 from kog.spec.formats import HERMES, LENIENT, ToolCallFormat, lark_grammar, parameters_schema
 from kog.spec.lark_check import unproductive_rules
 from kog.spec.params import StructuredOutputParams
@@ -88,6 +89,11 @@ def build_constraint(tokenizer: Tokenizer, params: StructuredOutputParams, eos_t
             _COMPILED.move_to_end(key)
             return _COMPILED[key].fork()
     constraint = _compile(ll, params, lark, key[1])
+    if params.kind == "tools":  # steered to close its calls within the budget (call_budget.py)
+        start = constraint.matcher if params.tool_choice != "auto" else None
+        names = [t["function"]["name"] for t in params.tools]
+        constraint.budget = CallBudget(tokenizer, ll, key[1], tool_format.begin.strip("\n"),
+                                       tool_format.end.strip("\n"), start, names)
     with _LOCK:
         _COMPILED[key] = constraint
         while len(_COMPILED) > COMPILED_CACHE_SIZE:
@@ -147,6 +153,7 @@ class Constraint:
         self.num_tokens = 0  # tokens consumed so far: the most rollback() can undo
         # what the compiler relaxed (llguidance's warnings: `Unimplemented keys: ["not"]`, `Unknown format: x`)
         self.relaxed: tuple[str, ...] = ()
+        self.budget: CallBudget | None = None  # tool calls: closes the open call before the budget ends
         self._allowed: torch.Tensor | None = None  # cache for the current state
 
     # ------------------------------------------------------------------ public API
@@ -163,6 +170,13 @@ class Constraint:
         if logits.shape[-1] != self.vocab_size:
             raise InvalidRequest(f"logits have {logits.shape[-1]} columns, the constraint masks {self.vocab_size}")
         return logits.masked_fill(~self.allowed().to(logits.device), float("-inf"))
+
+    def narrow(self, keep: torch.Tensor) -> None:
+        """Allows, in this state only, just the allowed tokens that are also in `keep` (bool
+        [vocab_size]); nothing changes where that would leave none."""
+        narrowed = self.allowed() & keep
+        if narrowed.any():
+            self._allowed = narrowed
 
     def num_allowed(self, tokens: list[int]) -> int:
         """How many leading tokens of `tokens` the grammar accepts from here (state unchanged)."""
@@ -216,7 +230,7 @@ class Constraint:
         """An independent copy at the same state (n > 1 completions, a forked session)."""
         twin = Constraint(self.matcher.deep_copy(), self.tokenizer, self.vocab_size)
         twin.num_tokens = self.num_tokens
-        twin.relaxed = self.relaxed
+        twin.relaxed, twin.budget = self.relaxed, self.budget
         twin._allowed = self._allowed  # same state, same mask (never modified in place)
         return twin
 
