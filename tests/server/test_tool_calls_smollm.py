@@ -76,7 +76,7 @@ CASES = [(name, stream) for stream in (False, True) for name in TOOLS]
 @pytest.fixture(scope="module")
 def replies():
     """{(tool, stream): (tool calls as [(name, arguments text)], content, finish_reason)} for every case."""
-    llm = kog.LLM(max_num_seqs=len(CASES), max_model_len=1024)
+    llm = kog.LLM(max_num_seqs=len(CASES), max_model_len=2048)  # the tools in the prompt: ~1.5k tokens
     engine = AsyncEngine(llm.engine)
     client = TestClient(build_app(engine, llm.tokenizer, llm.chat_template, ServerConfig()))
     try:
