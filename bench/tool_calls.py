@@ -17,8 +17,9 @@ import time
 import torch
 
 import kog
-from kog.spec.grammar import build_constraint
-from kog.spec.params import SpeculativeParams, StructuredOutputParams
+from kog.structured_output.grammar import build_constraint
+from kog.speculation.params import SpeculativeParams
+from kog.structured_output.params import StructuredOutputParams
 
 
 def tool(name: str, description: str, properties: dict, required: list[str]) -> dict:

@@ -23,8 +23,8 @@ from kog.loader import ChatTemplate, Tokenizer, load_model
 from kog.loader.chat_encoding import encode_conversation
 from kog.loader.chat_template import read_chat_template
 from kog.sampling_params import SamplingParams
-from kog.session import Session
-from kog.spec.params import StructuredOutputParams
+from kog.llm_session import Session
+from kog.structured_output.params import StructuredOutputParams
 from kog.valid_text import check_text
 
 PromptType = str | dict[str, Any]

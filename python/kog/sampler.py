@@ -1,7 +1,7 @@
 """The sampler: logits of a batch of sequences -> one token each, per-request parameters.
 
 Order per row (vLLM's): min_tokens masking, repetition/presence/frequency penalties, the grammar
-mask of a structured-output request (kog.spec), then greedy argmax, or temperature -> top-k ->
+mask of a structured-output request (kog.structured_output), then greedy argmax, or temperature -> top-k ->
 top-p -> min-p -> a draw from the request's own generator.
 Logprobs are those of the model's raw distribution (log_softmax of the unprocessed logits).
 """
@@ -18,7 +18,7 @@ import torch
 from kog.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kog.spec.grammar import Constraint
+    from kog.structured_output.grammar import Constraint
 
 
 @dataclass

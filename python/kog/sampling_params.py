@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 from kog.errors import InvalidRequest
-from kog.spec.params import SpeculativeParams, StructuredOutputParams
+from kog.speculation.params import SpeculativeParams
+from kog.structured_output.params import StructuredOutputParams
 from kog.valid_text import check_text
 
 MAX_LOGPROBS = 20
@@ -41,7 +42,7 @@ class SamplingParams:
             taken from the prefix cache.
         skip_special_tokens: leave special tokens out of the text.
         structured: constrain the output to a JSON schema, JSON object, grammar, regex or tool
-            calls (kog.spec; a dict is taken as StructuredOutputParams' fields). None: free text.
+            calls (kog.structured_output; a dict is taken as StructuredOutputParams' fields). None: free text.
         speculative: draft-and-verify decoding for this request (a dict is taken as
             SpeculativeParams' fields). None: one token per step.
     """

@@ -90,9 +90,9 @@ def fraction(text: str) -> float:
 
 
 def speculative_spec(text: str):
-    """`--speculative METHOD[:K]` as kog.spec.SpeculativeParams (argparse type)."""
+    """`--speculative METHOD[:K]` as kog.speculation.SpeculativeParams (argparse type)."""
     from kog.errors import InvalidRequest
-    from kog.spec.params import SpeculativeParams
+    from kog.speculation.params import SpeculativeParams
 
     method, colon, k = text.partition(":")
     try:

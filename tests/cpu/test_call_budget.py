@@ -1,4 +1,4 @@
-"""A constrained tool call is closed before max_tokens cuts it (kog.spec.call_budget, through the
+"""A constrained tool call is closed before max_tokens cuts it (kog.structured_output.call_budget, through the
 engine's hooks in kog.engine.structured), on SmolLM2's real 49k vocabulary (tokenizer only) with
 random logits at temperature 1.0, which write JSON strings without end: every budget from a
 shortest call up gives a complete, valid call, where unchecked sampling loses it; a model's own
@@ -15,9 +15,9 @@ from kog.engine import structured
 from kog.sampler import SampleRow, sample
 from kog.sampling_params import SamplingParams
 from kog.server.tool_parsers import parse_tool_calls
-from kog.spec.call_budget import WINDOW, JsonScan
-from kog.spec.grammar import build_constraint
-from kog.spec.params import StructuredOutputParams
+from kog.structured_output.call_budget import WINDOW, JsonScan
+from kog.structured_output.grammar import build_constraint
+from kog.structured_output.params import StructuredOutputParams
 from kog.testing.structured import default_tokenizer
 
 jsonschema = pytest.importorskip("jsonschema")

@@ -9,7 +9,7 @@ from kog import ops
 from kog.loader import LoadedModel
 from kog.models import ModelRunner, PrefillChunk
 from kog.models.decode import schedule_for
-from kog.schedule import Buffer, Opcode
+from kog.program import Buffer, Opcode
 from kog.testing.tiny_models import random_weights, tiny_config
 
 BS = 4  # small blocks: sequences cross block boundaries

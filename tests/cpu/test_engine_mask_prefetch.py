@@ -10,7 +10,7 @@ import pytest
 
 from kog.engine import EngineConfig, LLMEngine, structured
 from kog.sampling_params import SamplingParams
-from kog.spec import grammar
+from kog.structured_output import grammar
 from kog.testing.fake_runner import FakeRunner
 from kog.testing.tiny_models import tiny_tokenizer
 

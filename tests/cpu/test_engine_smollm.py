@@ -7,7 +7,8 @@ import json
 import pytest
 
 import kog
-from kog.spec.params import SpeculativeParams, StructuredOutputParams
+from kog.speculation.params import SpeculativeParams
+from kog.structured_output.params import StructuredOutputParams
 
 jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.slow

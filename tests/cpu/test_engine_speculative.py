@@ -14,7 +14,8 @@ from kog.loader import load_model
 from kog.models import ModelRunner, PrefillChunk
 from kog.sampler import filter_logits
 from kog.sampling_params import SamplingParams
-from kog.spec.params import SpeculativeParams, StructuredOutputParams
+from kog.speculation.params import SpeculativeParams
+from kog.structured_output.params import StructuredOutputParams
 from kog.testing.fake_runner import FakeRunner, context_logits
 from kog.testing.tiny_models import random_weights, tiny_config, tiny_tokenizer, write_hf_model
 
@@ -114,7 +115,7 @@ def test_greedy_speculation_under_a_grammar_equals_plain_constrained_greedy():
 
 def test_greedy_speculation_keeps_the_tool_call_budget_check():
     """A tool call whose strings never end (the copying model repeats its context): under max_tokens
-    the call is closed in time (kog.spec.call_budget), with speculation token for token as without:
+    the call is closed in time (kog.structured_output.call_budget), with speculation token for token as without:
     drafts stop at the first token that would leave no room, the target's token is checked."""
     search = [{"type": "function", "function": {"name": "search", "parameters": {
         "type": "object", "properties": {"query": {"type": "string"}, "lang": {"type": "string"}},

@@ -15,8 +15,8 @@ from kog.llm import LLM
 from kog.loader import ChatTemplate
 from kog.sampler import SampleRow, make_generator, sample
 from kog.sampling_params import SamplingParams
-from kog.spec.grammar import build_constraint
-from kog.spec.params import StructuredOutputParams
+from kog.structured_output.grammar import build_constraint
+from kog.structured_output.params import StructuredOutputParams
 from kog.testing.fake_runner import FakeRunner, context_logits
 from kog.testing.structured import PERSON_SCHEMA as PERSON
 from kog.testing.tiny_models import CHATML_TEMPLATE, tiny_tokenizer
@@ -177,7 +177,7 @@ SEARCH = [{"type": "function", "function": {"name": "search", "parameters": {  #
 
 def test_calls_close_before_max_tokens():
     """Random strings never end on their own; near max_tokens the engine draws again each token that
-    would leave the call no room to finish (kog.spec.call_budget), so every reply has a valid call."""
+    would leave the call no room to finish (kog.structured_output.call_budget), so every reply has a valid call."""
     engine, _ = make_engine()
     llm = LLM.from_engine(engine, TOK, ChatTemplate(CHATML_TEMPLATE))
     params = SamplingParams(temperature=1.0, seed=5, n=4, max_tokens=70)

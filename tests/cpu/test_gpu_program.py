@@ -7,7 +7,7 @@ import torch
 import kog
 from kog import _C
 from kog.models.decode import resolve, schedule_for
-from kog.schedule import Buffer, Opcode
+from kog.program import Buffer, Opcode
 from kog.testing.tiny_models import random_weights, tiny_config
 from kog.models.weights import prepare_weights
 

@@ -1,4 +1,4 @@
-"""kog.spec grammar constraints: params, compile errors, masks, advance, jump-forward, rollback,
+"""kog.structured_output grammar constraints: params, compile errors, masks, advance, jump-forward, rollback,
 fork, draft masks, the sampler hook, and constrained speculative verification."""
 
 import json
@@ -8,10 +8,11 @@ import torch
 
 import kog
 from kog.sampler import SampleRow, sample
-from kog.spec.grammar import batch_allowed, build_constraint, ll_tokenizer
-from kog.spec.lark_check import unproductive_rules
-from kog.spec.params import SpeculativeParams, StructuredOutputParams
-from kog.spec.verify import verify_greedy
+from kog.structured_output.grammar import batch_allowed, build_constraint, ll_tokenizer
+from kog.structured_output.lark_check import unproductive_rules
+from kog.speculation.params import SpeculativeParams
+from kog.structured_output.params import StructuredOutputParams
+from kog.speculation.verify import verify_greedy
 from kog.testing.structured import default_tokenizer
 
 S = StructuredOutputParams

@@ -11,8 +11,8 @@ import torch
 
 jsonschema = pytest.importorskip("jsonschema")
 
-from kog.spec.grammar import build_constraint  # noqa: E402
-from kog.spec.params import StructuredOutputParams  # noqa: E402
+from kog.structured_output.grammar import build_constraint  # noqa: E402
+from kog.structured_output.params import StructuredOutputParams  # noqa: E402
 from kog.testing.structured import default_tokenizer, random_schema, sample_constrained  # noqa: E402
 
 N_SCHEMAS = 60

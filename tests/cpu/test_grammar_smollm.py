@@ -9,8 +9,8 @@ import torch
 
 from kog.loader import load_model
 from kog.models import ModelRunner, PrefillChunk
-from kog.spec.grammar import build_constraint
-from kog.spec.params import StructuredOutputParams
+from kog.structured_output.grammar import build_constraint
+from kog.structured_output.params import StructuredOutputParams
 
 jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from kog import _C
-from kog.schedule import Buffer, Opcode, ScheduleSpec, build_decode_schedule
+from kog.program import Buffer, Opcode, ScheduleSpec, build_decode_schedule
 
 
 def test_python_enums_mirror_the_cpp_header():

@@ -8,11 +8,11 @@ import torch
 import kog
 from kog.loader import load_model
 from kog.models import ModelRunner, PrefillChunk
-from kog.spec.draft_model import DraftModelDrafter
-from kog.spec.grammar import build_constraint
-from kog.spec.ngram import NgramDrafter
-from kog.spec.params import StructuredOutputParams
-from kog.spec.verify import verify_greedy
+from kog.speculation.draft_model import DraftModelDrafter
+from kog.structured_output.grammar import build_constraint
+from kog.speculation.ngram import NgramDrafter
+from kog.structured_output.params import StructuredOutputParams
+from kog.speculation.verify import verify_greedy
 from kog.testing.greedy import runner_greedy
 from kog.testing.tiny_models import random_weights, tiny_config, write_hf_model
 

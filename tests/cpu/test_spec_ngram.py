@@ -3,7 +3,7 @@
 import pytest
 
 import kog
-from kog.spec.ngram import NgramDrafter
+from kog.speculation.ngram import NgramDrafter
 
 
 def brute_force(ids, k, n_max, n_min):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import kog
-from kog.spec.verify import rejection_sample, target_probs, verify_greedy
+from kog.speculation.verify import rejection_sample, target_probs, verify_greedy
 
 # Upper 0.1% points of chi-square with df degrees of freedom.
 CHI2_999 = {3: 16.27, 15: 37.70}

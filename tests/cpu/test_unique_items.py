@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from kog.spec.unique_items import MAX_TUPLES, enforce_unique_items
+from kog.structured_output.unique_items import MAX_TUPLES, enforce_unique_items
 
 jsonschema = pytest.importorskip("jsonschema")
 

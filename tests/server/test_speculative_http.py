@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 import kog
 from kog.engine import AsyncEngine
 from kog.server import ServerConfig, build_app
-from kog.spec import SpeculativeParams
+from kog.speculation import SpeculativeParams
 from kog.testing.fake_runner import FakeRunner, context_logits
 from kog.testing.tiny_models import random_weights, tiny_config, write_hf_model
 

@@ -102,7 +102,7 @@ def test_the_engine_refuses_what_the_server_check_would_have(make_client, monkey
 
 def test_a_valid_schema_is_compiled_once_for_the_engine(client, monkeypatch):
     """The server's compile fills the grammar cache: the engine's compile is a cache hit."""
-    from kog.spec import grammar
+    from kog.structured_output import grammar
 
     compiled = []
     real = grammar._compile

@@ -81,7 +81,7 @@ SEARCH = {"type": "function", "function": {"name": "search", "parameters": {  # 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "search"}}])
 def test_max_tokens_never_costs_the_call(client, tool_choice, stream):
     """Random logits write strings without end (a shortest call is ~60 tokens here): near max_tokens
-    the call is closed (kog.spec.call_budget), so every reply has a complete, valid call."""
+    the call is closed (kog.structured_output.call_budget), so every reply has a complete, valid call."""
     body = {"model": "kog", "messages": MSGS, "tools": [SEARCH], "tool_choice": tool_choice, "temperature": 1.0,
             "seed": 3, "n": 6, "max_tokens": 90, "stream": stream}
     r = client.post("/v1/chat/completions", json=body)

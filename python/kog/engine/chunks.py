@@ -5,7 +5,7 @@ A chunk of n tokens of one sequence becomes n decode rows that share the sequenc
 row i feeds token i at position start + i and attends to start + i + 1 cached tokens. This is
 exactly the chunk's causal prefill because the decode step appends every row's K/V of a layer
 before any row's attention of that layer reads the cache (one KV_APPEND instruction over the
-batch, then one ATTN_DECODE; see kog.schedule). On a 2-core CPU a 5-row decode costs ~0.6x a
+batch, then one ATTN_DECODE; see kog.program). On a 2-core CPU a 5-row decode costs ~0.6x a
 5-token prefill (measured on SmolLM2-135M: 79 ms vs 137 ms), and its logits are those plain
 decoding computes.
 """

@@ -3,7 +3,7 @@
 A step = schedule (KV allocation, copies applied) -> one batched decode call + one batched
 prefill call on the runner -> sample -> detokenize and check stop conditions.
 
-Agent sessions (open/generate/append/fork/suspend/rollback/close, see kog.engine.session and
+Agent sessions (open/generate/append/fork/suspend/rollback/close, see kog.engine.session_manager and
 docs/SESSIONS.md) are plain methods too. Nothing here is thread-safe: call every method from
 the thread that runs step(), between steps.
 """
@@ -23,7 +23,7 @@ from kog.engine.chunks import forward_chunks
 from kog.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from kog.engine.scheduler import PrefillWork, Scheduler, SchedulerOutput
 from kog.engine.sequence import Sequence
-from kog.engine.session import SessionManager
+from kog.engine.session_manager import SessionManager
 from kog.engine.speculative import Speculator, VerifyWork
 from kog.engine.stop import apply_stop_strings, check_stop_token, streamable_text
 from kog.errors import InvalidRequest

@@ -13,7 +13,7 @@ from kog.loader.tokenizer import IncrementalDetokenizer
 from kog.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kog.spec.grammar import Constraint
+    from kog.structured_output.grammar import Constraint
 
 
 class SeqStatus(enum.Enum):

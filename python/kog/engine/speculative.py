@@ -30,8 +30,8 @@ from kog.errors import InvalidOperation, InvalidRequest, KVCacheFull
 from kog.kvcache import KVCacheManager, KVMoves
 from kog.models.runner import PrefillChunk
 from kog.sampling_params import SamplingParams
-from kog.spec.ngram import NgramDrafter
-from kog.spec.verify import Verified, rejection_sample, target_probs, verify_greedy
+from kog.speculation.ngram import NgramDrafter
+from kog.speculation.verify import Verified, rejection_sample, target_probs, verify_greedy
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Speculator:
             runner: the draft model's ModelRunner; its whole KV cache becomes draft slabs.
             max_seqs: sequences that may hold draft state at once (use the engine's max_num_seqs).
         """
-        from kog.spec.draft_model import DraftModelDrafter
+        from kog.speculation.draft_model import DraftModelDrafter
 
         if runner.vocab_size != self.runner.vocab_size:
             raise InvalidRequest(f"the draft model's vocabulary ({runner.vocab_size}) differs from the "

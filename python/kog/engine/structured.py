@@ -1,4 +1,4 @@
-"""Structured output in the engine: one grammar `Constraint` per sequence (kog.spec.grammar).
+"""Structured output in the engine: one grammar `Constraint` per sequence (kog.structured_output.grammar).
 
 The engine calls these hooks, in step order:
 
@@ -38,7 +38,7 @@ def admit(seq: Sequence, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...], v
     """
     if seq.params.structured is None:
         return
-    from kog.spec.grammar import build_constraint  # llguidance only for requests that need it
+    from kog.structured_output.grammar import build_constraint  # llguidance only for requests that need it
 
     seq.constraint = build_constraint(tokenizer, seq.params.structured, eos_token_ids, vocab_size)
 
@@ -76,7 +76,7 @@ def prefetch_masks(seqs: Seq[Sequence]) -> MaskPrefetch:
     constraints = [s.constraint for s in seqs if s.constraint is not None]
     if not constraints:
         return MaskPrefetch(None)
-    from kog.spec.grammar import batch_allowed
+    from kog.structured_output.grammar import batch_allowed
 
     return MaskPrefetch(_MASK_WORKER.submit(batch_allowed, constraints))
 
@@ -86,13 +86,13 @@ def prepare_masks(seqs: Seq[Sequence]) -> None:
     parallel on llguidance's threads; the sampler then reads them from each constraint's cache."""
     constraints = [s.constraint for s in seqs if s.constraint is not None]
     if constraints:
-        from kog.spec.grammar import batch_allowed
+        from kog.structured_output.grammar import batch_allowed
 
         batch_allowed(constraints)
 
 
 def before_sampling(seqs: Seq[Sequence], max_model_len: int) -> None:
-    """Between tool calls, only EOS once a whole new call would not fit (kog.spec.call_budget);
+    """Between tool calls, only EOS once a whole new call would not fit (kog.structured_output.call_budget);
     after prepare_masks."""
     for seq in seqs:
         c = seq.constraint
@@ -105,7 +105,7 @@ def before_sampling(seqs: Seq[Sequence], max_model_len: int) -> None:
 def keep_calls_in_budget(seqs: Seq[Sequence], logits: torch.Tensor, result: SampleResult,
                          sample_row: Callable[[Sequence], SampleRow], max_model_len: int) -> None:
     """Draws again (in place in `result`) each sampled token after which its tool call could not
-    be finished within the budget (kog.spec.call_budget): from the allowed tokens that only
+    be finished within the budget (kog.structured_output.call_budget): from the allowed tokens that only
     close, else the route's token. logits: [len(seqs), V], the rows `result` was sampled from."""
     for k, seq in enumerate(seqs):
         c = seq.constraint
@@ -126,7 +126,7 @@ def keep_calls_in_budget(seqs: Seq[Sequence], logits: torch.Tensor, result: Samp
 
 def fitting_prefix(seq: Sequence, draft: list[int], max_model_len: int) -> int:
     """How many leading draft tokens leave seq's tool call room to finish within the budget
-    (kog.spec.call_budget; all of them outside a call): speculation drafts no further."""
+    (kog.structured_output.call_budget; all of them outside a call): speculation drafts no further."""
     c = seq.constraint
     if c is None or c.budget is None or not c.budget.near(remaining(seq, max_model_len) - len(draft)):
         return len(draft)

@@ -1,6 +1,6 @@
 """The native decode step: kog._C.DecodeExecutor built from the decode schedule.
 
-Python resolves each instruction of kog.schedule.build_decode_schedule to raw operands (buffers,
+Python resolves each instruction of kog.program.build_decode_schedule to raw operands (buffers,
 weight addresses); C++ runs the whole program for the batch in one call, GIL released. The
 executor points into `weights` and the KV tensor: both must stay alive and never move, which
 the owner (ModelRunner) guarantees by keeping them for its lifetime.
@@ -13,7 +13,7 @@ import torch
 from kog import _C
 from kog.config import ModelConfig
 from kog.ops import _DTYPE_CODE
-from kog.schedule import Buffer, Instruction, Opcode, ScheduleSpec, build_decode_schedule
+from kog.program import Buffer, Instruction, Opcode, ScheduleSpec, build_decode_schedule
 
 
 def schedule_for(config: ModelConfig) -> list[Instruction]:

@@ -4,7 +4,7 @@ Prefill runs layer by layer in Python (torch matmuls for the projections, Kog's 
 everything else), over a batch of chunks of different sequences. Decode runs the whole step --
 every layer, the final norm and the LM head -- in one native call: on the CPU the decode
 executor (kog._C.DecodeExecutor), on a GPU the persistent decode kernel (kog.models.gpu_decode),
-both built once from kog.schedule. Both write K/V into the same cache, so they mix freely.
+both built once from kog.program. Both write K/V into the same cache, so they mix freely.
 Inputs and outputs (token ids, block tables, logits) are host objects on every device.
 """
 

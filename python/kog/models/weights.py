@@ -2,7 +2,7 @@
 
 The loader hands HF names; the runner wants one GEMV per stage of a layer, so q/k/v become
 `qkv_proj` ([q; k; v] rows) and gate/up become `gate_up_proj` ([gate; up] rows) -- the names the
-decode schedule (kog.schedule) refers to.
+decode schedule (kog.program) refers to.
 """
 
 from __future__ import annotations

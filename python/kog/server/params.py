@@ -8,7 +8,8 @@ from kog.errors import InvalidRequest
 from kog.server.errors import APIError
 from kog.server.protocol import SamplingFields
 from kog.sampling_params import SamplingParams
-from kog.spec.params import SpeculativeParams, StructuredOutputParams
+from kog.speculation.params import SpeculativeParams
+from kog.structured_output.params import StructuredOutputParams
 
 _SEED_RANGE = 2**63 - 64  # torch seeds are 64-bit; n > 1 adds the choice index to the seed
 

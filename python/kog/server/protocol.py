@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from kog.spec.params import MAX_SPECULATIVE_TOKENS
+from kog.speculation.params import MAX_SPECULATIVE_TOKENS
 from kog.valid_text import lone_surrogate_at
 
 MAX_TOP_LOGPROBS = 20
@@ -110,7 +110,7 @@ ResponseFormat = Annotated[Union[ResponseFormatText, ResponseFormatJsonObject, R
 
 # ---- speculative decoding (Kog extension) -----------------------------------------------------
 class SpeculativeSpec(_Body):
-    """kog.spec.SpeculativeParams of one request; unknown keys are an error (a typo would
+    """kog.speculation.SpeculativeParams of one request; unknown keys are an error (a typo would
     otherwise silently fall back to the defaults)."""
 
     model_config = ConfigDict(extra="forbid")

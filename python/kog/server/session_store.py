@@ -2,7 +2,7 @@
 
 NOTE: the KV and the tokens live in the engine; this holds only what the engine does not know,
 the messages and how many context tokens came from chat-template renders (see
-kog.session.append_render). A session absent from the store is unknown to clients (404).
+kog.llm_session.append_render). A session absent from the store is unknown to clients (404).
 """
 
 from __future__ import annotations

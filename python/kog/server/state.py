@@ -17,7 +17,7 @@ from kog.loader.tokenizer import Tokenizer
 from kog.server.errors import APIError
 from kog.server.metrics import ServerMetrics
 from kog.server.session_store import ServerSession
-from kog.spec.params import SpeculativeParams
+from kog.speculation.params import SpeculativeParams
 
 
 @dataclass

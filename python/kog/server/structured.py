@@ -3,7 +3,7 @@ the engine's StructuredOutputParams, compiled before the request is queued.
 
 Why compile here rather than leave it to `LLMEngine.add_request`: the engine compiles on its
 loop thread, where a 10-50 ms compile stalls the next step of every running request. Compiling
-first in a worker thread fills kog.spec.grammar's cache of compiled grammars (the engine's own
+first in a worker thread fills kog.structured_output.grammar's cache of compiled grammars (the engine's own
 compile is then a fork, ~0.1 ms) and turns a bad schema into a 400 before anything is queued:
 no KV block is ever allocated for it. NOTE: the engine still compiles at add_request, so a
 grammar evicted from the cache in between is only slower, never unchecked.
@@ -23,7 +23,7 @@ from kog.sampling_params import SamplingParams
 from kog.server.errors import APIError
 from kog.server.state import ServerState
 from kog.server.tool_parsers import HERMES_END, HERMES_START
-from kog.spec.params import StructuredOutputParams
+from kog.structured_output.params import StructuredOutputParams
 
 # llguidance prefixes schema errors with a position in the Lark grammar Kog wraps the schema in,
 # which means nothing to the client: "at 1(8): failed to compile JSON schema: ..."
@@ -65,7 +65,7 @@ async def check_compiles(state: ServerState, structured: StructuredOutputParams 
     """
     if structured is None:
         return
-    from kog.spec.grammar import build_constraint  # llguidance only once a request needs it
+    from kog.structured_output.grammar import build_constraint  # llguidance only once a request needs it
 
     engine = state.engine.engine
     try:
@@ -78,7 +78,7 @@ async def check_compiles(state: ServerState, structured: StructuredOutputParams 
 
 def tool_parser(configured: str, structured: StructuredOutputParams | None) -> str:
     """The parser for a reply to a request with tools. A constrained reply's calls are in the
-    grammar's Hermes tags (kog.spec.formats), which the llama3_json parser does not read."""
+    grammar's Hermes tags (kog.structured_output.formats), which the llama3_json parser does not read."""
     if structured is not None and structured.kind == "tools" and configured == "llama3_json":
         return "auto"
     return configured

@@ -35,7 +35,7 @@ class FakeRunner:
         self.block_size = block_size
         layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=block_size, dtype=torch.float32)
         self.kv = KVCacheStorage(layout, num_blocks, num_host_blocks)
-        self.max_model_len = 1 << 20  # as a draft model (kog.spec.draft_model): no position limit
+        self.max_model_len = 1 << 20  # as a draft model (kog.speculation.draft_model): no position limit
         self.calls = {"prefill": 0, "decode": 0, "prefill_tokens": 0, "verify": 0, "verify_tokens": 0}
 
     def logits(self, context: list[int]) -> torch.Tensor:

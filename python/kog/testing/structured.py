@@ -13,7 +13,7 @@ import torch
 from kog.loader.tokenizer import Tokenizer, tokenizer_from_gguf
 from kog.sampler import SampleRow, sample
 from kog.sampling_params import SamplingParams
-from kog.spec.grammar import Constraint
+from kog.structured_output.grammar import Constraint
 
 # A small object schema with a bounded string, a bounded integer, an enum and an array.
 PERSON_SCHEMA = {"type": "object", "properties": {

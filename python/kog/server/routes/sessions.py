@@ -29,7 +29,7 @@ from kog.server.session_protocol import (SessionAppendRequest, SessionCompletion
 from kog.server.session_store import ServerSession
 from kog.server.state import ServerState, get_state, require_api_key
 from kog.server.structured import check_compiles, keep_tool_tags, structured_params, tool_parser
-from kog.session import append_render
+from kog.llm_session import append_render
 
 router = APIRouter(tags=["sessions"], dependencies=[Depends(require_api_key)])
 _ERRORS = {**ERROR_RESPONSES, 404: {**ERROR_RESPONSES[404], "description": "Unknown model or session"},

@@ -24,12 +24,12 @@ import torch
 
 from kog.errors import InvalidOperation, InvalidRequest
 from kog.loader.tokenizer import Tokenizer
-from kog.spec.call_budget import CallBudget
-from kog.spec.formats import HERMES, LENIENT, ToolCallFormat, lark_grammar, parameters_schema
-from kog.spec.lark_check import unproductive_rules
-from kog.spec.params import StructuredOutputParams
+from kog.structured_output.call_budget import CallBudget
+from kog.structured_output.formats import HERMES, LENIENT, ToolCallFormat, lark_grammar, parameters_schema
+from kog.structured_output.lark_check import unproductive_rules
+from kog.structured_output.params import StructuredOutputParams
 
-log = logging.getLogger("kog.spec")
+log = logging.getLogger("kog.structured_output")
 _LL_TOKENIZERS: weakref.WeakKeyDictionary[Tokenizer, dict[tuple, llg.LLTokenizer]] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 # Compiled grammars, most recently used last: agents send the same tools and schemas every turn.

@@ -2,39 +2,16 @@
 instructions with explicit dependencies.
 
 Built once per model config on the host; the CPU executor runs it in order, the GPU persistent
-kernel runs it across workgroups, waiting on each instruction's dependencies (counters in global
-memory) instead of grid-wide barriers. Opcode and Buffer mirror csrc/schedule/opcodes.h.
+kernel runs it across workgroups. Opcode and Buffer (kog.program.opcodes) mirror
+csrc/schedule/opcodes.h.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import Union
 
-
-class Opcode(IntEnum):
-    EMBED = 0
-    RMS_NORM = 1
-    LINEAR = 2
-    QK_NORM = 3
-    ROPE = 4
-    KV_APPEND = 5
-    ATTN_DECODE = 6
-    SILU_MUL = 7
-    SAMPLE = 8
-
-
-class Buffer(IntEnum):
-    TOKENS = 0
-    HIDDEN = 1
-    RESIDUAL = 2
-    NORMED = 3
-    QKV = 4
-    ATTN = 5
-    GATE_UP = 6
-    ACT = 7
-    LOGITS = 8
+from kog.program.opcodes import Buffer, Opcode
 
 
 # A resource is an activation buffer or a layer's KV cache ("kv.<layer>").

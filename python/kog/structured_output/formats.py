@@ -14,13 +14,13 @@ from typing import Any
 
 from llguidance import regex_to_lark
 
-from kog.spec.params import StructuredOutputParams
-from kog.spec.unique_items import enforce_unique_items
+from kog.structured_output.params import StructuredOutputParams
+from kog.structured_output.unique_items import enforce_unique_items
 
 # Compact separators: a random or confused model cannot spend its budget on whitespace.
 # NOTE: lenient: keywords llguidance does not implement (`not`, `if`/`then`/`else`, `contains`, ...,
 # unknown `format`s) are ignored rather than refused; the compiler lists them as warnings
-# (kog.spec.grammar logs them). `uniqueItems` over enum items is enforced first (unique_items.py).
+# (kog.structured_output.grammar logs them). `uniqueItems` over enum items is enforced first (unique_items.py).
 LENIENT = {"lenient": True}
 COMPACT_JSON = {**LENIENT, "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 FLEXIBLE_JSON = {**LENIENT, "whitespace_flexible": True}

@@ -44,7 +44,7 @@ WINDOW = 256  # budget left under which tokens are checked at all (a call needin
 ROUTE_TEXT = ",@.:-/_1234567890abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ [{\""
 CLOSERS = b'"}]'
 _SIGNIFICANT = re.compile(rb'["\\{}\[\]]')  # the bytes JsonScan acts on
-_NAME = b'"name": "'  # where a call's tool name starts (kog.spec.formats: compact separators)
+_NAME = b'"name": "'  # where a call's tool name starts (kog.structured_output.formats: compact separators)
 
 
 class TokenTables:

@@ -20,7 +20,7 @@ from kog.models.runner import ModelRunner, PrefillChunk
 from kog.sampler import draw, one_thread
 
 if TYPE_CHECKING:
-    from kog.spec.grammar import Constraint
+    from kog.structured_output.grammar import Constraint
 
 
 @dataclass

@@ -1,0 +1,29 @@
+"""Opcodes and activation buffers of the model program; they mirror csrc/schedule/opcodes.h."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class Opcode(IntEnum):
+    EMBED = 0
+    RMS_NORM = 1
+    LINEAR = 2
+    QK_NORM = 3
+    ROPE = 4
+    KV_APPEND = 5
+    ATTN_DECODE = 6
+    SILU_MUL = 7
+    SAMPLE = 8
+
+
+class Buffer(IntEnum):
+    TOKENS = 0
+    HIDDEN = 1
+    RESIDUAL = 2
+    NORMED = 3
+    QKV = 4
+    ATTN = 5
+    GATE_UP = 6
+    ACT = 7
+    LOGITS = 8
