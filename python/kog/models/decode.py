@@ -1,6 +1,6 @@
 """The native decode step: kog._C.DecodeExecutor built from the decode schedule.
 
-Python resolves each instruction of kog.program.build_decode_schedule to raw operands (buffers,
+Python resolves each instruction of the family's program (kog.program.program_for) to raw operands (buffers,
 weight addresses); C++ runs the whole program for the batch in one call, GIL released. The
 executor points into `weights` and the KV tensor: both must stay alive and never move, which
 the owner (ModelRunner) guarantees by keeping them for its lifetime.
@@ -13,13 +13,11 @@ import torch
 from kog import _C
 from kog.config import ModelConfig
 from kog.ops import _DTYPE_CODE
-from kog.program import Buffer, Instruction, Opcode, ScheduleSpec, build_decode_schedule
+from kog.program import Buffer, Instruction, Opcode, program_for
 
 
 def schedule_for(config: ModelConfig) -> list[Instruction]:
-    return build_decode_schedule(ScheduleSpec(
-        n_layers=config.num_hidden_layers, qk_norm=config.qk_norm,
-        qkv_bias=config.attention_bias, tie_word_embeddings=config.tie_word_embeddings))
+    return program_for(config)
 
 
 def resolve(ins: Instruction, weights: dict[str, torch.Tensor]) -> tuple[int, int, int, int, int, int, int]:
