@@ -52,9 +52,11 @@ class ProgramInterpreter:
         self._q_w, self._kv_w = config.num_attention_heads * hd, config.num_key_value_heads * hd
         self._ops = [(ins, _HANDLERS[ins.opcode], tuple(weights[n] for n in ins.weights)) for ins in self.program]
 
-    def start(self, batch: TokenBatch) -> ProgramState:
-        """The state before the first op: TOKENS holds the batch's ids."""
-        return ProgramState(batch, {Buffer.TOKENS: batch.ids}, {Buffer.TOKENS: Rows.ALL})
+    def start(self, batch: TokenBatch, buffers: dict[Buffer, torch.Tensor] | None = None) -> ProgramState:
+        """The state before an op: TOKENS holds the batch's ids, and `buffers` (optional, over
+        every token: [T, width]) other values, e.g. another executor's, to run one op from."""
+        bufs = {Buffer.TOKENS: batch.ids} | dict(buffers or {})
+        return ProgramState(batch, bufs, {b: Rows.ALL for b in bufs})
 
     def step(self, state: ProgramState, index: int) -> None:
         """Runs op `index` of the program on state."""
