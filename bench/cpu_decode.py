@@ -1,7 +1,7 @@
 """How fast is Kog's CPU decode next to transformers (and llama.cpp), and how close to the
 memory bandwidth of this machine, measured in the same run?
 
-    PYTHONPATH=python python bench/cpu_decode.py [--new-tokens 128] [--repeats 3]
+    PYTHONPATH=python python bench/cpu_decode.py [--new-tokens 128] [--repeats 3] [--baseline DIR]
 
 SmolLM2-135M, batch 1: decode tok/s (new tokens after a 32-token prompt) and the time of a
 512-token prefill, best of N (the machine may be shared). Bandwidth: a STREAM-style triad
@@ -12,6 +12,11 @@ neighbours are busy, so every decode run also gets a triad just before and just 
 "% adj" is the median over runs of achieved / max(adjacent triads), next to "% triad" against
 the best triad of the whole run.
 
+`--baseline DIR` (DIR holds another build's `kog` package, e.g. a copy of python/ from main)
+adds a table of the 512-token prefill of this tree next to that build, f32 and bf16, measured
+in child processes that alternate between the two (best of the rounds for each), in the same
+run; `--prefill-only` prints only that table.
+
 A second table: bf16 decode after longer prompts (an agent's context: system prompt, tool
 schemas, history), Kog next to llama.cpp F16 (KV cache F16), where attention reads a growing
 share of each step's bytes.
@@ -20,8 +25,13 @@ share of each step's bytes.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -77,6 +87,43 @@ def kog_engine(model, prompt: list[int], new: int, repeats: int) -> tuple[list[t
     long = (prompt * 64)[:512]
     prefill = lambda: runner.prefill([PrefillChunk(long, 0, table, slot(np.arange(512)))])  # noqa: E731
     return paired_runs(decode_run, repeats), min(_timed(prefill) for _ in range(repeats))
+
+
+PREFILL_TOKENS = 512
+
+
+def prefill_child(dtype: str, repeats: int) -> None:
+    """Prints {"prefill": best seconds of `repeats` 512-token prefills} of the kog on sys.path."""
+    model = load_model(dtype=getattr(torch, dtype))
+    prompt = model.tokenizer.encode("The history of the city begins in the Middle Ages, when a small " * 4)[:32]
+    bs = 16
+    runner = ModelRunner(model, num_kv_blocks=40, block_size=bs)
+    table = np.arange(40, dtype=np.int32)
+    chunk = PrefillChunk((prompt * 64)[:PREFILL_TOKENS], 0, table,
+                         table[np.arange(PREFILL_TOKENS) // bs] * bs + np.arange(PREFILL_TOKENS) % bs)
+    runner.prefill([chunk])  # warm-up: first-touch of weights and cache
+    print(json.dumps({"prefill": min(_timed(lambda: runner.prefill([chunk])) for _ in range(repeats))}))
+
+
+def prefill_vs_baseline(baseline: str, rounds: int, repeats: int) -> None:
+    """This tree's 512-token prefill against another build's, alternating child processes."""
+    here = str(Path(__file__).resolve().parent.parent / "python")
+    builds = {"this tree": here, "baseline": str(Path(baseline).resolve())}
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        best = {name: float("inf") for name in builds}
+        for _ in range(rounds):
+            for name, path in builds.items():
+                out = subprocess.run([sys.executable, __file__, "--prefill-child", dtype, "--repeats", str(repeats)],
+                                     env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
+                                     check=True, timeout=1800).stdout
+                best[name] = min(best[name], json.loads(out.strip().splitlines()[-1])["prefill"])
+        rows.append((dtype, best["this tree"], best["baseline"]))
+    print(f"\nSmolLM2-135M prefill {PREFILL_TOKENS} tokens, {torch.get_num_threads()} threads: best of {rounds} "
+          f"alternating rounds x {repeats} runs; baseline = {baseline}")
+    print(f"{'dtype':<10}{'this tree s':>13}{'baseline s':>12}{'baseline / this':>17}")
+    for dtype, this, base in rows:
+        print(f"{dtype:<10}{this:>13.3f}{base:>12.3f}{base / this:>16.2f}x")
 
 
 def hf_engine(folder, dtype, prompt: list[int], new: int, repeats: int) -> tuple[list[tuple[float, float]], float]:
@@ -184,7 +231,19 @@ def main() -> None:
     ap.add_argument("--hf-repeats", type=int, default=1)
     ap.add_argument("--contexts", default="1024,4096", help="prompt lengths of the long-context table ('' skips it)")
     ap.add_argument("--context-steps", type=int, default=32)
+    ap.add_argument("--baseline", help="a folder holding another build's kog package: adds the prefill table")
+    ap.add_argument("--baseline-rounds", type=int, default=3)
+    ap.add_argument("--prefill-only", action="store_true", help="with --baseline: only the prefill table")
+    ap.add_argument("--prefill-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.prefill_child:
+        prefill_child(args.prefill_child, args.repeats)
+        return
+    if args.prefill_only:
+        if not args.baseline:
+            ap.error("--prefill-only needs --baseline")
+        prefill_vs_baseline(args.baseline, args.baseline_rounds, args.repeats)
+        return
     f32 = load_model(dtype=torch.float32)
     prompt = f32.tokenizer.encode("The history of the city begins in the Middle Ages, when a small " * 4)[:32]
     bw = triad_gbs()
@@ -231,6 +290,9 @@ def main() -> None:
             lc = "-" if lcpp_tps is None else f"{lcpp_tps:.1f}"
             ratio = "-" if lcpp_tps is None else f"{kog_tps / lcpp_tps:.2f}x"
             print(f"{c:>8}{kog_tps:>11.1f}{lc:>11}{ratio:>17}")
+
+    if args.baseline:
+        prefill_vs_baseline(args.baseline, args.baseline_rounds, args.repeats)
 
 
 if __name__ == "__main__":
