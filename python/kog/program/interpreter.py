@@ -63,12 +63,10 @@ class ProgramInterpreter:
         ins, handler, weights = self._ops[index]
         handler(self, state, ins, weights)
 
-    def run(self, batch: TokenBatch, stop_after: int | None = None,
-            order: Sequence[int] | None = None) -> ProgramState:
-        """Runs ops [0, stop_after) (all when None), in program order or in `order` (any order
-        that keeps every op after its deps computes the same)."""
+    def run(self, batch: TokenBatch, stop_after: int | None = None) -> ProgramState:
+        """Runs ops [0, stop_after) (all when None) over batch, in program order."""
         state = self.start(batch)
-        for i in order if order is not None else range(len(self._ops) if stop_after is None else stop_after):
+        for i in range(len(self._ops) if stop_after is None else stop_after):
             self.step(state, i)
         return state
 
