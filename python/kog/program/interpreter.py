@@ -33,6 +33,28 @@ class ProgramState:
     rows_of: dict[Buffer, Rows]
     validated: set[Opcode] = field(default_factory=set)  # ops whose index inputs were checked this run
 
+    def read(self, buf: Buffer, rows: Rows) -> torch.Tensor:
+        """buf as an op over `rows` sees it: an op over the sampled rows reads only those rows
+        of a buffer that holds every token."""
+        t, have = self.buffers[buf], self.rows_of[buf]
+        if have == rows:
+            return t
+        if have != Rows.ALL or rows != Rows.SAMPLED:
+            raise ValueError(f"an op over {rows.value} rows reads {buf.name}, which holds {have.value} rows")
+        sampled = self.batch.sampled_rows
+        return t if sampled is None else t.index_select(0, sampled)
+
+    def write(self, buf: Buffer, t: torch.Tensor, rows: Rows) -> None:
+        self.buffers[buf] = t
+        self.rows_of[buf] = rows
+
+    def first_run_of(self, opcode: Opcode) -> bool:
+        """True the first time an op of this kind runs in this state: the batch's slots, block
+        ids and lengths are the same for every layer, so checking them once is enough."""
+        first = opcode not in self.validated
+        self.validated.add(opcode)
+        return first
+
 
 class ProgramInterpreter:
     """Runs a program over token batches.
@@ -70,88 +92,65 @@ class ProgramInterpreter:
             self.step(state, i)
         return state
 
-    # ------------------------------------------------------------------ internal helpers
-
-    def _read(self, state: ProgramState, buf: Buffer, rows: Rows) -> torch.Tensor:
-        t = state.buffers[buf]
-        have = state.rows_of[buf]
-        if have == rows:
-            return t
-        sampled = state.batch.sampled_rows
-        if have != Rows.ALL or rows != Rows.SAMPLED:
-            raise ValueError(f"an op over {rows.value} rows reads {buf.name}, which holds {have.value} rows")
-        return t if sampled is None else t.index_select(0, sampled)
-
-    def _write(self, state: ProgramState, buf: Buffer, t: torch.Tensor, rows: Rows) -> None:
-        state.buffers[buf] = t
-        state.rows_of[buf] = rows
-
-    def _q_k_v(self, state: ProgramState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def q_k_v(self, state: ProgramState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views [T, heads, head_dim] of the q, k and v parts of QKV."""
         qkv, c = state.buffers[Buffer.QKV], self.config  # [T, (n_q + 2 n_kv) head_dim]
         T, hd, q_w, kv_w = qkv.shape[0], c.head_dim, self._q_w, self._kv_w
         return (qkv[:, :q_w].view(T, -1, hd), qkv[:, q_w:q_w + kv_w].view(T, -1, hd),
                 qkv[:, q_w + kv_w:].view(T, -1, hd))
 
-    def _validate_once(self, state: ProgramState, opcode: Opcode) -> bool:
-        """True the first time an op of this kind runs in this state: the batch's slots, block
-        ids and lengths are the same for every layer, so checking them once is enough."""
-        first = opcode not in state.validated
-        state.validated.add(opcode)
-        return first
-
 
 def _embed(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
-    it._write(s, ins.writes[0], w[0][it._read(s, ins.reads[0], ins.rows)], ins.rows)
+    s.write(ins.writes[0], w[0][s.read(ins.reads[0], ins.rows)], ins.rows)
 
 
 def _rms_norm(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
     # reads (x,) or (x, residual): with a residual, residual += x in place and the sum is normalized.
-    x = it._read(s, ins.reads[0], ins.rows).contiguous()
-    res = it._read(s, ins.reads[1], ins.rows).contiguous() if len(ins.reads) == 2 else None
-    it._write(s, ins.writes[0], ops.rmsnorm(x, w[0], it.config.rms_norm_eps, residual=res), ins.rows)
+    x = s.read(ins.reads[0], ins.rows).contiguous()
+    res = s.read(ins.reads[1], ins.rows).contiguous() if len(ins.reads) == 2 else None
+    s.write(ins.writes[0], ops.rmsnorm(x, w[0], it.config.rms_norm_eps, residual=res), ins.rows)
     if res is not None:
-        it._write(s, ins.writes[1], res, ins.rows)
+        s.write(ins.writes[1], res, ins.rows)
 
 
 def _linear(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
-    x = it._read(s, ins.reads[0], ins.rows)
-    it._write(s, ins.writes[0], matmul(x, w[0], w[1] if len(w) > 1 else None), ins.rows)
+    x = s.read(ins.reads[0], ins.rows)
+    s.write(ins.writes[0], matmul(x, w[0], w[1] if len(w) > 1 else None), ins.rows)
 
 
 def _qk_norm(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
-    q, k, _ = it._q_k_v(s)
+    q, k, _ = it.q_k_v(s)
     eps = it.config.rms_norm_eps
     q.copy_(ops.rmsnorm(q.contiguous(), w[0], eps))
     k.copy_(ops.rmsnorm(k.contiguous(), w[1], eps))
 
 
 def _rope(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
-    q, k, _ = it._q_k_v(s)
+    q, k, _ = it.q_k_v(s)
     ops.rope(q, k, s.batch.positions, it.inv_freq)
 
 
 def _kv_append(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
-    _, k, v = it._q_k_v(s)
-    ops.kv_append(k, v, it.kv[ins.layer], s.batch.slots, validate_indices=it._validate_once(s, ins.opcode))
+    _, k, v = it.q_k_v(s)
+    ops.kv_append(k, v, it.kv[ins.layer], s.batch.slots, validate_indices=s.first_run_of(ins.opcode))
 
 
 def _attention(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
     # Causal attention of every token over its sequence's cache: decode is q_len = 1 per sequence.
-    q, _, _ = it._q_k_v(s)
+    q, _, _ = it.q_k_v(s)
     b = s.batch
     out = ops.paged_attention_prefill(q, it.kv[ins.layer], b.block_tables, b.seq_lens, b.query_start_loc,
-                                      validate_indices=it._validate_once(s, ins.opcode))  # [T, n_q, hd]
-    it._write(s, ins.writes[0], out.view(q.shape[0], -1), ins.rows)
+                                      validate_indices=s.first_run_of(ins.opcode))  # [T, n_q, hd]
+    s.write(ins.writes[0], out.view(q.shape[0], -1), ins.rows)
 
 
 def _silu_mul(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
-    it._write(s, ins.writes[0], ops.silu_and_mul(it._read(s, ins.reads[0], ins.rows)), ins.rows)
+    s.write(ins.writes[0], ops.silu_and_mul(s.read(ins.reads[0], ins.rows)), ins.rows)
 
 
 def _sample(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
     # Greedy: the first maximum, as the native executors pick it.
-    it._write(s, ins.writes[0], it._read(s, ins.reads[0], ins.rows).argmax(-1), ins.rows)
+    s.write(ins.writes[0], s.read(ins.reads[0], ins.rows).argmax(-1), ins.rows)
 
 
 _HANDLERS: dict[Opcode, Callable[[ProgramInterpreter, ProgramState, Instruction, tuple], None]] = {
