@@ -13,9 +13,10 @@ neighbours are busy, so every decode run also gets a triad just before and just 
 the best triad of the whole run.
 
 `--baseline DIR` (DIR holds another build's `kog` package, e.g. a copy of python/ from main)
-adds a table of the 512-token prefill of this tree next to that build, f32 and bf16, measured
-in child processes that alternate between the two (best of the rounds for each), in the same
-run; `--prefill-only` prints only that table.
+adds a table of the 512-token prefill of this tree next to that build, f32 and bf16, and of a
+4-token prefill of a tiny 8-layer model (the prefill path's per-op Python cost), measured in
+child processes that alternate between the two (best of the rounds for each), in the same run;
+`--prefill-only` prints only that table.
 
 A second table: bf16 decode after longer prompts (an agent's context: system prompt, tool
 schemas, history), Kog next to llama.cpp F16 (KV cache F16), where attention reads a growing
@@ -92,9 +93,13 @@ def kog_engine(model, prompt: list[int], new: int, repeats: int) -> tuple[list[t
 PREFILL_TOKENS = 512
 
 
-def prefill_child(dtype: str, repeats: int) -> None:
-    """Prints {"prefill": best seconds of `repeats` 512-token prefills} of the kog on sys.path."""
-    model = load_model(dtype=getattr(torch, dtype))
+def prefill_child(case: str, repeats: int) -> None:
+    """Prints {"prefill": best seconds of `repeats` 512-token prefills} of the kog on sys.path
+    (case: a dtype), or for case "tiny" the best mean of 300 4-token prefills of a tiny random
+    8-layer model: the per-op Python cost of the prefill path."""
+    if case == "tiny":
+        return tiny_prefill_child(repeats)
+    model = load_model(dtype=getattr(torch, case))
     prompt = model.tokenizer.encode("The history of the city begins in the Middle Ages, when a small " * 4)[:32]
     bs = 16
     runner = ModelRunner(model, num_kv_blocks=40, block_size=bs)
@@ -105,25 +110,45 @@ def prefill_child(dtype: str, repeats: int) -> None:
     print(json.dumps({"prefill": min(_timed(lambda: runner.prefill([chunk])) for _ in range(repeats))}))
 
 
+def tiny_prefill_child(repeats: int, calls: int = 300) -> None:
+    from kog.loader import LoadedModel
+    from kog.testing.tiny_models import random_weights, tiny_config
+
+    c = tiny_config("llama", num_hidden_layers=8)
+    model = LoadedModel(path=None, config=c, weights=random_weights(c), dtype=torch.float32, tokenizer=None,
+                        chat_template=None, stop_token_ids=())
+    runner = ModelRunner(model, num_kv_blocks=8, block_size=16)
+    chunk = [PrefillChunk([5, 6, 7, 8], 0, np.arange(8, dtype=np.int32), np.arange(4))]
+    for _ in range(50):
+        runner.prefill(chunk)
+
+    def many() -> None:
+        for _ in range(calls):
+            runner.prefill(chunk)
+    print(json.dumps({"prefill": min(_timed(many) for _ in range(repeats)) / calls}))
+
+
 def prefill_vs_baseline(baseline: str, rounds: int, repeats: int) -> None:
     """This tree's 512-token prefill against another build's, alternating child processes."""
     here = str(Path(__file__).resolve().parent.parent / "python")
     builds = {"this tree": here, "baseline": str(Path(baseline).resolve())}
+    cases = {"float32": f"SmolLM2 f32, {PREFILL_TOKENS} tok", "bfloat16": f"SmolLM2 bf16, {PREFILL_TOKENS} tok",
+             "tiny": "tiny 8-layer, 4 tok"}
     rows = []
-    for dtype in ("float32", "bfloat16"):
+    for case, label in cases.items():
         best = {name: float("inf") for name in builds}
         for _ in range(rounds):
             for name, path in builds.items():
-                out = subprocess.run([sys.executable, __file__, "--prefill-child", dtype, "--repeats", str(repeats)],
+                out = subprocess.run([sys.executable, __file__, "--prefill-child", case, "--repeats", str(repeats)],
                                      env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
                                      check=True, timeout=1800).stdout
                 best[name] = min(best[name], json.loads(out.strip().splitlines()[-1])["prefill"])
-        rows.append((dtype, best["this tree"], best["baseline"]))
-    print(f"\nSmolLM2-135M prefill {PREFILL_TOKENS} tokens, {torch.get_num_threads()} threads: best of {rounds} "
-          f"alternating rounds x {repeats} runs; baseline = {baseline}")
-    print(f"{'dtype':<10}{'this tree s':>13}{'baseline s':>12}{'baseline / this':>17}")
-    for dtype, this, base in rows:
-        print(f"{dtype:<10}{this:>13.3f}{base:>12.3f}{base / this:>16.2f}x")
+        rows.append((label, best["this tree"], best["baseline"]))
+    print(f"\nprefill, {torch.get_num_threads()} threads: best of {rounds} alternating rounds x {repeats} runs; "
+          f"baseline = {baseline}")
+    print(f"{'case':<24}{'this tree ms':>14}{'baseline ms':>13}{'baseline / this':>17}")
+    for label, this, base in rows:
+        print(f"{label:<24}{this * 1e3:>14.2f}{base * 1e3:>13.2f}{base / this:>16.2f}x")
 
 
 def hf_engine(folder, dtype, prompt: list[int], new: int, repeats: int) -> tuple[list[tuple[float, float]], float]:

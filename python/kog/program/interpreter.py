@@ -32,6 +32,7 @@ class ProgramState:
     buffers: dict[Buffer, torch.Tensor]
     rows_of: dict[Buffer, Rows]
     validated: set[Opcode] = field(default_factory=set)  # ops whose index inputs were checked this run
+    qkv_views: tuple[torch.Tensor, ...] = ()  # (QKV, q, k, v): the views of the QKV tensor last split
 
     def read(self, buf: Buffer, rows: Rows) -> torch.Tensor:
         """buf as an op over `rows` sees it: an op over the sampled rows reads only those rows
@@ -92,12 +93,15 @@ class ProgramInterpreter:
             self.step(state, i)
         return state
 
-    def q_k_v(self, state: ProgramState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views [T, heads, head_dim] of the q, k and v parts of QKV."""
-        qkv, c = state.buffers[Buffer.QKV], self.config  # [T, (n_q + 2 n_kv) head_dim]
-        T, hd, q_w, kv_w = qkv.shape[0], c.head_dim, self._q_w, self._kv_w
-        return (qkv[:, :q_w].view(T, -1, hd), qkv[:, q_w:q_w + kv_w].view(T, -1, hd),
-                qkv[:, q_w + kv_w:].view(T, -1, hd))
+    def q_k_v(self, state: ProgramState) -> tuple[torch.Tensor, ...]:
+        """Views [T, heads, head_dim] of the q, k and v parts of QKV (made once per QKV tensor:
+        four ops of a layer use them, and views cost microseconds each)."""
+        qkv = state.buffers[Buffer.QKV]  # [T, (n_q + 2 n_kv) head_dim]
+        if not state.qkv_views or state.qkv_views[0] is not qkv:
+            T, hd, q_w, kv_w = qkv.shape[0], self.config.head_dim, self._q_w, self._kv_w
+            state.qkv_views = (qkv, qkv[:, :q_w].view(T, -1, hd), qkv[:, q_w:q_w + kv_w].view(T, -1, hd),
+                               qkv[:, q_w + kv_w:].view(T, -1, hd))
+        return state.qkv_views[1:]
 
 
 def _embed(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
