@@ -341,8 +341,10 @@ class LLMEngine:
     def _run_prefill(self, work: list[PrefillWork]) -> torch.Tensor:
         """[len(work), vocab] logits of each chunk's last token; prompt logprobs recorded on the way."""
         tables = self.kv.block_tables([w.seq.seq_id for w in work])  # [len(work), max_blocks], rows padded with 0
-        chunks = [PrefillChunk(w.seq.token_ids[w.start : w.start + w.n], w.start, tables[i], w.slots)
-                  for i, w in enumerate(work)]
+        bs = self.kv.block_size
+        # Each chunk gets a view of its row cut to its own blocks (those covering start + n).
+        chunks = [PrefillChunk(w.seq.token_ids[w.start : w.start + w.n], w.start,
+                               tables[i, : -(-(w.start + w.n) // bs)], w.slots) for i, w in enumerate(work)]
         if not any(w.seq.prompt_logprobs_pending for w in work):
             # Jump-forward runs (sequences with output) may take the native decode path (engine/chunks.py).
             return forward_chunks(self.runner, chunks, use_decode=all(w.seq.num_output_tokens for w in work))
