@@ -64,7 +64,7 @@ def lower(ins: Instruction, weights: dict[str, torch.Tensor]) -> _C.Op:
         residual = int(bufs_in[1])
     ptrs = [weights[name].data_ptr() for name in ins.weights] + [0, 0]
     return _C.Op(int(ins.opcode), ins.layer, int(bufs_in[0]) if bufs_in else -1, residual,
-                 int(bufs_out[0]) if bufs_out else -1, ptrs[0], ptrs[1], list(ins.deps))
+                 int(bufs_out[0]) if bufs_out else -1, ptrs[0], ptrs[1], sorted(ins.deps))
 
 
 def lower_program(program: list[Instruction], weights: dict[str, torch.Tensor]) -> list[_C.Op]:
