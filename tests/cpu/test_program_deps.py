@@ -12,7 +12,7 @@ import kog
 from kog import _C
 from kog.loader import LoadedModel
 from kog.models import ModelRunner, PrefillChunk
-from kog.models.decode import build_executor, schedule_for
+from kog.models.decode import build_executor, lower_program, model_dims, schedule_for
 from kog.program import Buffer, Instruction, Opcode
 from kog.testing.tiny_models import random_weights, tiny_config
 
@@ -177,7 +177,10 @@ def test_bad_dependency_lists_are_refused_naming_the_op():
         build(replace(prog, 3, (len(prog) + 7,)))
     with pytest.raises(kog.InvalidRequest, match="op 3 depends on op -1,"):
         build(replace(prog, 3, (-1,)))
+    ops = lower_program(prog, r.weights)  # lower() sorts deps; a raw Op may still list them out of order
+    o = ops[4]
+    ops[4] = _C.Op(o.opcode, o.layer, o.in_, o.residual, o.out, o.w0, o.w1, [3, 1])
     with pytest.raises(kog.InvalidRequest, match="op 4 lists its deps out of order"):
-        build(replace(prog, 4, (3, 1)))
+        _C.validate_program(ops, model_dims(r.config, torch.float32))
     with pytest.raises(kog.InvalidRequest, match="at most"):
         build(replace(prog, 12, tuple(range(_C.PROGRAM_MAX_DEPS + 1))))
