@@ -10,6 +10,10 @@ the same model in the same process:
     PYTHONPATH=python python bench/agent_replay.py --http     # the same over HTTP: /v1/sessions vs
                                                               # stateless /v1/chat/completions, each
                                                               # against its own `kog serve` process
+    PYTHONPATH=python python bench/agent_replay.py --trace    # coding-agent traces (>= 30 turns,
+                                                              # 64k+ contexts at --scale 1) on a tiny
+                                                              # long-context model vs stateless with
+                                                              # prefix caching on and off (agent_trace.py)
 
 Workload (seeded): a system prompt with tool schemas (~--system-tokens tokens, ChatML through
 the chat template); per agent a task; per turn the model generates a tool call of 20-40 tokens
@@ -29,6 +33,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -127,10 +132,10 @@ class Driver:
             ag.context = self.system + ag.task
             if self.sessions:
                 ag.session = f"{ag.name}/s0"
-                opens.append(self.engine.open_session(ag.session, ag.context))
+                opens.append(self.engine.sessions.open(ag.session, ag.context))
         while opens:  # the shared prefix is computed once, then hit by every other agent
             self.engine.step()
-            for rid in [r for r in opens if self.engine.get_output(r).finished]:
+            for rid in [r for r in opens if self.engine.is_finished(r)]:
                 self.prefill_tokens += self.engine.get_output(rid).prefill_tokens_computed
                 self.engine.release(rid)
                 opens.remove(rid)
@@ -147,11 +152,11 @@ class Driver:
                 wakes = [ag.wake for ag in self.agents if not ag.pending and ag.turn < len(ag.turns)]
                 time.sleep(max(0.0, min(wakes) - time.monotonic()))
             for i, ag in enumerate(self.agents):
-                if ag.pending and all(self.engine.get_output(r).finished for r in ag.pending):
+                if ag.pending and all(self.engine.is_finished(r) for r in ag.pending):
                     self._complete(i, ag)
         for ag in self.agents:
             if ag.session:
-                self.engine.close_session(ag.session)
+                self.engine.sessions.close(ag.session)
         return time.monotonic() - start
 
     def _submit(self, i: int, ag: Agent) -> None:
@@ -159,7 +164,7 @@ class Driver:
         if ag.turn > 0:  # the previous tool's result arrives
             prev = ag.turns[ag.turn - 1].result
             if self.sessions:
-                self.engine.append_session(ag.session, prev)
+                self.engine.sessions.append(ag.session, prev)
             else:
                 ag.context = ag.context + prev
         ag.submitted = time.monotonic()
@@ -170,24 +175,24 @@ class Driver:
             ag.pending = [rid]
         elif turn.fork:  # compute the tool result once, then fork (see _complete)
             rid = f"{ag.session}/t{ag.turn}/prefill"
-            self.engine.prefill_session(ag.session, rid)
+            self.engine.sessions.prefill(ag.session, rid)
             ag.pending = [rid]
             ag.branches = []
         else:
             rid = f"{ag.session}/t{ag.turn}"
-            self.engine.session_generate(ag.session, rid, params_for(turn, i, ag.turn))
+            self.engine.sessions.generate(ag.session, rid, params_for(turn, i, ag.turn))
             ag.pending = [rid]
 
     def _fork(self, i: int, ag: Agent) -> None:
         self.prefill_tokens += self.engine.get_output(ag.pending[0]).prefill_tokens_computed
         self.engine.release(ag.pending[0])
         ag.branches = [f"{ag.name}/s{ag.turn}b{b}" for b in range(3)]
-        self.engine.fork_session(ag.session, ag.branches)
-        self.engine.close_session(ag.session)  # the branches hold the shared KV now
+        self.engine.sessions.fork(ag.session, ag.branches)
+        self.engine.sessions.close(ag.session)  # the branches hold the shared KV now
         ag.pending = []
         for b, sid in enumerate(ag.branches):
             rid = f"{sid}/t{ag.turn}"
-            self.engine.session_generate(sid, rid, params_for(ag.current, i, ag.turn, branch=b))
+            self.engine.sessions.generate(sid, rid, params_for(ag.current, i, ag.turn, branch=b))
             ag.pending.append(rid)
 
     def _complete(self, i: int, ag: Agent) -> None:
@@ -203,9 +208,9 @@ class Driver:
         if self.sessions:
             if ag.current.fork:
                 for sid in ag.branches[1:]:
-                    self.engine.close_session(sid)
+                    self.engine.sessions.close(sid)
                 ag.session = ag.branches[0]
-            self.engine.suspend_session(ag.session)  # the tool runs
+            self.engine.sessions.suspend(ag.session)  # the tool runs
         else:
             ag.context = ag.context + kept
         for r in ag.pending:
@@ -227,7 +232,19 @@ def main() -> None:
     ap.add_argument("--http", action="store_true",
                     help="run both modes over HTTP against real `kog serve` processes (see agent_replay_http.py)")
     ap.add_argument("--max-num-seqs", type=int, default=32, help="the HTTP servers' --max-num-seqs")
+    ap.add_argument("--trace", action="store_true",
+                    help="coding-agent traces on a tiny long-context model, vs stateless with prefix caching on and off")
+    ap.add_argument("--scale", type=float, default=0.25, help="--trace: token counts x this (1: contexts past 64k)")
     args = ap.parse_args()
+    if args.trace:
+        from agent_trace import run_trace
+
+        if "--turns" not in sys.argv:
+            args.turns = 40
+        if "--agents" not in sys.argv:
+            args.agents = 3
+        run_trace(args)
+        return
     if args.quick:
         args.agents, args.turns, args.system_tokens, args.fork_turns = 2, 3, 200, "1"
     import kog

@@ -48,7 +48,8 @@ def test_engine_batches_more_sequences_than_one_launch_holds(device):
         runner = ModelRunner(m, 256, device=dev)
         engine = LLMEngine(runner, m.tokenizer, (2,), 1024, EngineConfig(max_num_seqs=12))
         for i in range(11):  # > GPU_DECODE_MAX_BATCH: two launches per step
-            engine.add_request(str(i), list(range(3 + i, 20 + 2 * i)), SamplingParams(max_tokens=12, ignore_eos=True))
+            params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)  # greedy: comparable
+            engine.add_request(str(i), list(range(3 + i, 20 + 2 * i)), params)
         while engine.has_unfinished():
             engine.step()
         outs[str(dev)] = [engine.get_output(str(i)).outputs[0].token_ids for i in range(11)]
@@ -62,7 +63,7 @@ def test_llm_on_the_gpu_generates_what_the_cpu_does(device, tmp_path):
 
     c = tiny_config("llama", max_position_embeddings=1024)
     folder = write_hf_model(tmp_path / "m", c, random_weights(c, seed=4))
-    params = kog.SamplingParams(max_tokens=24, ignore_eos=True)
+    params = kog.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)  # the default samples at 1.0
     cpu = kog.LLM(str(folder), device="cpu").generate(["hello world", "one two three"], params)
     gpu = kog.LLM(str(folder), device="cuda").generate(["hello world", "one two three"], params)
     assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]

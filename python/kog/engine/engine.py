@@ -3,9 +3,9 @@
 A step = schedule (KV allocation, copies applied) -> one batched decode call + one batched
 prefill call on the runner -> sample -> detokenize and check stop conditions.
 
-Agent sessions (open/generate/append/fork/suspend/rollback/close, see kog.engine.session_manager and
-docs/SESSIONS.md) are plain methods too. Nothing here is thread-safe: call every method from
-the thread that runs step(), between steps.
+Agent sessions (open/generate/append/fork/suspend/rollback/close) live in `engine.sessions`, a
+SessionManager (kog.engine.session_manager, docs/SESSIONS.md). Nothing here is thread-safe: call
+every method from the thread that runs step(), between steps.
 """
 
 from __future__ import annotations
@@ -20,17 +20,17 @@ import torch
 
 from kog.engine import prompt_logprobs, structured
 from kog.engine.chunks import forward_chunks
-from kog.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
+from kog.engine.outputs import CompletionOutput, FinishReason, RequestOutput, StreamDelta
 from kog.engine.scheduler import PrefillWork, Scheduler, SchedulerOutput
 from kog.engine.sequence import Sequence
-from kog.engine.session_manager import SessionManager
+from kog.engine.session_manager import EngineRequests, SessionManager
 from kog.engine.speculative import Speculator, VerifyWork
 from kog.engine.stop import apply_stop_strings, check_stop_token, streamable_text
 from kog.errors import InvalidRequest
 from kog.kvcache import KVCacheManager
 from kog.loader.tokenizer import Tokenizer
 from kog.models.runner import PrefillChunk
-from kog.sampler import SampleRow, make_generator, sample
+from kog.sampler import PenaltyCounts, SampleRow, make_generator, needs_penalties, sample
 from kog.sampling_params import SamplingParams
 
 
@@ -76,12 +76,17 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_model_len or model_max_len, model_max_len, self.kv_capacity_tokens)
         self.scheduler = Scheduler(self.kv, runner.kv.apply, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.config.enable_prefix_caching)
-        self.sessions = SessionManager(self)
         self._requests: dict[str, list[Sequence]] = {}
         self._prompts: dict[str, str | None] = {}
+        self._prompt_ids: dict[str, list[int]] = {}  # per request, made once: every output shares it
         self._seq_ids = itertools.count()
         self.num_prefill_tokens_computed = 0  # every token run through a prefill chunk, ever (recomputation included)
         self.speculator = Speculator(runner, self.kv, runner.kv.apply, self.eos_token_ids, self.max_model_len)
+        self.sessions = SessionManager(self.kv, runner.kv.apply, self.scheduler, EngineRequests(
+            validate_ids=self._validate_ids, validate_prompt=self._validate_prompt,
+            check_params=self.speculator.check, new_sequence=self._new_sequence,
+            admit_grammar=lambda seq: structured.admit(seq, self.tokenizer, self.eos_token_ids, runner.vocab_size),
+            is_request=lambda rid: rid in self._requests, register=self._register, abort=self.abort))
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
@@ -102,84 +107,29 @@ class LLMEngine:
         request keeps the session: its context goes back to what it was before the request."""
         for seq in self._requests.get(request_id, []):
             if not seq.is_finished:
-                seq.finish_reason = "abort"
+                seq.finish_reason = FinishReason.ABORT
                 self._done(seq)
-
-    # ---- agent sessions (docs/SESSIONS.md) -----------------------------------------------------
-    def open_session(self, session_id: str, prompt_token_ids: Seq[int], pin: bool = True,
-                     priority: int = 0) -> str:
-        """Opens a session on a prefix (system prompt + tools) and queues its prefill.
-
-        The prefix's KV is computed once (all tokens but the last, which stays pending) and its
-        full blocks pinned in the prefix cache. The session is busy until then.
-
-        Returns:
-            the id of the prefill request (get_output(id).finished tells when it is done; it
-            reports prefill_tokens_computed and num_cached_tokens, and no output tokens).
-        """
-        return self.sessions.open(session_id, prompt_token_ids, pin, priority)
-
-    def session_generate(self, session_id: str, request_id: str, params: SamplingParams,
-                         priority: int = 0) -> None:
-        """add_request on a session: the prompt is the session's context, only its tokens
-        without KV are prefilled, and when the request ends normally its output tokens join the
-        context. params.n must be 1 (use fork_session for branches); no prompt_logprobs (most of
-        the context's KV is computed already)."""
-        if params.prompt_logprobs is not None:
-            raise InvalidRequest("prompt_logprobs is not supported on a session's generations")
-        self.sessions.generate(session_id, request_id, params, priority)
-
-    def prefill_session(self, session_id: str, request_id: str, priority: int = 0) -> None:
-        """Queues a prefill-only request computing an idle session's pending tokens (all but
-        the last). Run it before fork_session after an append: each branch would otherwise
-        compute the appended tokens itself. Its output has no tokens."""
-        self.sessions.prefill(session_id, request_id, priority)
-
-    def append_session(self, session_id: str, token_ids: Seq[int]) -> None:
-        """Adds tokens (a tool result, the next user turn) to an idle session's context; they
-        are prefilled by its next generation."""
-        self.sessions.append(session_id, token_ids)
-
-    def fork_session(self, session_id: str, child_ids: Seq[str]) -> None:
-        """Opens one idle session per child id with the parent's context, sharing its KV
-        copy-on-write (O(1) per child, no copies) and pinning the same prefix."""
-        self.sessions.fork(session_id, child_ids)
-
-    def suspend_session(self, session_id: str, offload: bool = False) -> str:
-        """Declares an idle session waiting (a tool runs). Its KV is already out of the batch
-        and swappable under pressure; offload=True swaps it to the host pool now.
-
-        Returns:
-            where its KV is: "suspended" (device), "swapped" (host) or "dropped" (recomputed).
-        """
-        return self.sessions.suspend(session_id, offload)
-
-    def rollback_session(self, session_id: str, n_tokens: int) -> None:
-        """Keeps the first n_tokens of an idle session's context (backtracking); the KV past
-        them is released (allocator truncate)."""
-        self.sessions.rollback(session_id, n_tokens)
-
-    def close_session(self, session_id: str) -> None:
-        """Aborts the session's request in flight, frees its KV and unpins its prefix."""
-        self.sessions.close(session_id)
-
-    def has_session(self, session_id: str) -> bool:
-        """Whether a session with this id is open."""
-        return session_id in self.sessions.sessions
-
-    def session_info(self, session_id: str) -> dict:
-        """token_ids, num_computed (tokens with KV), kv_state, pinned_tokens, request_id."""
-        return self.sessions.info(session_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def get_output(self, request_id: str) -> RequestOutput:
+    def is_finished(self, request_id: str) -> bool:
+        """Whether every completion of the request has ended (O(n), no output built)."""
         seqs = self._requests[request_id]
         parent = seqs[0]
-        n = parent.params.n
-        done = len(seqs) == n and all(s.is_finished for s in seqs) or parent.finish_reason == "abort"
-        outs = [CompletionOutput(s.index, s.text, list(s.output_ids),
+        return len(seqs) == parent.params.n and all(s.is_finished for s in seqs) or parent.finish_reason == FinishReason.ABORT
+
+    def get_output(self, request_id: str) -> RequestOutput:
+        """The request so far. Costs O(output tokens), not O(context): the prompt's ids are one
+        list per request, shared by every output (do not modify them); step() returns the
+        per-step deltas for streaming."""
+        seqs = self._requests[request_id]
+        parent = seqs[0]
+        done = self.is_finished(request_id)
+        prompt_ids = self._prompt_ids.get(request_id)
+        if prompt_ids is None:
+            prompt_ids = self._prompt_ids[request_id] = list(parent.prompt_ids)
+        outs = [CompletionOutput(s.index, s.text, s.token_ids[s.num_prompt_tokens:],
                                  s.cumulative_logprob if s.params.logprobs is not None else None,
                                  list(s.logprobs) if s.params.logprobs is not None else None,
                                  s.finish_reason, s.stop_reason) for s in seqs]
@@ -189,7 +139,7 @@ class LLMEngine:
         prompt_lps = None
         if parent.params.prompt_logprobs is not None and not parent.prompt_logprobs_pending:
             prompt_lps = list(parent.prompt_logprobs)
-        return RequestOutput(request_id, self._prompts[request_id], list(parent.prompt_ids), outs, done,
+        return RequestOutput(request_id, self._prompts[request_id], prompt_ids, outs, done,
                              parent.num_cached_tokens, sum(s.num_prefill_computed for s in seqs), metrics,
                              sum(s.num_forward_passes for s in seqs), prompt_lps)
 
@@ -198,6 +148,7 @@ class LLMEngine:
         self.abort(request_id)
         self._requests.pop(request_id, None)
         self._prompts.pop(request_id, None)
+        self._prompt_ids.pop(request_id, None)
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
@@ -210,7 +161,7 @@ class LLMEngine:
         verify = self.speculator.take(work.decode, work.decode_slots)  # speculating seqs leave the decode
         # The grammar masks of sequences with output are computed while the forwards run (a prompt's
         # first mask is not: its constraint may be forked for n > 1 siblings meanwhile).
-        masks = structured.prefetch_masks(work.decode + [w.seq for w in work.prefill if w.seq.output_ids])
+        masks = structured.prefetch_masks(work.decode + [w.seq for w in work.prefill if w.seq.num_output_tokens])
         try:
             return self._forward_and_sample(work, verify, masks)
         finally:
@@ -286,7 +237,7 @@ class LLMEngine:
         seed = None if params.seed is None else params.seed + index
         return Sequence(next(self._seq_ids) if seq_id is None else seq_id, request_id, index, list(ids),
                         params, self.tokenizer.detokenizer(params.skip_special_tokens), make_generator(seed),
-                        priority=priority)
+                        priority=priority, penalties=PenaltyCounts() if needs_penalties(params) else None)
 
     def _done(self, seq: Sequence) -> None:
         """seq's request ended: a session keeps its KV (parked), any other sequence frees it."""
@@ -297,13 +248,13 @@ class LLMEngine:
             self.scheduler.finish(seq)
 
     def _prefill_done(self, seq: Sequence) -> None:
-        seq.finish_reason = "length"  # a prefill-only request: zero tokens were asked for
+        seq.finish_reason = FinishReason.LENGTH  # a prefill-only request: zero tokens were asked for
         self._done(seq)
 
     def _fork_children(self, parent: Sequence) -> list[Sequence]:
         """The n - 1 siblings of a request, forked (KV shared copy-on-write) when its prompt is done."""
         seqs = self._requests[parent.request_id]
-        if parent.index != 0 or parent.output_ids or len(seqs) == parent.params.n:
+        if parent.index != 0 or parent.num_output_tokens or len(seqs) == parent.params.n:
             return []
         children = []
         for index in range(1, parent.params.n):
@@ -319,23 +270,22 @@ class LLMEngine:
         return children
 
     def _run_decode(self, seqs: list[Sequence], slots: list[int]) -> torch.Tensor:
-        tables = [self.kv.block_table(s.seq_id) for s in seqs]
-        width = max(len(t) for t in tables)
-        block_tables = np.zeros((len(seqs), width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = t
-        positions = np.array([s.num_computed for s in seqs], dtype=np.int64)
-        tokens = np.array([s.all_ids[-1] for s in seqs], dtype=np.int64)
+        block_tables = self.kv.block_tables([s.seq_id for s in seqs])  # [B, max_blocks] int32, filled natively
+        positions = np.array([s.num_computed for s in seqs], dtype=np.int64)  # [B]
+        tokens = np.array([s.token_ids[-1] for s in seqs], dtype=np.int64)  # [B]
         return self.runner.decode(tokens, positions, block_tables, (positions + 1).astype(np.int32),
                                   np.asarray(slots, dtype=np.int64))
 
     def _run_prefill(self, work: list[PrefillWork]) -> torch.Tensor:
         """[len(work), vocab] logits of each chunk's last token; prompt logprobs recorded on the way."""
-        chunks = [PrefillChunk(w.seq.all_ids[w.start : w.start + w.n], w.start,
-                               self.kv.block_table(w.seq.seq_id), w.slots) for w in work]
+        tables = self.kv.block_tables([w.seq.seq_id for w in work])  # [len(work), max_blocks], rows padded with 0
+        bs = self.kv.block_size
+        # Each chunk gets a view of its row cut to its own blocks (those covering start + n).
+        chunks = [PrefillChunk(w.seq.token_ids[w.start : w.start + w.n], w.start,
+                               tables[i, : -(-(w.start + w.n) // bs)], w.slots) for i, w in enumerate(work)]
         if not any(w.seq.prompt_logprobs_pending for w in work):
             # Jump-forward runs (sequences with output) may take the native decode path (engine/chunks.py).
-            return forward_chunks(self.runner, chunks, use_decode=all(w.seq.output_ids for w in work))
+            return forward_chunks(self.runner, chunks, use_decode=all(w.seq.num_output_tokens for w in work))
         # NOTE: every row of the batch gets logits then: a cost only steps that prefill a prompt
         # asking for prompt logprobs pay.
         per_chunk = forward_chunks(self.runner, chunks, all_logits=True, use_decode=False)  # [len(chunk), vocab] each
@@ -345,7 +295,7 @@ class LLMEngine:
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         return SampleRow(seq.params, seq.prompt_ids, seq.output_ids, self.eos_token_ids, seq.generator,
-                         seq.constraint)
+                         seq.constraint, seq.penalties)
 
     def _jump_forward(self, seq: Sequence, delta: StreamDelta, now: float) -> StreamDelta:
         """Appends the tokens seq's grammar forces (kog.engine.structured.jump_forward)."""
@@ -353,7 +303,7 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None,
                       top: list[tuple[int, float]] | None, now: float) -> StreamDelta:
-        seq.output_ids.append(token)
+        seq.append_token(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
         if logprob is not None:
@@ -364,7 +314,7 @@ class LLMEngine:
         delta = seq.detok.step(token) if seq.detok is not None else ""
         check_stop_token(seq, token, self.eos_token_ids, self.max_model_len)
         structured.consume(seq, token, self.eos_token_ids)  # advances the grammar; stops at its EOS
-        if seq.finish_reason == "stop" and seq.stop_reason == token:
+        if seq.finish_reason == FinishReason.STOP and seq.stop_reason == token:
             delta = ""  # a stop token ends the text; its id stays in token_ids
         apply_stop_strings(seq, delta)
         if seq.finish_reason is not None and not isinstance(seq.stop_reason, str) and seq.detok is not None:
