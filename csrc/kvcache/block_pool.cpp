@@ -31,7 +31,7 @@ BlockId BlockPool::allocate() {
     b = free_.back();
     free_.pop_back();
   } else {
-    KOG_CHECK_KIND(lru_head_ >= 0, kKVCacheFull, "internal: allocate() on an exhausted pool");
+    KOG_ASSERT(lru_head_ >= 0, "allocate() on an exhausted pool (callers reserve first)");
     b = lru_head_;
     lru_remove(b);
     drop_hash(b);
