@@ -1,6 +1,7 @@
 // The native multi-token decode loop. Contract: decode_loop.h.
 #include "engine/decode_loop.h"
 
+#include <algorithm>
 #include <cstring>
 #include <unordered_set>
 
@@ -37,7 +38,10 @@ void DecodeLoop::validate(const LoopBatch& b) const {
   for (int64_t r = 0; r < b.batch; ++r) {
     KOG_CHECK(b.rows[r] != nullptr && seen.insert(b.rows[r]).second, "decode loop: row ", r,
               " has no sampling state or shares another row's");
-    const int64_t last = b.positions[r] + b.n_steps;  // tokens cached after the last step
+    const SamplingConfig& cfg = b.rows[r]->config();
+    const int64_t room = cfg.max_output - b.rows[r]->n_output();  // tokens the row may still output
+    KOG_CHECK(room >= 1, "decode loop: row ", r, " has output its max_output ", cfg.max_output, " tokens");
+    const int64_t last = b.positions[r] + std::min(b.n_steps, room);  // tokens cached after its last step
     KOG_CHECK(b.positions[r] >= 0 && last <= b.max_blocks * block_size_, "decode loop: row ", r, " needs ", last,
               " tokens of cache, its block table holds ", b.max_blocks * block_size_);
     const int32_t* table = b.block_tables + r * b.max_blocks;

@@ -2,8 +2,8 @@
 // batch, each step = DecodeExecutor::run over the rows still going, the native sampler
 // (csrc/ops/sample.h, per-sequence state in sequence_sampling.h), then the stop-token and
 // max-token checks. A sampled token is the next step's input; positions advance by one and
-// slots come from the block tables, which the caller has filled for positions + n_steps
-// tokens beforehand (the engine reserves the blocks). A finished row leaves the batch.
+// slots come from the block tables, which the caller has filled beforehand for the tokens each
+// row may still compute (the engine reserves the blocks). A finished row leaves the batch.
 //
 //   DecodeLoop loop(executor, block_size);
 //   loop.run(batch);    // out_tokens [n_steps, B], n_new [B], finish [B]
@@ -24,7 +24,8 @@ struct LoopBatch {
   int64_t n_steps;                 // K >= 1
   const int64_t* tokens;           // [B] each row's newest token (its KV not yet cached)
   const int64_t* positions;        // [B] that token's position (= tokens cached)
-  const int32_t* block_tables;     // [B, max_blocks] row-major, covering positions + K tokens
+  const int32_t* block_tables;     // [B, max_blocks] row-major, covering positions + min(K, the
+                                   // row's max_output - n_output) tokens
   int64_t max_blocks;
   SequenceSampling* const* rows;   // [B] distinct; each advances by the tokens it samples
   int64_t* out_tokens;             // [K, B] out: step s's token of row b; -1 once b finished
