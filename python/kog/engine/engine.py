@@ -1,7 +1,9 @@
 """LLMEngine: requests in, one continuous-batching step at a time, outputs out.
 
 A step = schedule (KV allocation, copies applied) -> one batched decode call + one batched
-prefill call on the runner -> sample -> detokenize and check stop conditions.
+prefill call on the runner -> sample -> detokenize and check stop conditions. A step that only
+decodes native requests runs up to K decode steps in one native call instead (loop mode,
+kog.engine.decode_loop).
 
 Agent sessions (open/generate/append/fork/suspend/rollback/close, see kog.engine.session_manager and
 docs/SESSIONS.md) are plain methods too. Nothing here is thread-safe: call every method from
@@ -20,7 +22,7 @@ import torch
 
 from kog.engine import prompt_logprobs, structured
 from kog.engine.chunks import forward_chunks
-from kog.engine.decode_loop import DecodeLoop, NativeSampler, merge_deltas, sample_rows
+from kog.engine.decode_loop import LOOP_MAX_STEPS, DecodeLoop, NativeSampler, merge_deltas, sample_rows
 from kog.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from kog.engine.scheduler import PrefillWork, Scheduler, SchedulerOutput
 from kog.engine.sequence import Sequence
@@ -43,6 +45,7 @@ class EngineConfig:
     num_host_blocks: int = 0           # host swap pool (suspended sessions, swap preemption)
     namespace: str = ""                # seeds the prefix-cache hashes (the model id)
     enable_prefix_caching: bool = True # admit requests with their longest cached prefix
+    max_loop_steps: int = LOOP_MAX_STEPS  # most decode steps one native call runs (1: no loop mode)
 
 
 class Runner(Protocol):
@@ -84,7 +87,8 @@ class LLMEngine:
         self.num_prefill_tokens_computed = 0  # every token run through a prefill chunk, ever (recomputation included)
         self.speculator = Speculator(runner, self.kv, runner.kv.apply, self.eos_token_ids, self.max_model_len)
         self.native_sampler = NativeSampler(runner.vocab_size, self.eos_token_ids, self.max_model_len)
-        self.decode_loop = DecodeLoop(runner, self.kv, runner.kv.apply, self.native_sampler)
+        self.decode_loop = DecodeLoop(runner, self.kv, runner.kv.apply, self.native_sampler,
+                                      self.config.max_loop_steps)
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
