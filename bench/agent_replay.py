@@ -10,6 +10,10 @@ the same model in the same process:
     PYTHONPATH=python python bench/agent_replay.py --http     # the same over HTTP: /v1/sessions vs
                                                               # stateless /v1/chat/completions, each
                                                               # against its own `kog serve` process
+    PYTHONPATH=python python bench/agent_replay.py --trace    # coding-agent traces (>= 30 turns,
+                                                              # 64k+ contexts at --scale 1) on a tiny
+                                                              # long-context model vs stateless with
+                                                              # prefix caching on and off (agent_trace.py)
 
 Workload (seeded): a system prompt with tool schemas (~--system-tokens tokens, ChatML through
 the chat template); per agent a task; per turn the model generates a tool call of 20-40 tokens
@@ -29,6 +33,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -130,7 +135,7 @@ class Driver:
                 opens.append(self.engine.open_session(ag.session, ag.context))
         while opens:  # the shared prefix is computed once, then hit by every other agent
             self.engine.step()
-            for rid in [r for r in opens if self.engine.get_output(r).finished]:
+            for rid in [r for r in opens if self.engine.is_finished(r)]:
                 self.prefill_tokens += self.engine.get_output(rid).prefill_tokens_computed
                 self.engine.release(rid)
                 opens.remove(rid)
@@ -147,7 +152,7 @@ class Driver:
                 wakes = [ag.wake for ag in self.agents if not ag.pending and ag.turn < len(ag.turns)]
                 time.sleep(max(0.0, min(wakes) - time.monotonic()))
             for i, ag in enumerate(self.agents):
-                if ag.pending and all(self.engine.get_output(r).finished for r in ag.pending):
+                if ag.pending and all(self.engine.is_finished(r) for r in ag.pending):
                     self._complete(i, ag)
         for ag in self.agents:
             if ag.session:
@@ -227,7 +232,19 @@ def main() -> None:
     ap.add_argument("--http", action="store_true",
                     help="run both modes over HTTP against real `kog serve` processes (see agent_replay_http.py)")
     ap.add_argument("--max-num-seqs", type=int, default=32, help="the HTTP servers' --max-num-seqs")
+    ap.add_argument("--trace", action="store_true",
+                    help="coding-agent traces on a tiny long-context model, vs stateless with prefix caching on and off")
+    ap.add_argument("--scale", type=float, default=0.25, help="--trace: token counts x this (1: contexts past 64k)")
     args = ap.parse_args()
+    if args.trace:
+        from agent_trace import run_trace
+
+        if "--turns" not in sys.argv:
+            args.turns = 40
+        if "--agents" not in sys.argv:
+            args.agents = 3
+        run_trace(args)
+        return
     if args.quick:
         args.agents, args.turns, args.system_tokens, args.fork_turns = 2, 3, 200, "1"
     import kog

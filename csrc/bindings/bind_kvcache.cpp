@@ -1,12 +1,15 @@
-// Binds the paged KV allocator (kog::kv) and its CPU block copy. The Python facade is
-// kog/kvcache.py; arrays cross as numpy (token ids int32, sequence ids int64).
+// Binds the paged KV allocator (kog::kv), its CPU block copy, and the sequence-level enums the
+// Python engine mirrors (KVSeqState, FinishReason). The Python facade is kog/kvcache.py; arrays
+// cross as numpy (token ids int32, sequence ids int64, block tables int32).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <optional>
 
 #include "common/errors.h"
+#include "common/finish_reason.h"
 #include "kvcache/allocator.h"
 #include "gpu/launch.h"
 #include "kvcache/kv_copy.h"
@@ -31,6 +34,17 @@ py::array pairs_view(const std::vector<std::pair<int32_t, int32_t>>& v, py::hand
                               v.empty() ? nullptr : &v.front().first, owner);
 }
 
+const int64_t* ids_ptr(const I64& ids, const char* op) {
+  KOG_CHECK(ids.ndim() == 1, op, ": sequence ids must be a 1-D array");
+  return ids.data();
+}
+
+// Sequence ids and per-sequence token counts of a batch append (1-D, equal lengths).
+void check_batch(const I64& seqs, const I64& counts, const char* op) {
+  KOG_CHECK(seqs.ndim() == 1 && counts.ndim() == 1 && seqs.size() == counts.size(), op,
+            ": seqs and counts must be 1-D of equal length");
+}
+
 const int32_t* tokens_ptr(const I32& t) {
   KOG_CHECK(t.ndim() == 1, "token ids must be a 1-D array");
   return t.size() ? t.data() : nullptr;
@@ -38,8 +52,7 @@ const int32_t* tokens_ptr(const I32& t) {
 
 py::dict seq_info(const SeqInfo& s) {
   py::dict d;
-  const char* names[] = {"running", "suspended", "swapped"};
-  d["state"] = names[static_cast<int>(s.state)];
+  d["state"] = s.state;
   d["tail"] = s.tail;
   d["num_tokens"] = s.num_tokens;
   d["tokens_known"] = s.tokens_known;
@@ -122,6 +135,17 @@ void copy_blocks_gpu(uintptr_t dst, int64_t dst_num_blocks, bool dst_is_host, ui
 }  // namespace
 
 void bind_kvcache(py::module_& m) {
+  py::enum_<SeqState>(m, "KVSeqState", "Where a sequence's KV is: running (resident, appendable), "
+                                       "suspended (resident, swappable) or swapped (host pool).")
+      .value("RUNNING", SeqState::kRunning)
+      .value("SUSPENDED", SeqState::kSuspended)
+      .value("SWAPPED", SeqState::kSwapped);
+  py::enum_<kog::FinishReason>(m, "FinishReason", "Why a sequence stopped (NONE: it runs).")
+      .value("NONE", kog::FinishReason::kNone)
+      .value("STOP", kog::FinishReason::kStop)
+      .value("LENGTH", kog::FinishReason::kLength)
+      .value("ABORT", kog::FinishReason::kAbort);
+
   py::class_<Moves>(m, "KVMoves", "Copies the backend must perform: swap_out, swap_in, cow, then "
                                   "the KV writes of the new tokens at `slots`.")
       .def_property_readonly("swap_out", [](py::object self) {
@@ -157,12 +181,28 @@ void bind_kvcache(py::module_& m) {
              a.append(SeqId(seq), tokens.size(), tokens_ptr(tokens), mv);
              return mv;
            })
-      .def("append_batch", [](KVCacheAllocator& a, const I64& seqs, const I64& counts) {
-             KOG_CHECK(seqs.ndim() == 1 && counts.ndim() == 1 && seqs.size() == counts.size(),
-                       "append_batch: seqs and counts must be 1-D of equal length");
+      .def("append_batch", [](KVCacheAllocator& a, const I64& seqs, const I64& counts,
+                              std::optional<I32> tokens) {
+             check_batch(seqs, counts, "append_batch");
+             const int32_t* ids = nullptr;
+             if (tokens) {
+               int64_t total = 0;
+               for (py::ssize_t i = 0; i < counts.size(); ++i) total += counts.data()[i];
+               KOG_CHECK(tokens->ndim() == 1 && tokens->size() == total,
+                         "append_batch: tokens must hold sum(counts) = ", total, " ids");
+               ids = tokens->size() ? tokens->data() : nullptr;
+             }
              Moves mv;
-             a.append_batch(seqs.data(), counts.data(), seqs.size(), mv);
+             a.append_batch(seqs.data(), counts.data(), seqs.size(), mv, ids);
              return mv;
+           }, py::arg("seqs"), py::arg("counts"), py::arg("tokens") = py::none())
+      .def("can_append", [](const KVCacheAllocator& a, int64_t s, int64_t n) {
+             return a.can_append(SeqId(s), n); })
+      .def("max_appendable", [](const KVCacheAllocator& a, int64_t s) {
+             return a.max_appendable(SeqId(s)); })
+      .def("max_appendable_batch", [](const KVCacheAllocator& a, const I64& seqs, const I64& counts) {
+             check_batch(seqs, counts, "max_appendable_batch");
+             return a.max_appendable_batch(seqs.data(), counts.data(), seqs.size());
            })
       .def("fork", [](KVCacheAllocator& a, int64_t p, int64_t c) { a.fork(SeqId(p), SeqId(c)); })
       .def("fork_batch", [](KVCacheAllocator& a, const I64& parents, const I64& children) {
@@ -190,6 +230,21 @@ void bind_kvcache(py::module_& m) {
              const std::vector<int32_t> t = a.block_table(SeqId(s));
              return I32(static_cast<py::ssize_t>(t.size()), t.data());
            })
+      .def("block_tables", [](KVCacheAllocator& a, const I64& seqs) {
+             const int64_t* ids = ids_ptr(seqs, "block_tables");
+             const int64_t width = a.max_table_len(ids, seqs.size());
+             py::array_t<int32_t> out({static_cast<py::ssize_t>(seqs.size()), static_cast<py::ssize_t>(width)});
+             a.fill_block_tables(ids, seqs.size(), out.mutable_data(), width);
+             return out;
+           }, "[n, longest table] int32 block tables of resident sequences, rows padded with 0")
+      .def("fill_block_tables", [](KVCacheAllocator& a, const I64& seqs, py::array_t<int32_t> out) {
+             const int64_t* ids = ids_ptr(seqs, "fill_block_tables");
+             KOG_CHECK(out.ndim() == 2 && out.shape(0) == seqs.size() && out.writeable() &&
+                           (out.flags() & py::array::c_style),
+                       "fill_block_tables: out must be a writable C-contiguous int32 [", seqs.size(),
+                       ", width] array");
+             a.fill_block_tables(ids, seqs.size(), out.mutable_data(), out.shape(1));
+           }, "Writes the padded block tables of resident sequences into out [n, width] int32")
       .def("info", [](const KVCacheAllocator& a, int64_t s) { return seq_info(a.info(SeqId(s))); })
       .def("__contains__", [](const KVCacheAllocator& a, int64_t s) { return a.contains(SeqId(s)); })
       .def("sequence_ids", &KVCacheAllocator::sequence_ids)

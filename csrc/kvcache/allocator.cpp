@@ -2,6 +2,7 @@
 // live in prefix_swap.cpp.
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "common/errors.h"
 #include "kvcache/allocator.h"
@@ -60,7 +61,7 @@ void KVCacheAllocator::append(SeqId id, int64_t n, const int32_t* tokens, Moves&
 }
 
 void KVCacheAllocator::append_batch(const int64_t* ids, const int64_t* counts, int64_t n,
-                                    Moves& mv) {
+                                    Moves& mv, const int32_t* tokens) {
   std::vector<Sequence*> seqs(n);
   std::unordered_set<int64_t> seen;
   seen.reserve(n);
@@ -71,8 +72,48 @@ void KVCacheAllocator::append_batch(const int64_t* ids, const int64_t* counts, i
     seqs[i] = &get_running(SeqId(ids[i]), "append_batch");
     need += append_need(*seqs[i], counts[i]);
   }
-  reserve(need, mv);
-  for (int64_t i = 0; i < n; ++i) do_append(*seqs[i], counts[i], nullptr, mv);
+  reserve(need, mv);  // NOTE: last step that can throw
+  int64_t offset = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    do_append(*seqs[i], counts[i], tokens ? tokens + offset : nullptr, mv);
+    offset += counts[i];
+  }
+}
+
+bool KVCacheAllocator::can_append(SeqId id, int64_t n) const {
+  KOG_CHECK(n >= 0, "can_append: n_tokens must be >= 0, got ", n);
+  const int64_t need = append_need(get_running(id, "can_append"), n);
+  return available_blocks(need) >= need;
+}
+
+int64_t KVCacheAllocator::max_appendable(SeqId id) const {
+  const Sequence& s = get_running(id, "max_appendable");
+  const int64_t avail = available_blocks(std::numeric_limits<int64_t>::max());
+  const int64_t off = s.num_tokens % bs_;
+  if (off == 0) return avail * bs_;  // the next token opens a new block
+  // The tail's free slots come first; a shared tail costs one block for its copy-on-write.
+  const bool cow = pool_.ref(s.tail) > 1;
+  if (!cow) return (bs_ - off) + avail * bs_;
+  return avail >= 1 ? (bs_ - off) + (avail - 1) * bs_ : 0;
+}
+
+int64_t KVCacheAllocator::max_appendable_batch(const int64_t* ids, const int64_t* counts,
+                                               int64_t n) const {
+  std::vector<int64_t> need(n);  // need[i]: blocks of entries 0..i together
+  std::unordered_set<int64_t> seen;
+  seen.reserve(n);
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    KOG_CHECK(counts[i] >= 0, "max_appendable_batch: negative count for sequence ", ids[i]);
+    KOG_CHECK(seen.insert(ids[i]).second, "max_appendable_batch: sequence ", ids[i],
+              " appears twice");
+    total += append_need(get_running(SeqId(ids[i]), "max_appendable_batch"), counts[i]);
+    need[i] = total;
+  }
+  const int64_t avail = available_blocks(total);
+  int64_t fit = 0;
+  while (fit < n && need[fit] <= avail) ++fit;
+  return fit;
 }
 
 void KVCacheAllocator::fork(SeqId parent, SeqId child) { fork_batch(&parent.value, &child.value, 1); }
@@ -136,11 +177,31 @@ void KVCacheAllocator::free_batch(const int64_t* ids, int64_t n) {
 }
 
 std::vector<int32_t> KVCacheAllocator::block_table(SeqId id) {
-  Sequence& s = get(id);
-  KOG_CHECK_KIND(s.state != SeqState::kSwapped, kInvalidOperation, "block_table: sequence ",
-                 id.value, " is swapped out");
-  materialize(s);
-  return s.table;
+  return resident(id, "block_table").table;
+}
+
+int64_t KVCacheAllocator::max_table_len(const int64_t* ids, int64_t n) {
+  int64_t width = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const Sequence& s = get(SeqId(ids[i]));
+    KOG_CHECK_KIND(s.state != SeqState::kSwapped, kInvalidOperation, "max_table_len: sequence ",
+                   ids[i], " is swapped out");
+    // NOTE: a resident sequence's table has exactly one entry per block of its tokens.
+    width = std::max(width, blocks_for(s.num_tokens));
+  }
+  return width;
+}
+
+void KVCacheAllocator::fill_block_tables(const int64_t* ids, int64_t n, int32_t* out,
+                                         int64_t width) {
+  KOG_CHECK(width >= max_table_len(ids, n), "fill_block_tables: width ", width, " < the ",
+            max_table_len(ids, n), " blocks of the longest sequence");
+  for (int64_t i = 0; i < n; ++i) {
+    const std::vector<int32_t>& t = resident(SeqId(ids[i]), "fill_block_tables").table;
+    int32_t* row = out + i * width;
+    std::copy(t.begin(), t.end(), row);
+    std::fill(row + t.size(), row + width, 0);
+  }
 }
 
 // ---- internal helpers ------------------------------------------------------------------------
@@ -161,6 +222,21 @@ KVCacheAllocator::Sequence& KVCacheAllocator::get_running(SeqId id, const char* 
   Sequence& s = get(id);
   KOG_CHECK_KIND(s.state == SeqState::kRunning, kInvalidOperation, op, ": sequence ", id.value,
                  s.state == SeqState::kSuspended ? " is suspended" : " is swapped out");
+  return s;
+}
+
+const KVCacheAllocator::Sequence& KVCacheAllocator::get_running(SeqId id, const char* op) const {
+  const Sequence& s = get(id);
+  KOG_CHECK_KIND(s.state == SeqState::kRunning, kInvalidOperation, op, ": sequence ", id.value,
+                 s.state == SeqState::kSuspended ? " is suspended" : " is swapped out");
+  return s;
+}
+
+KVCacheAllocator::Sequence& KVCacheAllocator::resident(SeqId id, const char* op) {
+  Sequence& s = get(id);
+  KOG_CHECK_KIND(s.state != SeqState::kSwapped, kInvalidOperation, op, ": sequence ", id.value,
+                 " is swapped out");
+  materialize(s);
   return s;
 }
 

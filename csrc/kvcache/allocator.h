@@ -65,8 +65,18 @@ class KVCacheAllocator {
   // Appends n tokens (token ids, or nullptr if unknown: the sequence then stops feeding the
   // prefix cache). May copy-on-write the tail block and swap out suspended sequences.
   void append(SeqId seq, int64_t n, const int32_t* tokens, Moves& mv);
-  // Count-only append for many distinct running sequences, all-or-nothing.
-  void append_batch(const int64_t* seqs, const int64_t* counts, int64_t n, Moves& mv);
+  // Appends counts[i] tokens to each of n distinct running sequences, all-or-nothing (one
+  // reservation for the whole batch). tokens: the sum(counts) ids, sequence after sequence, or
+  // nullptr (count-only: the sequences stop feeding the prefix cache).
+  void append_batch(const int64_t* seqs, const int64_t* counts, int64_t n, Moves& mv,
+                    const int32_t* tokens = nullptr);
+  // The verb pair of append: whether n more tokens fit now (counting free and cached blocks and
+  // what swapping suspended sequences would free, exactly as append reserves), and the most
+  // tokens that fit. Both throw as append does for an unknown or non-running sequence.
+  bool can_append(SeqId seq, int64_t n) const;
+  int64_t max_appendable(SeqId seq) const;
+  // How many leading entries of a batch append (as append_batch) fit together now.
+  int64_t max_appendable_batch(const int64_t* seqs, const int64_t* counts, int64_t n) const;
   // `child` shares every block of `parent`: O(1), no KV bytes copied.
   void fork(SeqId parent, SeqId child);
   void fork_batch(const int64_t* parents, const int64_t* children, int64_t n);
@@ -86,6 +96,10 @@ class KVCacheAllocator {
 
   // ---- views -----------------------------------------------------------------------------
   std::vector<int32_t> block_table(SeqId seq);
+  // Block tables of n resident sequences as one [n, width] row-major int32 matrix, each row
+  // padded with 0 past its sequence's blocks. max_table_len gives the width the rows need.
+  int64_t max_table_len(const int64_t* seqs, int64_t n);
+  void fill_block_tables(const int64_t* seqs, int64_t n, int32_t* out, int64_t width);
   bool contains(SeqId seq) const { return seqs_.count(seq) != 0; }
   SeqInfo info(SeqId seq) const;
   std::vector<int64_t> sequence_ids() const;
@@ -111,6 +125,14 @@ class KVCacheAllocator {
   Sequence& get(SeqId seq);
   const Sequence& get(SeqId seq) const;
   Sequence& get_running(SeqId seq, const char* op);
+  const Sequence& get_running(SeqId seq, const char* op) const;
+  // Blocks an allocation may take now: free + cached, plus (only when those fall short of
+  // `need`) what swapping suspended sequences out would free, oldest first, until `need` is
+  // met; those sequences go to `victims` when given. reserve() plans with it, so the
+  // can_append verbs count exactly what append would get.
+  int64_t available_blocks(int64_t need, const std::unordered_set<int32_t>* held = nullptr,
+                           std::vector<SeqId>* victims = nullptr) const;
+  Sequence& resident(SeqId seq, const char* op);  // not swapped out; block table materialized
   int64_t blocks_for(int64_t n_tokens) const { return (n_tokens + bs_ - 1) / bs_; }
   int64_t append_need(const Sequence& s, int64_t n) const;
   // Makes `need` blocks allocatable: counts free + cached blocks, then plans swap-outs of

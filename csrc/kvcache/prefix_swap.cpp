@@ -180,19 +180,26 @@ std::vector<BlockId> KVCacheAllocator::exclusive_suffix(
   return out;
 }
 
-void KVCacheAllocator::reserve(int64_t need, Moves& mv, const std::unordered_set<int32_t>* held) {
+int64_t KVCacheAllocator::available_blocks(int64_t need, const std::unordered_set<int32_t>* held,
+                                           std::vector<SeqId>* victims) const {
   int64_t avail = pool_.num_reclaimable();
-  if (avail >= need) return;
+  if (avail >= need) return avail;
   int64_t host_avail = static_cast<int64_t>(host_free_.size());
-  std::vector<SeqId> victims;
   for (const auto& kv : suspended_) {
     const int64_t k = static_cast<int64_t>(exclusive_suffix(seqs_.at(kv.second), held).size());
     if (k == 0 || k > host_avail) continue;
-    victims.push_back(kv.second);
+    if (victims) victims->push_back(kv.second);
     avail += k;
     host_avail -= k;
     if (avail >= need) break;
   }
+  return avail;
+}
+
+void KVCacheAllocator::reserve(int64_t need, Moves& mv, const std::unordered_set<int32_t>* held) {
+  std::vector<SeqId> victims;
+  const int64_t avail = available_blocks(need, held, &victims);
+  if (avail >= need && victims.empty()) return;
   KOG_CHECK_KIND(avail >= need, kKVCacheFull, "KV cache full: ", need, " blocks needed, ",
                  pool_.num_free(), " free, ", pool_.num_cached(), " cached, ",
                  avail - pool_.num_reclaimable(), " swappable (", host_free_.size(),

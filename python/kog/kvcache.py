@@ -20,6 +20,7 @@ raises leaves the allocator exactly as it was.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -30,6 +31,23 @@ from kog import _C, hugepages
 from kog.errors import InvalidRequest
 
 KVMoves = _C.KVMoves
+
+
+class KVState(str, enum.Enum):
+    """Where a sequence's KV is (the allocator's _C.KVSeqState, member for member by name).
+
+    A str enum: it compares equal to its value ("running", ...) and serializes as it.
+    """
+
+    RUNNING = "running"      # resident on the device, appendable
+    SUSPENDED = "suspended"  # resident, out of the batch; pressure may swap it to the host
+    SWAPPED = "swapped"      # its exclusive blocks are in the host pool
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_KV_STATES = {int(v): KVState[name] for name, v in _C.KVSeqState.__members__.items()}
 
 
 def _ids(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
@@ -111,9 +129,33 @@ class KVCacheManager:
             return self._a.append_tokens(seq_id, _ids(tokens))
         return self._a.append(seq_id, n_tokens)
 
-    def append_batch(self, seq_ids: Iterable[int], counts: Iterable[int]) -> KVMoves:
-        """Count-only append for many running sequences in one call; all or nothing."""
-        return self._a.append_batch(np.asarray(seq_ids, np.int64), np.asarray(counts, np.int64))
+    def append_batch(self, seq_ids: Iterable[int], counts: Iterable[int],
+                     tokens: Sequence[int] | np.ndarray | None = None) -> KVMoves:
+        """Appends counts[i] tokens to each of several distinct running sequences in one call
+        (one reservation); all or nothing.
+
+        Args:
+            tokens: the sum(counts) token ids, sequence after sequence (they feed the prefix
+                cache); None appends counts only (the sequences stop feeding it).
+
+        Returns the moves; moves.slots holds the new tokens' slots in the same order.
+        """
+        return self._a.append_batch(np.asarray(seq_ids, np.int64), np.asarray(counts, np.int64),
+                                    None if tokens is None else _ids(tokens))
+
+    def can_append(self, seq_id: int, n_tokens: int) -> bool:
+        """Whether append(seq_id, n_tokens) would succeed now (free and cached blocks, and
+        what swapping suspended sequences would free, exactly as append counts them)."""
+        return self._a.can_append(seq_id, n_tokens)
+
+    def max_appendable(self, seq_id: int) -> int:
+        """The most tokens append(seq_id, ...) takes now (a shared partial tail costs a block
+        for its copy-on-write)."""
+        return self._a.max_appendable(seq_id)
+
+    def max_appendable_batch(self, seq_ids: Sequence[int], counts: Sequence[int]) -> int:
+        """How many leading entries of append_batch(seq_ids, counts) fit together now."""
+        return self._a.max_appendable_batch(np.asarray(seq_ids, np.int64), np.asarray(counts, np.int64))
 
     def fork(self, parent: int, child: int) -> None:
         """`child` shares all of `parent`'s blocks: O(1), no KV bytes copied."""
@@ -166,6 +208,16 @@ class KVCacheManager:
         """[ceil(num_tokens / block_size)] int32 physical block ids of a resident sequence."""
         return self._a.block_table(seq_id)
 
+    def block_tables(self, seq_ids: Sequence[int]) -> np.ndarray:
+        """[len(seq_ids), longest table] int32 block tables of resident sequences, each row
+        padded with 0 (filled natively, one call for the batch)."""
+        return self._a.block_tables(np.asarray(seq_ids, np.int64))
+
+    def fill_block_tables(self, seq_ids: Sequence[int], out: np.ndarray) -> None:
+        """Writes block_tables(seq_ids) into out [len(seq_ids), width] int32 (C-contiguous,
+        width >= the longest table), padding every row with 0."""
+        self._a.fill_block_tables(np.asarray(seq_ids, np.int64), out)
+
     def slot_mapping(self, seq_id: int, start: int, end: int) -> np.ndarray:
         """[end - start] int64 slots of tokens start..end-1 of a resident sequence."""
         if not 0 <= start <= end <= self.num_tokens(seq_id):
@@ -177,9 +229,9 @@ class KVCacheManager:
     def num_tokens(self, seq_id: int) -> int:
         return self._a.info(seq_id)["num_tokens"]
 
-    def state(self, seq_id: int) -> str:
-        """'running', 'suspended' or 'swapped'."""
-        return self._a.info(seq_id)["state"]
+    def state(self, seq_id: int) -> KVState:
+        """Where seq_id's KV is: KVState.RUNNING, SUSPENDED or SWAPPED."""
+        return _KV_STATES[int(self._a.info(seq_id)["state"])]
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._a
@@ -190,8 +242,12 @@ class KVCacheManager:
         return self._a.stats()
 
     def debug_state(self) -> dict:
-        """Every block's ref/parent/hash flags, free stack, LRU order, sequences, pins (tests)."""
-        return self._a.debug_state()
+        """Every block's ref/parent/hash flags, free stack, LRU order, sequences (their state a
+        KVState), pins (tests)."""
+        d = self._a.debug_state()
+        for info in d["seqs"].values():
+            info["state"] = _KV_STATES[int(info["state"])]
+        return d
 
 
 class KVCacheStorage:
@@ -257,4 +313,4 @@ class KVCacheStorage:
                               pairs_device.data_ptr(), stream.cuda_stream)
         pairs_device.record_stream(stream)
 
-__all__ = ["KVCacheManager", "KVCacheStorage", "KVLayout", "KVMoves", "Pin"]
+__all__ = ["KVCacheManager", "KVCacheStorage", "KVLayout", "KVMoves", "KVState", "Pin"]

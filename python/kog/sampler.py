@@ -21,6 +21,57 @@ if TYPE_CHECKING:
     from kog.structured_output.grammar import Constraint
 
 
+class PenaltyCounts:
+    """One sequence's penalty state, brought up to date with each new token instead of being
+    rebuilt from the whole context every step.
+
+    seen:   [V] bool     tokens of the prompt or the output (repetition penalty)
+    counts: [V] float32  occurrences in the output (presence and frequency penalties)
+
+    NOTE: the sequence's tokens only grow; sync() counts the prompt once and then only the
+    output tokens past num_output, so a step costs O(V + new tokens), not O(context).
+    """
+
+    def __init__(self) -> None:
+        self.seen: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+        self.num_output = 0  # output tokens counted so far
+
+    def sync(self, prompt_ids: Sequence[int], output_ids: Sequence[int], vocab: int) -> None:
+        """Counts the tokens not counted yet (all of the prompt on the first call)."""
+        if self.seen is None:
+            self.seen = torch.zeros(vocab, dtype=torch.bool)
+            self.counts = torch.zeros(vocab, dtype=torch.float32)
+            self._mark(torch.tensor(list(prompt_ids), dtype=torch.long), vocab, count=False)
+        n = len(output_ids)
+        if n < self.num_output:
+            raise ValueError("PenaltyCounts: a sequence's output only grows")
+        if n > self.num_output:
+            self._mark(torch.tensor(output_ids[self.num_output:], dtype=torch.long), vocab, count=True)
+            self.num_output = n
+
+    def apply(self, logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        """logits [V] float32 -> penalized copy; equal to apply_penalties on the same tokens."""
+        out = logits
+        if p.repetition_penalty != 1.0:
+            r = p.repetition_penalty
+            out = torch.where(self.seen, torch.where(out > 0, out / r, out * r), out)
+        if (p.presence_penalty or p.frequency_penalty) and self.num_output:
+            c = self.counts
+            out = out - p.frequency_penalty * c - p.presence_penalty * (c > 0).to(out.dtype)
+        return out
+
+    def _mark(self, ids: torch.Tensor, vocab: int, count: bool) -> None:
+        ids = ids[(ids >= 0) & (ids < vocab)]
+        self.seen[ids] = True
+        if count:
+            self.counts.index_put_((ids,), torch.ones(ids.shape[0]), accumulate=True)
+
+
+def needs_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+
 @dataclass
 class SampleRow:
     """Per-sequence state the sampler needs besides its logits row."""
@@ -31,6 +82,9 @@ class SampleRow:
     eos_token_ids: Sequence[int] = ()
     generator: torch.Generator | None = None  # seeded per request; None: torch's default
     constraint: Constraint | None = None  # grammar state of a structured-output request; None: free
+    # The sequence's penalty counts, synced and applied incrementally; None: recounted from
+    # prompt_ids and output_ids (apply_penalties, O(context): tests and one-off rows).
+    penalties: PenaltyCounts | None = None
 
 
 @dataclass
@@ -186,7 +240,11 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
             if banned:
                 x = x.clone()
                 x[banned] = float("-inf")
-        x = apply_penalties(x, row)
+        if row.penalties is not None and needs_penalties(p):
+            row.penalties.sync(row.prompt_ids, row.output_ids, x.shape[0])
+            x = row.penalties.apply(x, p)
+        else:
+            x = apply_penalties(x, row)
         if row.constraint is not None:
             x = apply_constraint(x, raw, row.constraint)
         if p.greedy:

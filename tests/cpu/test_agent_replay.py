@@ -17,6 +17,8 @@ spec = importlib.util.spec_from_file_location("agent_replay", Path(__file__).par
 bench = importlib.util.module_from_spec(spec)
 sys.modules["agent_replay"] = bench  # dataclasses look their module up
 spec.loader.exec_module(bench)
+sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+import agent_trace  # noqa: E402  (bench/agent_trace.py, the --trace workload)
 
 
 def replay(sessions):
@@ -41,3 +43,22 @@ def test_sessions_and_stateless_replays_agree_and_sessions_prefill_less():
     tokens_b, outs_b = replay(sessions=False)
     assert outs_a == outs_b
     assert tokens_a < tokens_b / 2
+
+
+def test_trace_replay_sessions_beat_stateless_with_and_without_prefix_caching():
+    """A tiny --trace configuration: >= 30 turns with a fork, a pool that evicts waiting
+    agents; sessions recompute least, and every mode produces the same turn outputs."""
+    system, probe = agent_trace.build_trace(TOK.vocab_size, agents=2, turns=30, scale=0.01)
+    longest = max(agent_trace.final_context(system, ag) for ag in probe)
+    assert sum(t.fork for t in probe[0].turns) == 1 and len(probe[0].turns) == 30
+    results = []
+    for _, sessions, cache in agent_trace.MODES:
+        runner = FakeRunner(TOK.vocab_size, int(1.5 * longest) // 4 + 2, 4, num_host_blocks=2 * (longest // 4 + 2))
+        _, agents = agent_trace.build_trace(TOK.vocab_size, agents=2, turns=30, scale=0.01)
+        for ag in agents:
+            for t in ag.turns:
+                t.wait_s = 0.001
+        results.append(agent_trace.replay_mode(runner, TOK, system, agents, sessions, cache, longest + 64, 64))
+    (_, a, _, outs_a), (_, b, _, outs_b), (_, c, _, outs_c) = results
+    assert outs_a == outs_b == outs_c
+    assert a < b < c

@@ -95,14 +95,45 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert self.expect_error(kog.InvalidOperation, call)
             return
         before = self.snapshot()
+        fits, most = self.m.can_append(sid, n), self.m.max_appendable(sid)
+        assert fits == (n <= most), "can_append and max_appendable disagree"
+        assert self.snapshot() == before, "the can_append verbs changed the allocator"
         try:
             mv = call()
         except kog.KVCacheFull:
             assert self.snapshot() == before
+            assert not fits, "can_append said yes but append raised KVCacheFull"
             assert self.reclaimable() < -(-(len(s["tokens"]) + n) // BS) - len(s["tokens"]) // BS + 1
             return
+        assert fits, "can_append said no but append succeeded"
         self.apply(mv, new, len(s["tokens"]))
         s["tokens"] = s["tokens"] + new
+
+    @precondition(lambda self: any(s["running"] for s in self.seqs.values()))
+    @rule(data=st.data())
+    def append_batch(self, data):
+        running = sorted(sid for sid, s in self.seqs.items() if s["running"])
+        sids = data.draw(st.lists(st.sampled_from(running), min_size=1, max_size=4, unique=True))
+        counts = data.draw(st.lists(st.integers(0, 5), min_size=len(sids), max_size=len(sids)))
+        new = [data.draw(st.lists(st.integers(0, 3), min_size=c, max_size=c)) for c in counts]
+        fit = self.m.max_appendable_batch(sids, counts)
+        assert 0 <= fit <= len(sids)
+        assert all(self.m.max_appendable_batch(sids[:k], counts[:k]) == min(k, fit) for k in range(len(sids) + 1))
+        before = self.snapshot()
+        try:
+            mv = self.m.append_batch(sids, counts, [t for ts in new for t in ts])
+        except kog.KVCacheFull:
+            assert self.snapshot() == before and fit < len(sids)
+            return
+        assert fit == len(sids), "max_appendable_batch said it would not fit"
+        self.store.apply(mv)
+        assert len(mv.slots) == sum(counts)
+        at = 0
+        for sid, ts in zip(sids, new):
+            if ts:
+                self.store.write(0, mv.slots[at:at + len(ts)], *kv_of(ts, len(self.seqs[sid]["tokens"])))
+            at += len(ts)
+            self.seqs[sid]["tokens"] = self.seqs[sid]["tokens"] + ts
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
@@ -244,6 +275,15 @@ class KVCacheMachine(RuleBasedStateMachine):
                 got = self.store.gather(0, self.m.block_table(sid), n)
                 k, v = kv_of(s["tokens"], 0)
                 assert torch.equal(got[0], k) and torch.equal(got[1], v), f"KV of seq {sid} corrupt"
+
+    @invariant()
+    def block_tables_are_the_padded_tables(self):
+        resident = [sid for sid in sorted(self.seqs) if self.m.state(sid) != "swapped"]
+        tables = self.m.block_tables(resident)
+        assert tables.dtype == np.int32 and tables.shape[0] == len(resident)
+        for row, sid in zip(tables, resident):
+            t = self.m.block_table(sid)
+            assert list(row[: len(t)]) == list(t) and not row[len(t):].any()
 
 
 KVCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)

@@ -9,8 +9,8 @@ BS = 4
 
 
 def running_seq(seq_id: int, prompt: list[int], output: list[int], computed: int, arrival: float) -> Sequence:
-    seq = Sequence(seq_id, f"r{seq_id}", 0, list(prompt), SamplingParams(max_tokens=64), None,
-                   output_ids=list(output), num_computed=computed, arrival_time=arrival)
+    seq = Sequence(seq_id, f"r{seq_id}", 0, list(prompt) + list(output), SamplingParams(max_tokens=64), None,
+                   num_prompt_tokens=len(prompt), num_computed=computed, arrival_time=arrival)
     seq.status = SeqStatus.RUNNING
     return seq
 

@@ -38,12 +38,7 @@ def forward_chunks(runner, chunks: list[PrefillChunk], all_logits: bool = False,
     lens = [len(c.token_ids) for c in chunks]
     if not chunks or not use_decode or not _native_cpu(runner) or max(lens) > MAX_CHUNK_TOKENS or sum(lens) > MAX_DECODE_ROWS:
         return runner.verify(chunks) if all_logits else runner.prefill(chunks)
-    width = max(len(c.block_table) for c in chunks)
-    tables = np.zeros((sum(lens), width), dtype=np.int32)  # [rows, width]: each row its chunk's table
-    row = 0
-    for c, n in zip(chunks, lens):
-        tables[row:row + n, : len(c.block_table)] = c.block_table
-        row += n
+    tables = np.repeat(_stacked_tables(chunks), lens, axis=0)  # [rows, width]: each row its chunk's table
     positions = np.concatenate([np.arange(c.start_pos, c.start_pos + n) for c, n in zip(chunks, lens)])  # [rows]
     logits = runner.decode(np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks]),
                            positions, tables, (positions + 1).astype(np.int32),
@@ -51,6 +46,19 @@ def forward_chunks(runner, chunks: list[PrefillChunk], all_logits: bool = False,
     if all_logits:
         return list(torch.split(logits, lens))
     return logits[np.cumsum(lens) - 1]
+
+
+def _stacked_tables(chunks: list[PrefillChunk]) -> np.ndarray:
+    """[len(chunks), width] int32: the chunks' block tables, padded with 0. The engine's chunks
+    are rows of one natively filled matrix already (all one width): then this is one stack."""
+    tables = [np.asarray(c.block_table, dtype=np.int32) for c in chunks]
+    width = max(len(t) for t in tables)
+    if all(len(t) == width for t in tables):
+        return np.stack(tables)
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t
+    return out
 
 
 def _native_cpu(runner) -> bool:

@@ -37,7 +37,7 @@ from kog import _C
 from kog.engine.outputs import StreamDelta
 from kog.engine.sequence import Sequence
 from kog.errors import KVCacheFull
-from kog.kvcache import KVCacheManager, KVMoves
+from kog.kvcache import KVCacheManager, KVMoves, KVState
 from kog.sampler import SampleResult, SampleRow, sample
 from kog.sampling_params import SamplingParams
 
@@ -106,8 +106,8 @@ class NativeSampler:
             entry = (seq, self._create(seq))
             self._states[id(seq)] = entry
         st = entry[1]
-        if st.n_output < len(seq.output_ids):
-            st.add_outputs(np.asarray(seq.output_ids[st.n_output:], dtype=np.int32))
+        if st.n_output < seq.num_output_tokens:
+            st.add_outputs(np.asarray(seq.token_ids[seq.num_prompt_tokens + st.n_output:], dtype=np.int32))
         return st
 
     def forget(self, seq: Sequence) -> None:
@@ -124,7 +124,7 @@ class NativeSampler:
 
     def max_output(self, seq: Sequence) -> int:
         p = seq.params
-        room = self.max_model_len - len(seq.prompt_ids)
+        room = self.max_model_len - seq.num_prompt_tokens
         return max(1, min(room, p.max_tokens if p.max_tokens is not None else room))
 
     # ---- internal helpers ---------------------------------------------------------------------
@@ -137,7 +137,7 @@ class NativeSampler:
         stop = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
         banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if 0 <= t < self.vocab_size]
         rep = p.repetition_penalty != 1.0
-        prompt = np.asarray(seq.prompt_ids if rep else [], dtype=np.int32)
+        prompt = np.asarray(seq.token_ids[: seq.num_prompt_tokens] if rep else [], dtype=np.int32)
         return _C.SequenceSampling(
             self.vocab_size, prompt, 0.0 if p.greedy else p.temperature, max(p.top_k, 0), p.top_p, p.min_p, seed,
             p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_tokens, self.max_output(seq),
@@ -172,7 +172,7 @@ class DecodeLoop:
         """K for a decode-only step over seqs (1: the usual one-step path)."""
         if (self._cpu is None and self._gpu is None) or others_waiting or self.max_steps <= 1:
             return 1
-        if not all(is_native(s.params) and s.output_ids for s in seqs):
+        if not all(is_native(s.params) and s.num_output_tokens for s in seqs):
             return 1
         states = [self.sampler.state(s) for s in seqs]
         if self._gpu is not None and not all(self._gpu_ok(s, st) for s, st in zip(seqs, states)):
@@ -196,13 +196,10 @@ class DecodeLoop:
     def run(self, seqs: Seq[Sequence], k: int) -> list[list[int]]:
         """k decode steps (reserved) of seqs; returns each row's tokens (1..k, ending at a stop
         token or max tokens). The rows' native states have counted them."""
-        tables = [self.kv.block_table(s.seq_id) for s in seqs]
-        width = max(len(t) for t in tables)
-        block_tables = np.zeros((len(seqs), width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = t
-        positions = np.array([s.num_computed for s in seqs], dtype=np.int64)
-        tokens = np.array([s.output_ids[-1] for s in seqs], dtype=np.int64)
+        block_tables = self.kv.block_tables([s.seq_id for s in seqs])  # [B, width] int32, filled natively
+        width = block_tables.shape[1]
+        positions = np.array([s.num_computed for s in seqs], dtype=np.int64)  # [B]
+        tokens = np.array([s.token_ids[-1] for s in seqs], dtype=np.int64)  # [B]
         states = [self.sampler.state(s) for s in seqs]
         if self._gpu is not None:
             return self._run_gpu(seqs, states, tokens, positions, block_tables, k)
@@ -216,14 +213,14 @@ class DecodeLoop:
     def release_unused(self, seq: Sequence) -> None:
         """Gives back the KV a finished row reserved but did not compute (call before its KV is
         freed or parked)."""
-        if seq.seq_id in self.kv and self.kv.state(seq.seq_id) == "running" \
+        if seq.seq_id in self.kv and self.kv.state(seq.seq_id) == KVState.RUNNING \
                 and self.kv.num_tokens(seq.seq_id) > seq.num_computed:
             self.kv.truncate(seq.seq_id, seq.num_computed)
 
     # ---- internal helpers ---------------------------------------------------------------------
     def _room(self, seq: Sequence) -> int:
         """Tokens seq may still output (>= 1 for a running sequence)."""
-        return self.sampler.max_output(seq) - len(seq.output_ids)
+        return self.sampler.max_output(seq) - seq.num_output_tokens
 
     def _gpu_ok(self, seq: Sequence, st: _C.SequenceSampling) -> bool:
         p = seq.params

@@ -22,8 +22,8 @@ import torch
 
 from kog.engine import prompt_logprobs, structured
 from kog.engine.chunks import forward_chunks
-from kog.engine.decode_loop import LOOP_MAX_STEPS, DecodeLoop, NativeSampler, merge_deltas, sample_rows
-from kog.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
+from kog.engine.decode_loop import LOOP_MAX_STEPS, DecodeLoop, NativeSampler, is_native, merge_deltas, sample_rows
+from kog.engine.outputs import CompletionOutput, FinishReason, RequestOutput, StreamDelta
 from kog.engine.scheduler import PrefillWork, Scheduler, SchedulerOutput
 from kog.engine.sequence import Sequence
 from kog.engine.session_manager import SessionManager
@@ -33,7 +33,7 @@ from kog.errors import InvalidRequest
 from kog.kvcache import KVCacheManager
 from kog.loader.tokenizer import Tokenizer
 from kog.models.runner import PrefillChunk
-from kog.sampler import SampleRow, make_generator
+from kog.sampler import PenaltyCounts, SampleRow, make_generator, needs_penalties
 from kog.sampling_params import SamplingParams
 
 
@@ -83,6 +83,7 @@ class LLMEngine:
         self.sessions = SessionManager(self)
         self._requests: dict[str, list[Sequence]] = {}
         self._prompts: dict[str, str | None] = {}
+        self._prompt_ids: dict[str, list[int]] = {}  # per request, made once: every output shares it
         self._seq_ids = itertools.count()
         self.num_prefill_tokens_computed = 0  # every token run through a prefill chunk, ever (recomputation included)
         self.speculator = Speculator(runner, self.kv, runner.kv.apply, self.eos_token_ids, self.max_model_len)
@@ -109,7 +110,7 @@ class LLMEngine:
         request keeps the session: its context goes back to what it was before the request."""
         for seq in self._requests.get(request_id, []):
             if not seq.is_finished:
-                seq.finish_reason = "abort"
+                seq.finish_reason = FinishReason.ABORT
                 self._done(seq)
 
     # ---- agent sessions (docs/SESSIONS.md) -----------------------------------------------------
@@ -181,12 +182,23 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def get_output(self, request_id: str) -> RequestOutput:
+    def is_finished(self, request_id: str) -> bool:
+        """Whether every completion of the request has ended (O(n), no output built)."""
         seqs = self._requests[request_id]
         parent = seqs[0]
-        n = parent.params.n
-        done = len(seqs) == n and all(s.is_finished for s in seqs) or parent.finish_reason == "abort"
-        outs = [CompletionOutput(s.index, s.text, list(s.output_ids),
+        return len(seqs) == parent.params.n and all(s.is_finished for s in seqs) or parent.finish_reason == FinishReason.ABORT
+
+    def get_output(self, request_id: str) -> RequestOutput:
+        """The request so far. Costs O(output tokens), not O(context): the prompt's ids are one
+        list per request, shared by every output (do not modify them); step() returns the
+        per-step deltas for streaming."""
+        seqs = self._requests[request_id]
+        parent = seqs[0]
+        done = self.is_finished(request_id)
+        prompt_ids = self._prompt_ids.get(request_id)
+        if prompt_ids is None:
+            prompt_ids = self._prompt_ids[request_id] = list(parent.prompt_ids)
+        outs = [CompletionOutput(s.index, s.text, s.token_ids[s.num_prompt_tokens:],
                                  s.cumulative_logprob if s.params.logprobs is not None else None,
                                  list(s.logprobs) if s.params.logprobs is not None else None,
                                  s.finish_reason, s.stop_reason) for s in seqs]
@@ -196,7 +208,7 @@ class LLMEngine:
         prompt_lps = None
         if parent.params.prompt_logprobs is not None and not parent.prompt_logprobs_pending:
             prompt_lps = list(parent.prompt_logprobs)
-        return RequestOutput(request_id, self._prompts[request_id], list(parent.prompt_ids), outs, done,
+        return RequestOutput(request_id, self._prompts[request_id], prompt_ids, outs, done,
                              parent.num_cached_tokens, sum(s.num_prefill_computed for s in seqs), metrics,
                              sum(s.num_forward_passes for s in seqs), prompt_lps)
 
@@ -205,6 +217,7 @@ class LLMEngine:
         self.abort(request_id)
         self._requests.pop(request_id, None)
         self._prompts.pop(request_id, None)
+        self._prompt_ids.pop(request_id, None)
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
@@ -221,7 +234,7 @@ class LLMEngine:
                 return self._loop_step(work.decode, k)
         # The grammar masks of sequences with output are computed while the forwards run (a prompt's
         # first mask is not: its constraint may be forked for n > 1 siblings meanwhile).
-        masks = structured.prefetch_masks(work.decode + [w.seq for w in work.prefill if w.seq.output_ids])
+        masks = structured.prefetch_masks(work.decode + [w.seq for w in work.prefill if w.seq.num_output_tokens])
         try:
             return self._forward_and_sample(work, verify, masks)
         finally:
@@ -297,7 +310,7 @@ class LLMEngine:
         seed = None if params.seed is None else params.seed + index
         return Sequence(next(self._seq_ids) if seq_id is None else seq_id, request_id, index, list(ids),
                         params, self.tokenizer.detokenizer(params.skip_special_tokens), make_generator(seed),
-                        priority=priority)
+                        priority=priority, penalties=PenaltyCounts() if needs_penalties(params) and not is_native(params) else None)
 
     def _done(self, seq: Sequence) -> None:
         """seq's request ended: a session keeps its KV (parked), any other sequence frees it."""
@@ -310,13 +323,13 @@ class LLMEngine:
             self.scheduler.finish(seq)
 
     def _prefill_done(self, seq: Sequence) -> None:
-        seq.finish_reason = "length"  # a prefill-only request: zero tokens were asked for
+        seq.finish_reason = FinishReason.LENGTH  # a prefill-only request: zero tokens were asked for
         self._done(seq)
 
     def _fork_children(self, parent: Sequence) -> list[Sequence]:
         """The n - 1 siblings of a request, forked (KV shared copy-on-write) when its prompt is done."""
         seqs = self._requests[parent.request_id]
-        if parent.index != 0 or parent.output_ids or len(seqs) == parent.params.n:
+        if parent.index != 0 or parent.num_output_tokens or len(seqs) == parent.params.n:
             return []
         children = []
         for index in range(1, parent.params.n):
@@ -332,13 +345,9 @@ class LLMEngine:
         return children
 
     def _run_decode(self, seqs: list[Sequence], slots: list[int]) -> torch.Tensor:
-        tables = [self.kv.block_table(s.seq_id) for s in seqs]
-        width = max(len(t) for t in tables)
-        block_tables = np.zeros((len(seqs), width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = t
-        positions = np.array([s.num_computed for s in seqs], dtype=np.int64)
-        tokens = np.array([s.all_ids[-1] for s in seqs], dtype=np.int64)
+        block_tables = self.kv.block_tables([s.seq_id for s in seqs])  # [B, max_blocks] int32, filled natively
+        positions = np.array([s.num_computed for s in seqs], dtype=np.int64)  # [B]
+        tokens = np.array([s.token_ids[-1] for s in seqs], dtype=np.int64)  # [B]
         return self.runner.decode(tokens, positions, block_tables, (positions + 1).astype(np.int32),
                                   np.asarray(slots, dtype=np.int64))
 
@@ -362,11 +371,12 @@ class LLMEngine:
 
     def _run_prefill(self, work: list[PrefillWork]) -> torch.Tensor:
         """[len(work), vocab] logits of each chunk's last token; prompt logprobs recorded on the way."""
-        chunks = [PrefillChunk(w.seq.all_ids[w.start : w.start + w.n], w.start,
-                               self.kv.block_table(w.seq.seq_id), w.slots) for w in work]
+        tables = self.kv.block_tables([w.seq.seq_id for w in work])  # [len(work), max_blocks], rows padded with 0
+        chunks = [PrefillChunk(w.seq.token_ids[w.start : w.start + w.n], w.start, tables[i], w.slots)
+                  for i, w in enumerate(work)]
         if not any(w.seq.prompt_logprobs_pending for w in work):
             # Jump-forward runs (sequences with output) may take the native decode path (engine/chunks.py).
-            return forward_chunks(self.runner, chunks, use_decode=all(w.seq.output_ids for w in work))
+            return forward_chunks(self.runner, chunks, use_decode=all(w.seq.num_output_tokens for w in work))
         # NOTE: every row of the batch gets logits then: a cost only steps that prefill a prompt
         # asking for prompt logprobs pay.
         per_chunk = forward_chunks(self.runner, chunks, all_logits=True, use_decode=False)  # [len(chunk), vocab] each
@@ -376,7 +386,7 @@ class LLMEngine:
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         return SampleRow(seq.params, seq.prompt_ids, seq.output_ids, self.eos_token_ids, seq.generator,
-                         seq.constraint)
+                         seq.constraint, seq.penalties)
 
     def _jump_forward(self, seq: Sequence, delta: StreamDelta, now: float) -> StreamDelta:
         """Appends the tokens seq's grammar forces (kog.engine.structured.jump_forward)."""
@@ -384,7 +394,7 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None,
                       top: list[tuple[int, float]] | None, now: float) -> StreamDelta:
-        seq.output_ids.append(token)
+        seq.append_token(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
         if logprob is not None:
@@ -395,7 +405,7 @@ class LLMEngine:
         delta = seq.detok.step(token) if seq.detok is not None else ""
         check_stop_token(seq, token, self.eos_token_ids, self.max_model_len)
         structured.consume(seq, token, self.eos_token_ids)  # advances the grammar; stops at its EOS
-        if seq.finish_reason == "stop" and seq.stop_reason == token:
+        if seq.finish_reason == FinishReason.STOP and seq.stop_reason == token:
             delta = ""  # a stop token ends the text; its id stays in token_ids
         apply_stop_strings(seq, delta)
         if seq.finish_reason is not None and not isinstance(seq.stop_reason, str) and seq.detok is not None:

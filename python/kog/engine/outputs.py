@@ -2,7 +2,29 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence stopped: the mirror of the native kog._C.FinishReason (same names; NONE,
+    "still running", is None here). A str enum: it compares equal to vLLM's strings ("stop")
+    and serializes as them."""
+
+    STOP = "stop"      # a stop token or stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"    # aborted
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def from_native(cls, reason) -> FinishReason | None:
+        """The FinishReason of a kog._C.FinishReason (or its integer value); None for NONE."""
+        from kog import _C
+
+        native = _C.FinishReason(int(reason))
+        return None if native == _C.FinishReason.NONE else cls[native.name]
 
 
 @dataclass
@@ -12,7 +34,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None  # per token: {token id: logprob}, sampled token first
-    finish_reason: str | None = None          # "stop", "length", "abort" or None while running
+    finish_reason: FinishReason | None = None  # STOP, LENGTH, ABORT (== "stop", ...) or None while running
     stop_reason: int | str | None = None
 
     def finished(self) -> bool:
@@ -23,7 +45,7 @@ class CompletionOutput:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]         # NOTE: shared by every output of the request: do not modify
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0          # prompt tokens whose KV came from the prefix cache
@@ -44,4 +66,4 @@ class StreamDelta:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: FinishReason | None

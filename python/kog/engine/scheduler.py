@@ -26,14 +26,14 @@ import numpy as np
 
 from kog.engine.sequence import Sequence, SeqStatus
 from kog.errors import KVCacheFull
-from kog.kvcache import KVCacheManager, KVMoves
+from kog.kvcache import KVCacheManager, KVMoves, KVState
 
 
 @dataclass
 class PrefillWork:
     seq: Sequence
     start: int          # first token of the chunk (== tokens already in the cache)
-    n: int              # tokens in the chunk: all_ids[start:start + n]
+    n: int              # tokens in the chunk: seq.token_ids[start:start + n]
     slots: np.ndarray   # [n] int64
 
 
@@ -99,7 +99,7 @@ class Scheduler:
         """Ends seq's request but keeps its KV for a session: out of the batch, suspended in the
         allocator (so memory pressure may swap it to the host pool or, last, drop it)."""
         self._remove(seq)
-        if seq.seq_id in self.kv and self.kv.state(seq.seq_id) == "running":
+        if seq.seq_id in self.kv and self.kv.state(seq.seq_id) is KVState.RUNNING:
             self.kv.suspend(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         self.parked[seq.seq_id] = seq
@@ -133,16 +133,11 @@ class Scheduler:
     def _fill(self, out: SchedulerOutput) -> None:
         budget = self.max_num_batched_tokens
         preempted = len(out.preempted)
-        decoding = [s for s in self.running if s.num_to_compute == 1 and not s.prefill_only]
-        for seq in sorted(decoding, key=_order):
-            if seq.status is not SeqStatus.RUNNING or budget <= 0:
-                continue  # preempted while making room for an earlier one
-            slot = self._append_decode(seq, out)
-            if slot is not None:
-                out.decode.append(seq)
-                out.decode_slots.append(slot)
-                budget -= 1
-        for seq in sorted((s for s in self.running if s.num_to_prefill > 0 and s not in out.decode), key=_order):
+        decoding = sorted((s for s in self.running if s.num_to_compute == 1 and not s.prefill_only), key=_order)
+        self._append_decodes(decoding[:budget], out)
+        budget -= len(out.decode)
+        decoded = {id(s) for s in out.decode}
+        for seq in sorted((s for s in self.running if s.num_to_prefill > 0 and id(s) not in decoded), key=_order):
             if budget <= 0:
                 break
             work = self._append_chunk(seq, budget)
@@ -183,7 +178,7 @@ class Scheduler:
                 return False
             self.apply_moves(moves)
             return True
-        ids = seq.all_ids
+        ids = seq.token_ids
         # NOTE: prompt logprobs come from the prefill's logits, so such a prompt is computed whole.
         hit = self.kv.lookup(ids) if self.enable_prefix_caching and not seq.prompt_logprobs_pending else 0
         if hit >= len(ids):
@@ -194,40 +189,48 @@ class Scheduler:
             return False
         self.apply_moves(moves)
         seq.num_computed = cached
-        seq.num_cached_tokens = min(cached, len(seq.prompt_ids))
+        seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
         return True
 
     def _append_chunk(self, seq: Sequence, budget: int) -> PrefillWork | None:
+        """The next prefill chunk of seq: as many of its tokens as the budget and the KV allow
+        (the rest waits for blocks to free up); None if not one token fits."""
         start = seq.num_computed
-        n = min(seq.num_to_prefill, budget)
-        while n > 0:
-            try:
-                moves = self.kv.append(seq.seq_id, tokens=seq.all_ids[start : start + n])
-            except KVCacheFull:
-                n //= 2  # a smaller chunk may fit; the rest waits for blocks to free up
-                continue
-            self.apply_moves(moves)
-            return PrefillWork(seq, start, n, np.asarray(moves.slots, dtype=np.int64))
-        return None
+        n = min(seq.num_to_prefill, budget, self.kv.max_appendable(seq.seq_id))
+        if n <= 0:
+            return None
+        moves = self.kv.append(seq.seq_id, tokens=seq.token_ids[start : start + n])
+        self.apply_moves(moves)
+        return PrefillWork(seq, start, n, np.asarray(moves.slots, dtype=np.int64))
 
-    def _append_decode(self, seq: Sequence, out: SchedulerOutput) -> int | None:
-        while True:
-            try:
-                moves = self.kv.append(seq.seq_id, tokens=[seq.all_ids[-1]])
-            except KVCacheFull:
-                victim = max((s for s in self.running if s.num_computed > 0), key=_order)
-                if victim is seq and self._drop_parked():
-                    continue
-                self._preempt(victim, out)
-                if victim is seq:
-                    return None
+    def _append_decodes(self, batch: list[Sequence], out: SchedulerOutput) -> None:
+        """Gives every sequence of batch (in _order) its decode slot with one allocator call.
+
+        While the batch does not fit, the first sequence that does not fit makes room as if the
+        batch were appended one by one: the lowest-priority, latest running sequence is
+        preempted; when that is the sequence itself, idle sessions' KV is dropped first.
+        """
+        while batch:
+            ids = [s.seq_id for s in batch]
+            fit = self.kv.max_appendable_batch(ids, [1] * len(batch))
+            if fit == len(batch):
+                break
+            victim = max((s for s in self.running if s.num_computed > 0), key=_order)
+            if victim is batch[fit] and self._drop_parked():
                 continue
-            self.apply_moves(moves)
-            return int(moves.slots[0])
+            self._preempt(victim, out)
+            batch = [s for s in batch if s is not victim]
+        if not batch:
+            return
+        moves = self.kv.append_batch([s.seq_id for s in batch], [1] * len(batch),
+                                     [s.token_ids[-1] for s in batch])
+        self.apply_moves(moves)
+        out.decode.extend(batch)
+        out.decode_slots.extend(int(x) for x in moves.slots)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Takes seq out of the batch and queues it first: its KV swapped to the host pool if it
-        fits there (resumed as is), else freed (it recomputes all_ids). Nothing is lost."""
+        fits there (resumed as is), else freed (it recomputes its tokens). Nothing is lost."""
         self.running.remove(seq)
         if seq in out.decode:
             i = out.decode.index(seq)

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator, overload
 
 import torch
 
+from kog.engine.outputs import FinishReason
 from kog.loader.tokenizer import IncrementalDetokenizer
 from kog.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kog.sampler import PenaltyCounts
     from kog.structured_output.grammar import Constraint
 
 
@@ -22,9 +26,57 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"    # done; a session's sequence keeps its KV parked (suspended) in the allocator
 
 
+class TokenSpan(SequenceABC):
+    """A read-only view of token_ids[start:stop] of a sequence's token list (stop None: to
+    the end, growing with it). O(1) to make; slicing it returns a list.
+
+    NOTE: valid because a Sequence's token list only grows (tokens are appended, never
+    changed or removed), so a view never sees different tokens than when it was taken.
+    """
+
+    __slots__ = ("_ids", "_start", "_stop")
+
+    def __init__(self, ids: list[int], start: int, stop: int | None = None) -> None:
+        self._ids, self._start, self._stop = ids, start, stop
+
+    def __len__(self) -> int:
+        return (len(self._ids) if self._stop is None else self._stop) - self._start
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i):
+        n = len(self)
+        if isinstance(i, slice):
+            a, b, step = i.indices(n)
+            return self._ids[self._start + a : self._start + b : step] if step > 0 else list(self)[i]
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("token index out of range")
+        return self._ids[self._start + i]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._ids, self._start, self._start + len(self))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, tuple, TokenSpan)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
 @dataclass(eq=False)
 class Sequence:
-    """A sequence to compute: tokens all_ids[num_computed:] still need a forward pass.
+    """A sequence to compute: tokens token_ids[num_computed:] still need a forward pass.
+
+    token_ids is the sequence's one token list: the prompt (its first num_prompt_tokens), then
+    every output token, appended in place (append_token). prompt_ids and output_ids are O(1)
+    views of it.
 
     NOTE: the last sampled token has no KV until the next step feeds it, so a decoding
     sequence has exactly one token to compute; more than one means it is (re)prefilling.
@@ -33,19 +85,19 @@ class Sequence:
     seq_id: int
     request_id: str
     index: int                                  # which of the request's n completions
-    prompt_ids: list[int]
+    token_ids: list[int]                        # the prompt at construction; outputs appended
     params: SamplingParams
     detok: IncrementalDetokenizer | None
     generator: torch.Generator | None = None
     priority: int = 0                           # lower runs first (vLLM's convention)
-    output_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = -1                 # -1: all of token_ids at construction
     num_computed: int = 0                       # leading tokens whose KV is in the cache
     num_cached_tokens: int = 0                  # prompt tokens served by the prefix cache
     num_prefill_computed: int = 0               # tokens computed by prefill chunks (recomputation visible)
     status: SeqStatus = SeqStatus.WAITING
     text: str = ""                              # output text (a matched stop string cut off)
     num_text_emitted: int = 0                   # characters of text already streamed
-    finish_reason: str | None = None            # "stop", "length" or "abort"
+    finish_reason: FinishReason | None = None   # STOP, LENGTH or ABORT (a str enum: == "stop")
     stop_reason: int | str | None = None        # the stop token id or stop string that matched
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # NOTE: with params.prompt_logprobs, entry p is prompt token p's (entry 0 is None); they are
@@ -59,14 +111,31 @@ class Sequence:
     # ---- structured output and speculation (kog.engine.structured, kog.engine.speculative)
     constraint: Constraint | None = None        # grammar state; has consumed exactly output_ids
     num_forward_passes: int = 0                 # target-model forwards that computed this sequence's tokens
+    penalties: PenaltyCounts | None = None      # repetition/presence/frequency counts, kept up to date by the sampler
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    def append_token(self, token: int) -> None:
+        self.token_ids.append(token)
 
     @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def prompt_ids(self) -> TokenSpan:
+        return TokenSpan(self.token_ids, 0, self.num_prompt_tokens)
+
+    @property
+    def output_ids(self) -> TokenSpan:
+        """The output tokens so far (a live view: it grows with the sequence)."""
+        return TokenSpan(self.token_ids, self.num_prompt_tokens)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids)
 
     @property
     def num_to_compute(self) -> int:
@@ -85,7 +154,7 @@ class Sequence:
     def prompt_logprobs_pending(self) -> bool:
         """Prompt positions still lack the logprobs the request asked for (its prefill must
         compute them: none may come from the prefix cache)."""
-        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

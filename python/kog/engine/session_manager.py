@@ -153,7 +153,7 @@ class SessionManager:
                 else:
                     self._release_kv(seq)
         else:
-            st.token_ids = seq.all_ids
+            st.token_ids = list(seq.token_ids)  # a copy: the sequence's list stays as its outputs saw it
         st.request_id = None
         self.engine.scheduler.park(seq)
         if seq.prefill_only and seq.finish_reason != "abort" and st.want_pin and st.pin is None:

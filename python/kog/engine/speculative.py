@@ -126,7 +126,7 @@ class Speculator:
         """
         if not work:
             return []
-        chunks = [PrefillChunk([w.seq.all_ids[-1]] + w.draft, w.seq.num_computed,
+        chunks = [PrefillChunk([w.seq.token_ids[-1]] + w.draft, w.seq.num_computed,
                                self.kv.block_table(w.seq.seq_id), w.slots) for w in work]
         logits = forward_chunks(self.runner, chunks, all_logits=True)  # per chunk: [k + 1, V]
         deltas = []
@@ -188,9 +188,9 @@ class Speculator:
     def _propose(self, seq: Sequence, k: int) -> tuple[list[int], torch.Tensor | None]:
         sp = seq.params.speculative
         if sp.method == "ngram":
-            return NgramDrafter(sp.ngram_max, sp.ngram_min).propose(seq.all_ids, k), None
+            return NgramDrafter(sp.ngram_max, sp.ngram_min).propose(seq.token_ids, k), None
         try:
-            d = self.drafter.propose(seq.seq_id, seq.all_ids, k, seq.params.temperature, seq.generator,
+            d = self.drafter.propose(seq.seq_id, seq.token_ids, k, seq.params.temperature, seq.generator,
                                      seq.constraint)
         except InvalidOperation:  # every draft slab is taken: this sequence decodes plainly
             return [], None

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
+from kog.engine.outputs import FinishReason
 from kog.engine.sequence import Sequence
 
 
 def check_stop_token(seq: Sequence, token: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
     """Sets seq.finish_reason after `token` was appended to seq.output_ids, if generation ends."""
     p = seq.params
-    n_out = len(seq.output_ids)
+    n_out = seq.num_output_tokens
     if n_out >= p.min_tokens:
         if token in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
             return
         if not p.ignore_eos and token in eos_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
             return
     if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= max_model_len:
-        seq.finish_reason = "length"
+        seq.finish_reason = FinishReason.LENGTH
 
 
 def apply_stop_strings(seq: Sequence, delta: str) -> None:
@@ -38,7 +39,7 @@ def apply_stop_strings(seq: Sequence, delta: str) -> None:
     if best is not None:
         i, s = best
         seq.text = seq.text[: i + len(s)] if p.include_stop_str_in_output else seq.text[:i]
-        seq.finish_reason, seq.stop_reason = "stop", s
+        seq.finish_reason, seq.stop_reason = FinishReason.STOP, s
 
 
 def streamable_text(seq: Sequence) -> str:

@@ -24,7 +24,7 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
-from kog.engine.outputs import StreamDelta
+from kog.engine.outputs import FinishReason, StreamDelta
 from kog.engine.sequence import Sequence
 from kog.loader.tokenizer import Tokenizer
 from kog.sampler import SampleResult, SampleRow, sample
@@ -163,7 +163,7 @@ def consume(seq: Sequence, token: int, eos_token_ids: tuple[int, ...]) -> None:
         return
     seq.constraint.advance(token)
     if token in eos_token_ids and seq.finish_reason != "stop":
-        seq.finish_reason, seq.stop_reason = "stop", token
+        seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
 
 
 def jump_forward(seq: Sequence, append: Callable[[int], StreamDelta], delta: StreamDelta) -> StreamDelta:

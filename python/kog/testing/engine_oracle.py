@@ -28,7 +28,7 @@ def oracle_tokens(context: list[int], params: SamplingParams, vocab_size: int, e
     ids, out = list(context), []
     gen = make_generator(None if params.seed is None else params.seed + index)
     native = NativeSampler(vocab_size, [eos], 1 << 40) if is_native(params) else None
-    seq = Sequence(0, "oracle", index, list(context), params, None, output_ids=out)
+    seq = Sequence(0, "oracle", index, list(context), params, None)
     while True:
         logits = context_logits(ids, vocab_size)[None]
         if native is not None:  # the engine samples such requests natively (kog.engine.decode_loop)
@@ -37,6 +37,7 @@ def oracle_tokens(context: list[int], params: SamplingParams, vocab_size: int, e
             t = sample(logits, [SampleRow(params, context, out, [eos], gen)]).token_ids[0]
         out.append(t)
         ids.append(t)
+        seq.append_token(t)
         if (t == eos and not params.ignore_eos and len(out) >= params.min_tokens) or len(out) >= params.max_tokens:
             return out
 
