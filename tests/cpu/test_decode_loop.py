@@ -225,3 +225,20 @@ def test_a_session_keeps_exactly_its_context_kv_after_a_loop_stopped_mid_call(mo
     assert (got, info) == run_session(one2)
     assert got[0] == ref[: j + 1] and max(rec.ks) >= 4
     assert loop.kv.num_tokens(0) == info["num_computed"]  # nothing reserved is left
+
+
+def test_an_unseeded_request_draws_a_seed_at_admission(model):
+    """No seed: one is drawn from torch's generator when the sequence is first sampled, so
+    torch.manual_seed makes a run repeatable and different seeds give different tokens."""
+    p = prompts(1, seed=7)[0]
+    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+
+    def tokens(torch_seed):
+        torch.manual_seed(torch_seed)
+        engine, rec = make_engine(model, max_steps=16)
+        out = generate(engine, [(p, params)])[0][("r0", 0)][0]
+        assert max(rec.ks) >= 8
+        return out
+
+    assert tokens(0) == tokens(0)
+    assert tokens(0) != tokens(1)

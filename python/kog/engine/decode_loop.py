@@ -16,14 +16,18 @@ and K steps per call produce the same tokens.
 
 The loop: a step whose batch is all native decode rows (no prefill, no verification) and with
 nothing waiting for admission runs K decode steps in one native call, K adaptive: the largest
-power of two <= the fewest tokens any row has output, at most max_steps (a row reaching its
-max tokens or a stop token leaves the batch inside the call). So the first token never waits (it comes from the prefill step), the next
-come 1, 2, 4, ... at a time, and a new request waits at most one loop call. The engine reserves
-the K tokens' KV blocks first (count-only appends: tokens decoded in loop mode do not feed the
-prefix cache) and gives back what a row that stopped early did not use.
+power of two <= the fewest tokens any row has output, at most max_steps; a row reaching its max
+tokens or a stop token leaves the batch inside the call. So the first token never waits (it
+comes from the prefill step), the next come 1, 2, 4, ... at a time, and a new request waits at
+most one loop call. The engine reserves the KV of each row's next min(K, tokens left) tokens
+first and gives back what a row that stopped early did not use.
+NOTE: the reservation is a count-only append (the ids are not known yet), after which the
+allocator stops feeding that sequence's later blocks to the prefix cache (its prompt's blocks
+are cached already); an allocator verb naming the ids afterwards would lift this.
 On the CPU the loop is kog._C.DecodeLoop over the decode executor; on a GPU it is the persistent
-kernel's loop mode (GpuDecoder.decode with n_steps), for rows of at most GPU_DECODE_MAX_BATCH
-without penalties and past min_tokens (the kernel samples on the device and bans nothing).
+kernel's loop mode (GpuDecoder.decode with n_steps, GPU_DECODE_MAX_BATCH rows per launch), for
+rows without penalties and past min_tokens (the kernel samples on the device and bans nothing),
+K at most any row's tokens left (the kernel has no per-row max tokens).
 """
 
 from __future__ import annotations
