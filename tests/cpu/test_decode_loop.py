@@ -242,3 +242,15 @@ def test_an_unseeded_request_draws_a_seed_at_admission(model):
 
     assert tokens(0) == tokens(0)
     assert tokens(0) != tokens(1)
+
+
+def test_parameters_below_float32_range_sample_like_their_limit(model):
+    """top_p = 5e-324 is valid (> 0) but 0 in float32: it keeps the most likely token only, and
+    must not fail the step (the native sampler refuses top_p = 0)."""
+    p = prompts(1, seed=8)[0]
+    tiny = SamplingParams(temperature=1.0, top_p=5e-324, seed=1, max_tokens=20, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    engine, rec = make_engine(model, max_steps=16)
+    got = generate(engine, [(p, tiny)])[0]
+    assert got[("r0", 0)][0] == generate(make_engine(model, max_steps=1)[0], [(p, greedy)])[0][("r0", 0)][0]
+    assert max(rec.ks) >= 8

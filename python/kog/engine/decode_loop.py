@@ -47,6 +47,7 @@ from kog.sampling_params import SamplingParams
 
 LOOP_MAX_STEPS = 16
 _U64 = (1 << 64) - 1
+_F32_TINY = 1.1754944e-38  # the smallest normal float32
 # uniform01 hashes seed * GOLDEN + counter: a seed shifted by d * GOLDEN^-1 draws at counter + d.
 _GOLDEN_INV = pow(0x9E3779B97F4A7C15, -1, 1 << 64)
 
@@ -54,6 +55,12 @@ _GOLDEN_INV = pow(0x9E3779B97F4A7C15, -1, 1 << 64)
 def is_native(params: SamplingParams) -> bool:
     """Whether a request's tokens are all drawn by the native sampler (module docstring)."""
     return params.logprobs is None and params.structured is None and params.speculative is None
+
+
+def _f32_positive(x: float) -> float:
+    """x as the native float32 parameter it becomes, kept > 0: a valid top_p or repetition
+    penalty below float32's range (5e-324) must not become 0, which the native side refuses."""
+    return max(x, _F32_TINY)
 
 
 def shifted_seed(seed: int, offset: int) -> int:
@@ -143,9 +150,9 @@ class NativeSampler:
         rep = p.repetition_penalty != 1.0
         prompt = np.asarray(seq.token_ids[: seq.num_prompt_tokens] if rep else [], dtype=np.int32)
         return _C.SequenceSampling(
-            self.vocab_size, prompt, 0.0 if p.greedy else p.temperature, max(p.top_k, 0), p.top_p, p.min_p, seed,
-            p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_tokens, self.max_output(seq),
-            stop, banned)
+            self.vocab_size, prompt, 0.0 if p.greedy else p.temperature, max(p.top_k, 0), _f32_positive(p.top_p),
+            p.min_p, seed, _f32_positive(p.repetition_penalty), p.presence_penalty, p.frequency_penalty,
+            p.min_tokens, self.max_output(seq), stop, banned)
 
 
 class DecodeLoop:
@@ -243,7 +250,7 @@ class DecodeLoop:
         for a in range(0, len(seqs), group):
             z = slice(a, a + group)
             sampling = [DeviceSampling(0.0 if s.params.greedy else s.params.temperature, max(s.params.top_k, 0),
-                                       s.params.top_p, s.params.min_p, shifted_seed(st.seed, st.n_output))
+                                       _f32_positive(s.params.top_p), s.params.min_p, shifted_seed(st.seed, st.n_output))
                         for s, st in zip(seqs[z], states[z])]
             common = set.intersection(*(set(_stop_ids(s, self.sampler.eos_token_ids)) for s in seqs[z]))
             res = self._gpu.decode(tokens[z], positions[z], block_tables[z], sampling, k, sorted(common), 0)
