@@ -118,7 +118,9 @@ def test_errors_through_the_client(server, client):
 
 
 def test_client_disconnect_mid_stream_frees_kv(server):
-    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 200, "n": 4, "ignore_eos": True,
+    # NOTE: n = 32 > --max-num-seqs: with 4 the decode loop (16 tokens per native call) could finish
+    # all 200 tokens of the tiny model before the first chunk is read
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 200, "n": 32, "ignore_eos": True,
             "stream": True}
     aborted_before = _requests_ended(server, "abort")
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
