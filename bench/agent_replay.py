@@ -132,7 +132,7 @@ class Driver:
             ag.context = self.system + ag.task
             if self.sessions:
                 ag.session = f"{ag.name}/s0"
-                opens.append(self.engine.open_session(ag.session, ag.context))
+                opens.append(self.engine.sessions.open(ag.session, ag.context))
         while opens:  # the shared prefix is computed once, then hit by every other agent
             self.engine.step()
             for rid in [r for r in opens if self.engine.is_finished(r)]:
@@ -156,7 +156,7 @@ class Driver:
                     self._complete(i, ag)
         for ag in self.agents:
             if ag.session:
-                self.engine.close_session(ag.session)
+                self.engine.sessions.close(ag.session)
         return time.monotonic() - start
 
     def _submit(self, i: int, ag: Agent) -> None:
@@ -164,7 +164,7 @@ class Driver:
         if ag.turn > 0:  # the previous tool's result arrives
             prev = ag.turns[ag.turn - 1].result
             if self.sessions:
-                self.engine.append_session(ag.session, prev)
+                self.engine.sessions.append(ag.session, prev)
             else:
                 ag.context = ag.context + prev
         ag.submitted = time.monotonic()
@@ -175,24 +175,24 @@ class Driver:
             ag.pending = [rid]
         elif turn.fork:  # compute the tool result once, then fork (see _complete)
             rid = f"{ag.session}/t{ag.turn}/prefill"
-            self.engine.prefill_session(ag.session, rid)
+            self.engine.sessions.prefill(ag.session, rid)
             ag.pending = [rid]
             ag.branches = []
         else:
             rid = f"{ag.session}/t{ag.turn}"
-            self.engine.session_generate(ag.session, rid, params_for(turn, i, ag.turn))
+            self.engine.sessions.generate(ag.session, rid, params_for(turn, i, ag.turn))
             ag.pending = [rid]
 
     def _fork(self, i: int, ag: Agent) -> None:
         self.prefill_tokens += self.engine.get_output(ag.pending[0]).prefill_tokens_computed
         self.engine.release(ag.pending[0])
         ag.branches = [f"{ag.name}/s{ag.turn}b{b}" for b in range(3)]
-        self.engine.fork_session(ag.session, ag.branches)
-        self.engine.close_session(ag.session)  # the branches hold the shared KV now
+        self.engine.sessions.fork(ag.session, ag.branches)
+        self.engine.sessions.close(ag.session)  # the branches hold the shared KV now
         ag.pending = []
         for b, sid in enumerate(ag.branches):
             rid = f"{sid}/t{ag.turn}"
-            self.engine.session_generate(sid, rid, params_for(ag.current, i, ag.turn, branch=b))
+            self.engine.sessions.generate(sid, rid, params_for(ag.current, i, ag.turn, branch=b))
             ag.pending.append(rid)
 
     def _complete(self, i: int, ag: Agent) -> None:
@@ -208,9 +208,9 @@ class Driver:
         if self.sessions:
             if ag.current.fork:
                 for sid in ag.branches[1:]:
-                    self.engine.close_session(sid)
+                    self.engine.sessions.close(sid)
                 ag.session = ag.branches[0]
-            self.engine.suspend_session(ag.session)  # the tool runs
+            self.engine.sessions.suspend(ag.session)  # the tool runs
         else:
             ag.context = ag.context + kept
         for r in ag.pending:

@@ -135,7 +135,7 @@ class LLM:
         check_text(items, "prompts")
         params = self._params_list(sampling_params, len(items))
         ids = [self._add(item, p) for item, p in zip(items, params)]
-        return self._run(ids)
+        return self.run(ids)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -188,12 +188,12 @@ class LLM:
             raise InvalidRequest("session: pass exactly one of messages or prompt_token_ids")
         ids = (list(prompt_token_ids) if prompt_token_ids is not None
                else self.encode_chat(messages, tools, True, chat_template_kwargs))
-        sid = self._next_session_id()
-        rid = self.engine.open_session(sid, ids, pin)
+        sid = self.new_session_id()
+        rid = self.engine.sessions.open(sid, ids, pin)
         try:
-            opened = self._run([rid])[0]
+            opened = self.run([rid])[0]
         except BaseException:
-            self.engine.close_session(sid)
+            self.engine.sessions.close(sid)
             raise
         session = Session(self, sid, messages, tools, chat_template_kwargs)
         session.opened = opened
@@ -212,6 +212,29 @@ class LLM:
             raise InvalidRequest("this model has no chat template; use generate() with a plain prompt")
         return encode_conversation(self.chat_template, self.tokenizer, messages, tools, add_generation_prompt,
                                    **(chat_template_kwargs or {}))
+
+    def run(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Steps the engine until every request of request_ids is finished (others queued in the
+        engine advance too), then releases them.
+
+        Returns:
+            their final outputs, in the order of request_ids.
+        """
+        try:
+            while any(not self.engine.get_output(r).finished for r in request_ids):
+                self.engine.step()
+            return [self.engine.get_output(r) for r in request_ids]
+        finally:
+            for r in request_ids:
+                self.engine.release(r)
+
+    def new_request_id(self) -> str:
+        """A request id this LLM never gave before: for run(), and for requests added to self.engine directly."""
+        return str(next(self._ids))
+
+    def new_session_id(self) -> str:
+        """A session id this LLM never gave before (engine.sessions.open, fork)."""
+        return f"session-{next(self._session_ids)}"
 
     # ---- internal helpers ---------------------------------------------------------------------
     @staticmethod
@@ -237,25 +260,9 @@ class LLM:
             text, ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         else:
             raise InvalidRequest(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
-        rid = self._next_id()
+        rid = self.new_request_id()
         self.engine.add_request(rid, ids, params, prompt=text)
         return rid
-
-    def _next_id(self) -> str:
-        return str(next(self._ids))
-
-    def _next_session_id(self) -> str:
-        return f"session-{next(self._session_ids)}"
-
-    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
-        try:
-            while any(not self.engine.get_output(r).finished for r in request_ids):
-                self.engine.step()
-            return [self.engine.get_output(r) for r in request_ids]
-        finally:
-            for r in request_ids:
-                self.engine.release(r)
-
 
 def _num_kv_blocks(bytes_per_block: int, wanted: int, kv_cache_gib: float | None,
                    gpu_memory_utilization: float | None, device: str, weights: dict[str, torch.Tensor]) -> int:

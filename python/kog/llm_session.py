@@ -25,7 +25,7 @@ from kog.errors import InvalidOperation, InvalidRequest
 from kog.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kog.engine import LLMEngine
+    from kog.engine.session_manager import SessionManager
     from kog.llm import LLM
 
 
@@ -55,7 +55,7 @@ class Session:
     def token_ids(self) -> list[int]:
         """The session's whole context."""
         self._check_open()
-        return self.llm.engine.session_info(self.session_id)["token_ids"]
+        return self.llm.engine.sessions.info(self.session_id)["token_ids"]
 
     @property
     def messages(self) -> list[dict[str, Any]] | None:
@@ -71,9 +71,9 @@ class Session:
             those whose KV the session already held.
         """
         self._check_open()
-        rid = self.llm._next_id()
-        self.llm.engine.session_generate(self.session_id, rid, sampling_params or SamplingParams())
-        out = self.llm._run([rid])[0]
+        rid = self.llm.new_request_id()
+        self.llm.engine.sessions.generate(self.session_id, rid, sampling_params or SamplingParams())
+        out = self.llm.run([rid])[0]
         if self._messages is not None and out.outputs[0].finish_reason != "abort":
             self._messages.append({"role": "assistant", "content": out.outputs[0].text})
         return out
@@ -95,7 +95,7 @@ class Session:
         if (messages is None) == (token_ids is None):
             raise InvalidRequest("append: pass exactly one of messages or token_ids")
         if token_ids is not None:
-            self.llm.engine.append_session(self.session_id, list(token_ids))
+            self.llm.engine.sessions.append(self.session_id, list(token_ids))
             self._messages = None
             return
         if self._messages is None:
@@ -103,7 +103,7 @@ class Session:
                                  "(and no token-level append or rollback since)")
         conversation = self._messages + copy.deepcopy(appended_messages(self._messages, list(messages)))
         full = self.llm.encode_chat(conversation, self._tools, True, self._chat_kwargs)
-        append_render(self.llm.engine, self.session_id, full, self._rendered)
+        append_render(self.llm.engine.sessions, self.session_id, full, self._rendered)
         self._messages = conversation
         self._rendered = len(full)
 
@@ -113,13 +113,14 @@ class Session:
         self._check_open()
         if n < 1:
             raise InvalidRequest(f"fork: n must be >= 1, got {n}")
-        info = self.llm.engine.session_info(self.session_id)
+        sessions = self.llm.engine.sessions
+        info = sessions.info(self.session_id)
         if info["num_computed"] < len(info["token_ids"]) - 1:  # compute appended tokens once, not per branch
-            rid = self.llm._next_id()
-            self.llm.engine.prefill_session(self.session_id, rid)
-            self.llm._run([rid])
-        ids = [self.llm._next_session_id() for _ in range(n)]
-        self.llm.engine.fork_session(self.session_id, ids)
+            rid = self.llm.new_request_id()
+            sessions.prefill(self.session_id, rid)
+            self.llm.run([rid])
+        ids = [self.llm.new_session_id() for _ in range(n)]
+        sessions.fork(self.session_id, ids)
         children = []
         for sid in ids:
             child = Session(self.llm, sid, self._messages, self._tools, self._chat_kwargs)
@@ -135,19 +136,19 @@ class Session:
             "suspended" (KV on the device), "swapped" (host pool) or "dropped" (recomputed later).
         """
         self._check_open()
-        return self.llm.engine.suspend_session(self.session_id, offload)
+        return self.llm.engine.sessions.suspend(self.session_id, offload)
 
     def rollback(self, n_tokens: int) -> None:
         """Keeps the first n_tokens of the context (backtracking); leaves chat mode."""
         self._check_open()
-        self.llm.engine.rollback_session(self.session_id, n_tokens)
+        self.llm.engine.sessions.rollback(self.session_id, n_tokens)
         self._messages = None
         self._rendered = min(self._rendered, n_tokens)
 
     def close(self) -> None:
         """Frees the session's KV and unpins its prefix (idempotent)."""
         if not self._closed:
-            self.llm.engine.close_session(self.session_id)
+            self.llm.engine.sessions.close(self.session_id)
             self._closed = True
 
     def __enter__(self) -> Session:
@@ -159,19 +160,19 @@ class Session:
     # ---- internal helpers ---------------------------------------------------------------------
     def _check_open(self) -> None:
         """Raises InvalidOperation once the session is closed, here or directly in the engine
-        (LLMEngine.close_session, which also aborts its request in flight)."""
-        if not self._closed and not self.llm.engine.has_session(self.session_id):
+        (engine.sessions.close, which also aborts its request in flight)."""
+        if not self._closed and self.session_id not in self.llm.engine.sessions:
             self._closed = True
         if self._closed:
             raise InvalidOperation(f"session {self.session_id!r} is closed")
 
 
-def append_render(engine: LLMEngine, session_id: str, full: list[int], rendered: int) -> None:
+def append_render(sessions: SessionManager, session_id: str, full: list[int], rendered: int) -> None:
     """Brings an idle session's context to `full` (a render of its whole conversation) by
     appending what the render adds; shared by Session and the server's /v1/sessions.
 
     Args:
-        engine: call it on the thread that runs step().
+        sessions: the engine's sessions; call it on the thread that runs the engine's step().
         full: the tokens of the whole conversation rendered through the chat template.
         rendered: how many of the context's tokens came from earlier renders.
     Raises:
@@ -179,7 +180,7 @@ def append_render(engine: LLMEngine, session_id: str, full: list[int], rendered:
             template is not incremental). A difference inside the model's own output is not an
             error: the context is rolled back to it and the render appended from there.
     """
-    have = engine.session_info(session_id)["token_ids"]
+    have = sessions.info(session_id)["token_ids"]
     k = _common_prefix(full, have)
     if k == len(full):
         raise InvalidRequest("append: the messages add no tokens to the rendered conversation")
@@ -189,8 +190,8 @@ def append_render(engine: LLMEngine, session_id: str, full: list[int], rendered:
             f"changes token {k} of the {len(have)} already in the session (the first {rendered} "
             f"came from the template); open a new session with the full conversation instead")
     if k < len(have):  # the model's own output re-tokenizes differently: align with the render
-        engine.rollback_session(session_id, k)
-    engine.append_session(session_id, full[k:])
+        sessions.rollback(session_id, k)
+    sessions.append(session_id, full[k:])
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

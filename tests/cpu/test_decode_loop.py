@@ -208,15 +208,15 @@ def test_a_session_keeps_exactly_its_context_kv_after_a_loop_stopped_mid_call(mo
     stop = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, stop_token_ids=[ref[j]])
 
     def run_session(engine):
-        engine.open_session("s", p)
+        engine.sessions.open("s", p)
         while engine.has_unfinished():
             engine.step()
         for turn, params in enumerate((stop, greedy)):
-            engine.session_generate("s", f"g{turn}", params)
+            engine.sessions.generate("s", f"g{turn}", params)
             while engine.has_unfinished():
                 engine.step()
-            engine.append_session("s", [5, 6, 7])
-        info = engine.session_info("s")
+            engine.sessions.append("s", [5, 6, 7])
+        info = engine.sessions.info("s")
         return [engine.get_output(f"g{t}").outputs[0].token_ids for t in range(2)], info
 
     loop, rec = make_engine(model, max_steps=16)

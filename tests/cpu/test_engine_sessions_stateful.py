@@ -74,7 +74,7 @@ class EngineSessionsMachine(RuleBasedStateMachine):
     def open(self, prefix, tail, pin):
         sid = self.new_id("s")
         tail = [] if pin else tail  # pins stay within 3 distinct blocks: the pool never fills with them
-        rid = self.engine.open_session(sid, prefix + tail, pin=pin)
+        rid = self.engine.sessions.open(sid, prefix + tail, pin=pin)
         self.sessions[sid] = {"context": prefix + tail, "busy": rid}
         self.requests[rid] = {"session": sid, "context": prefix + tail, "k": 1, "open": True}
 
@@ -86,9 +86,9 @@ class EngineSessionsMachine(RuleBasedStateMachine):
         rid = self.new_id("g")
         if len(context) >= MAX_LEN:
             with pytest.raises(kog.InvalidRequest):
-                self.engine.session_generate(sid, rid, greedy(k))
+                self.engine.sessions.generate(sid, rid, greedy(k))
             return
-        self.engine.session_generate(sid, rid, greedy(k))
+        self.engine.sessions.generate(sid, rid, greedy(k))
         self.sessions[sid]["busy"] = rid
         self.requests[rid] = {"session": sid, "context": list(context), "k": k, "open": False}
 
@@ -100,9 +100,9 @@ class EngineSessionsMachine(RuleBasedStateMachine):
         rid = self.new_id("p")
         if len(context) >= MAX_LEN:
             with pytest.raises(kog.InvalidRequest):
-                self.engine.prefill_session(sid, rid)
+                self.engine.sessions.prefill(sid, rid)
             return
-        self.engine.prefill_session(sid, rid)
+        self.engine.sessions.prefill(sid, rid)
         self.sessions[sid]["busy"] = rid
         self.requests[rid] = {"session": sid, "context": list(context), "k": 1, "open": True}
 
@@ -124,7 +124,7 @@ class EngineSessionsMachine(RuleBasedStateMachine):
     def fork(self, data, n):
         sid = data.draw(st.sampled_from(self.idle()))
         children = [self.new_id("f") for _ in range(n)]
-        self.engine.fork_session(sid, children)
+        self.engine.sessions.fork(sid, children)
         for c in children:
             self.sessions[c] = {"context": list(self.sessions[sid]["context"]), "busy": None}
 
@@ -133,7 +133,7 @@ class EngineSessionsMachine(RuleBasedStateMachine):
     def suspend(self, data, offload):
         sid = data.draw(st.sampled_from(self.idle()))
         try:
-            state = self.engine.suspend_session(sid, offload)
+            state = self.engine.sessions.suspend(sid, offload)
         except kog.KVCacheFull:
             assert offload  # the host pool is full
             return
@@ -146,9 +146,9 @@ class EngineSessionsMachine(RuleBasedStateMachine):
         context = self.sessions[sid]["context"]
         if len(context) + len(tokens) >= MAX_LEN:
             with pytest.raises(kog.InvalidRequest):
-                self.engine.append_session(sid, tokens)
+                self.engine.sessions.append(sid, tokens)
             return
-        self.engine.append_session(sid, tokens)
+        self.engine.sessions.append(sid, tokens)
         self.sessions[sid]["context"] = context + tokens
 
     @precondition(lambda self: self.idle())
@@ -157,14 +157,14 @@ class EngineSessionsMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(self.idle()))
         context = self.sessions[sid]["context"]
         n = data.draw(st.integers(1, len(context)))
-        self.engine.rollback_session(sid, n)
+        self.engine.sessions.rollback(sid, n)
         self.sessions[sid]["context"] = context[:n]
 
     @precondition(lambda self: self.sessions)
     @rule(data=st.data())
     def close(self, data):
         sid = data.draw(st.sampled_from(sorted(self.sessions)))
-        self.engine.close_session(sid)
+        self.engine.sessions.close(sid)
         del self.sessions[sid]
         self.collect()  # its request in flight, if any, finished as aborted
 
@@ -195,7 +195,7 @@ class EngineSessionsMachine(RuleBasedStateMachine):
     def session_contexts_agree(self):
         for sid, v in self.sessions.items():
             if v["busy"] is None:
-                info = self.engine.session_info(sid)
+                info = self.engine.sessions.info(sid)
                 assert info["token_ids"] == v["context"]
                 assert info["num_computed"] < len(v["context"])
 
@@ -208,7 +208,7 @@ class EngineSessionsMachine(RuleBasedStateMachine):
         assert not self.in_flight() and not self.engine.has_unfinished()
         self.collect()
         for sid in list(self.sessions):
-            self.engine.close_session(sid)
+            self.engine.sessions.close(sid)
         s = self.engine.kv.stats()
         assert s["blocks_used"] == 0 and s["blocks_pinned"] == 0 and s["num_sequences"] == 0
         assert s["blocks_swapped"] == 0

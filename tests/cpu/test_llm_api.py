@@ -73,6 +73,27 @@ def test_stream_yields_the_generated_text():
     assert deltas[-1].finish_reason == "length"
 
 
+def test_run_finishes_and_releases_requests_added_to_the_engine():
+    """LLM.run and LLM.new_request_id are the public verbs kog.Session (and callers driving
+    llm.engine directly) use: fresh ids, outputs in order, requests released."""
+    llm = make_llm()
+    ids = TOK.encode("hello world")
+    rids = [llm.new_request_id() for _ in range(3)]
+    assert len(set(rids)) == 3 and llm.new_request_id() not in rids
+    short = kog.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for rid, params in zip(rids, [GREEDY, short, GREEDY]):
+        llm.engine.add_request(rid, ids, params)
+    outs = llm.run(rids)
+    assert [o.request_id for o in outs] == rids and all(o.finished for o in outs)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 3, 8]
+    assert outs[0].outputs[0].token_ids == llm.generate({"prompt_token_ids": ids}, GREEDY)[0].outputs[0].token_ids
+    for rid in rids:
+        with pytest.raises(KeyError):
+            llm.engine.get_output(rid)  # released
+    assert llm.engine.kv.stats()["blocks_used"] == 0
+    assert llm.new_session_id() != llm.new_session_id()
+
+
 def cli_args(*argv):
     p = argparse.ArgumentParser()
     add_arguments(p)

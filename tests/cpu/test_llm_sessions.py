@@ -105,9 +105,9 @@ def test_token_sessions_fork_rollback_and_close():
 def test_a_session_closed_in_the_engine_while_its_request_runs_reads_as_closed():
     llm = make_llm()
     s = llm.session(messages=SYSTEM)
-    llm.engine.session_generate(s.session_id, "t", kog.SamplingParams(max_tokens=40, ignore_eos=True))
+    llm.engine.sessions.generate(s.session_id, "t", kog.SamplingParams(max_tokens=40, ignore_eos=True))
     llm.engine.step()
-    llm.engine.close_session(s.session_id)  # e.g. the server's DELETE, between two steps
+    llm.engine.sessions.close(s.session_id)  # e.g. the server's DELETE, between two steps
     out = llm.engine.get_output("t")
     assert out.finished and out.outputs[0].finish_reason == "abort" and not llm.engine.has_unfinished()
     for use in (lambda: s.generate(GREEDY), lambda: s.token_ids, lambda: s.append(messages=SYSTEM), lambda: s.fork(1)):

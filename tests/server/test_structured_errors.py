@@ -37,6 +37,9 @@ BAD = {
                                                                        "maximum": 1}, "broken")],
                          "tool_choice": "required"}, "tools", ["'broken'", "minimum (3) is greater than maximum (1)"]),
     "tool parameters, auto": ({"tools": [tool({"type": "string", "pattern": "(("})]}, "tools", ["'f'", "regex"]),
+    # found by test_schemathesis.py: llguidance cannot serialize an integer outside int64 (a 500 before)
+    "tool parameters, huge integer": ({"tools": [tool({"type": "integer", "maximum": -2**63 - 1}, "big")]}, "tools",
+                                      ["'big'", "-9223372036854775809"]),
     "schema missing": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
                        ["schema"]),
 }

@@ -35,7 +35,7 @@ class _Add:
     """Requests queued in the engine together, all or none (one loop iteration, before a step)."""
 
     request_ids: list[str]
-    submits: list[Callable[[LLMEngine], Any]]  # each queues one request (add_request, session_generate, ...)
+    submits: list[Callable[[LLMEngine], Any]]  # each queues one request (add_request, sessions.generate, ...)
     streams: list[RequestStream]
     accepted: asyncio.Future = field(repr=False)
     silent: bool = False  # prefill-only: produces no stream delta
@@ -120,18 +120,18 @@ class AsyncEngine:
         session has a request in flight)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if params is None:
-            return (await self._submit([(rid, lambda e: e.prefill_session(session_id, rid, priority))], True))[0]
-        return (await self._submit([(rid, lambda e: e.session_generate(session_id, rid, params, priority))]))[0]
+            return (await self._submit([(rid, lambda e: e.sessions.prefill(session_id, rid, priority))], True))[0]
+        return (await self._submit([(rid, lambda e: e.sessions.generate(session_id, rid, params, priority))]))[0]
 
     async def open_session(self, session_id: str, prompt_token_ids: Seq[int], pin: bool = True,
                            priority: int = 0) -> RequestStream:
-        """LLMEngine.open_session; the stream ends when the prefix's KV is computed."""
+        """engine.sessions.open; the stream ends when the prefix's KV is computed."""
         ids = list(prompt_token_ids)
-        open_ = (f"session-open:{session_id}", lambda e: e.open_session(session_id, ids, pin, priority))
+        open_ = (f"session-open:{session_id}", lambda e: e.sessions.open(session_id, ids, pin, priority))
         return (await self._submit([open_], silent=True))[0]
 
     async def close_session(self, session_id: str) -> bool:
-        """LLMEngine.close_session; the session's request in flight ends at once: its stream
+        """engine.sessions.close; the session's request in flight ends at once: its stream
         gets a last update (finish_reason "abort", its KV freed) then raises SessionClosed.
 
         Returns:
@@ -314,13 +314,14 @@ class AsyncEngine:
         self._outbox.append((cmd.accepted, None))
 
     def _close_session(self, session_id: str) -> bool:
-        session = self.engine.sessions.sessions.get(session_id)
-        if session is None:
+        sessions = self.engine.sessions
+        if session_id not in sessions:
             return False
-        if session.request_id in self._streams:
-            self._finish(session.request_id, abort=True,
+        rid = sessions.request_in_flight(session_id)
+        if rid in self._streams:
+            self._finish(rid, abort=True,
                          error=SessionClosed(f"session {session_id!r} was closed while this request ran on it"))
-        self.engine.close_session(session_id)
+        sessions.close(session_id)
         return True
 
     def _step(self) -> None:
@@ -357,8 +358,8 @@ class AsyncEngine:
         self._outbox.append((stream, END if error is None else error))
 
     def _close_sessions(self) -> None:
-        for sid in list(self.engine.sessions.sessions):
-            self.engine.close_session(sid)
+        for sid in self.engine.sessions:  # a snapshot of the ids
+            self.engine.sessions.close(sid)
 
     def _fail_all(self, cause: Exception, fatal: bool = False) -> None:
         log.exception("engine loop failed; failing %d request(s)", len(self._streams))
@@ -383,7 +384,7 @@ class AsyncEngine:
     def _send_replies(self) -> None:
         for target, item in self._outbox:
             if isinstance(target, RequestStream):
-                target._push(item)
+                target.push(item)
             else:
                 _resolve(target, item)
         self._outbox.clear()

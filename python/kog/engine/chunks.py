@@ -49,8 +49,8 @@ def forward_chunks(runner, chunks: list[PrefillChunk], all_logits: bool = False,
 
 
 def _stacked_tables(chunks: list[PrefillChunk]) -> np.ndarray:
-    """[len(chunks), width] int32: the chunks' block tables, padded with 0. The engine's chunks
-    are rows of one natively filled matrix already (all one width): then this is one stack."""
+    """[len(chunks), width] int32: the chunks' block tables, padded with 0 (one stack when
+    they all have the same length, as a decode-shaped batch usually does)."""
     tables = [np.asarray(c.block_table, dtype=np.int32) for c in chunks]
     width = max(len(t) for t in tables)
     if all(len(t) == width for t in tables):

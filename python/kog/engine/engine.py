@@ -5,9 +5,9 @@ prefill call on the runner -> sample -> detokenize and check stop conditions. A 
 decodes native requests runs up to K decode steps in one native call instead (loop mode,
 kog.engine.decode_loop).
 
-Agent sessions (open/generate/append/fork/suspend/rollback/close, see kog.engine.session_manager and
-docs/SESSIONS.md) are plain methods too. Nothing here is thread-safe: call every method from
-the thread that runs step(), between steps.
+Agent sessions (open/generate/append/fork/suspend/rollback/close) live in `engine.sessions`, a
+SessionManager (kog.engine.session_manager, docs/SESSIONS.md). Nothing here is thread-safe: call
+every method from the thread that runs step(), between steps.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kog.engine.decode_loop import LOOP_MAX_STEPS, DecodeLoop, NativeSampler, is
 from kog.engine.outputs import CompletionOutput, FinishReason, RequestOutput, StreamDelta
 from kog.engine.scheduler import PrefillWork, Scheduler, SchedulerOutput
 from kog.engine.sequence import Sequence
-from kog.engine.session_manager import SessionManager
+from kog.engine.session_manager import EngineRequests, SessionManager
 from kog.engine.speculative import Speculator, VerifyWork
 from kog.engine.stop import apply_stop_strings, check_stop_token, streamable_text
 from kog.errors import InvalidRequest
@@ -80,13 +80,17 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_model_len or model_max_len, model_max_len, self.kv_capacity_tokens)
         self.scheduler = Scheduler(self.kv, runner.kv.apply, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.config.enable_prefix_caching)
-        self.sessions = SessionManager(self)
         self._requests: dict[str, list[Sequence]] = {}
         self._prompts: dict[str, str | None] = {}
         self._prompt_ids: dict[str, list[int]] = {}  # per request, made once: every output shares it
         self._seq_ids = itertools.count()
         self.num_prefill_tokens_computed = 0  # every token run through a prefill chunk, ever (recomputation included)
         self.speculator = Speculator(runner, self.kv, runner.kv.apply, self.eos_token_ids, self.max_model_len)
+        self.sessions = SessionManager(self.kv, runner.kv.apply, self.scheduler, EngineRequests(
+            validate_ids=self._validate_ids, validate_prompt=self._validate_prompt,
+            check_params=self.speculator.check, new_sequence=self._new_sequence,
+            admit_grammar=lambda seq: structured.admit(seq, self.tokenizer, self.eos_token_ids, runner.vocab_size),
+            is_request=lambda rid: rid in self._requests, register=self._register, abort=self.abort))
         self.native_sampler = NativeSampler(runner.vocab_size, self.eos_token_ids, self.max_model_len)
         self.decode_loop = DecodeLoop(runner, self.kv, runner.kv.apply, self.native_sampler,
                                       self.config.max_loop_steps)
@@ -112,72 +116,6 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = FinishReason.ABORT
                 self._done(seq)
-
-    # ---- agent sessions (docs/SESSIONS.md) -----------------------------------------------------
-    def open_session(self, session_id: str, prompt_token_ids: Seq[int], pin: bool = True,
-                     priority: int = 0) -> str:
-        """Opens a session on a prefix (system prompt + tools) and queues its prefill.
-
-        The prefix's KV is computed once (all tokens but the last, which stays pending) and its
-        full blocks pinned in the prefix cache. The session is busy until then.
-
-        Returns:
-            the id of the prefill request (get_output(id).finished tells when it is done; it
-            reports prefill_tokens_computed and num_cached_tokens, and no output tokens).
-        """
-        return self.sessions.open(session_id, prompt_token_ids, pin, priority)
-
-    def session_generate(self, session_id: str, request_id: str, params: SamplingParams,
-                         priority: int = 0) -> None:
-        """add_request on a session: the prompt is the session's context, only its tokens
-        without KV are prefilled, and when the request ends normally its output tokens join the
-        context. params.n must be 1 (use fork_session for branches); no prompt_logprobs (most of
-        the context's KV is computed already)."""
-        if params.prompt_logprobs is not None:
-            raise InvalidRequest("prompt_logprobs is not supported on a session's generations")
-        self.sessions.generate(session_id, request_id, params, priority)
-
-    def prefill_session(self, session_id: str, request_id: str, priority: int = 0) -> None:
-        """Queues a prefill-only request computing an idle session's pending tokens (all but
-        the last). Run it before fork_session after an append: each branch would otherwise
-        compute the appended tokens itself. Its output has no tokens."""
-        self.sessions.prefill(session_id, request_id, priority)
-
-    def append_session(self, session_id: str, token_ids: Seq[int]) -> None:
-        """Adds tokens (a tool result, the next user turn) to an idle session's context; they
-        are prefilled by its next generation."""
-        self.sessions.append(session_id, token_ids)
-
-    def fork_session(self, session_id: str, child_ids: Seq[str]) -> None:
-        """Opens one idle session per child id with the parent's context, sharing its KV
-        copy-on-write (O(1) per child, no copies) and pinning the same prefix."""
-        self.sessions.fork(session_id, child_ids)
-
-    def suspend_session(self, session_id: str, offload: bool = False) -> str:
-        """Declares an idle session waiting (a tool runs). Its KV is already out of the batch
-        and swappable under pressure; offload=True swaps it to the host pool now.
-
-        Returns:
-            where its KV is: "suspended" (device), "swapped" (host) or "dropped" (recomputed).
-        """
-        return self.sessions.suspend(session_id, offload)
-
-    def rollback_session(self, session_id: str, n_tokens: int) -> None:
-        """Keeps the first n_tokens of an idle session's context (backtracking); the KV past
-        them is released (allocator truncate)."""
-        self.sessions.rollback(session_id, n_tokens)
-
-    def close_session(self, session_id: str) -> None:
-        """Aborts the session's request in flight, frees its KV and unpins its prefix."""
-        self.sessions.close(session_id)
-
-    def has_session(self, session_id: str) -> bool:
-        """Whether a session with this id is open."""
-        return session_id in self.sessions.sessions
-
-    def session_info(self, session_id: str) -> dict:
-        """token_ids, num_computed (tokens with KV), kv_state, pinned_tokens, request_id."""
-        return self.sessions.info(session_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -372,8 +310,10 @@ class LLMEngine:
     def _run_prefill(self, work: list[PrefillWork]) -> torch.Tensor:
         """[len(work), vocab] logits of each chunk's last token; prompt logprobs recorded on the way."""
         tables = self.kv.block_tables([w.seq.seq_id for w in work])  # [len(work), max_blocks], rows padded with 0
-        chunks = [PrefillChunk(w.seq.token_ids[w.start : w.start + w.n], w.start, tables[i], w.slots)
-                  for i, w in enumerate(work)]
+        bs = self.kv.block_size
+        # Each chunk gets a view of its row cut to its own blocks (those covering start + n).
+        chunks = [PrefillChunk(w.seq.token_ids[w.start : w.start + w.n], w.start,
+                               tables[i, : -(-(w.start + w.n) // bs)], w.slots) for i, w in enumerate(work)]
         if not any(w.seq.prompt_logprobs_pending for w in work):
             # Jump-forward runs (sequences with output) may take the native decode path (engine/chunks.py).
             return forward_chunks(self.runner, chunks, use_decode=all(w.seq.num_output_tokens for w in work))

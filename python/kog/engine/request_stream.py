@@ -64,8 +64,10 @@ class RequestStream:
             self.finished = True
             self._abort(self.request_id)
 
-    # ---- called from the loop thread ----------------------------------------------------------
-    def _push(self, item: Any) -> None:
+    # ---- the producer end: called from the engine's loop thread ----------------------------------
+    def push(self, item: Any) -> None:
+        """Queues an update, END, or an exception for the reader (thread-safe; dropped once the
+        consumer's event loop is closed)."""
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more

@@ -21,11 +21,14 @@ MAX_TOP_LOGPROBS = 20
 NAME_PATTERN = r"^[a-zA-Z0-9_.\-]{1,64}$"
 
 
-class _Body(BaseModel):
+class BodyModel(BaseModel):
+    """Base of every request-body model: unknown fields are ignored (as OpenAI's API does) and
+    fields are filled by name or alias."""
+
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
-class RequestBody(_Body):
+class RequestBody(BodyModel):
     """A whole request body. Refuses text that has no UTF-8 form before any field is read: the
     tokenizer cannot take it, and an error that echoed it could not be sent."""
 
@@ -43,28 +46,28 @@ class RequestBody(_Body):
         return data
 
 
-class StreamOptions(_Body):
+class StreamOptions(BodyModel):
     include_usage: bool = False
 
 
 # ---- tools ----------------------------------------------------------------------------------------
-class FunctionDefinition(_Body):
+class FunctionDefinition(BodyModel):
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema, handed to the chat template as is
     strict: bool | None = None
 
 
-class Tool(_Body):
+class Tool(BodyModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedFunction(_Body):
+class NamedFunction(BodyModel):
     name: str = Field(pattern=NAME_PATTERN)
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(BodyModel):
     type: Literal["function"] = "function"
     function: NamedFunction
 
@@ -72,34 +75,34 @@ class NamedToolChoice(_Body):
 ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 
 
-class ToolCallFunction(_Body):
+class ToolCallFunction(BodyModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(_Body):
+class ToolCall(BodyModel):
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
 # ---- response_format: decoding is constrained to it (server/structured.py, docs/STRUCTURED.md) ---
-class ResponseFormatText(_Body):
+class ResponseFormatText(BodyModel):
     type: Literal["text"]
 
 
-class ResponseFormatJsonObject(_Body):
+class ResponseFormatJsonObject(BodyModel):
     type: Literal["json_object"]
 
 
-class JsonSchemaSpec(_Body):
+class JsonSchemaSpec(BodyModel):
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormatJsonSchema(_Body):
+class ResponseFormatJsonSchema(BodyModel):
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
 
@@ -109,7 +112,7 @@ ResponseFormat = Annotated[Union[ResponseFormatText, ResponseFormatJsonObject, R
 
 
 # ---- speculative decoding (Kog extension) -----------------------------------------------------
-class SpeculativeSpec(_Body):
+class SpeculativeSpec(BodyModel):
     """kog.speculation.SpeculativeParams of one request; unknown keys are an error (a typo would
     otherwise silently fall back to the defaults)."""
 
@@ -121,12 +124,12 @@ class SpeculativeSpec(_Body):
 
 
 # ---- messages -------------------------------------------------------------------------------------
-class TextPart(_Body):
+class TextPart(BodyModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Body):
+class ChatMessage(BodyModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # only text parts: Kog serves text models
     name: str | None = None

@@ -6,8 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from kog.server.protocol import (MAX_TOP_LOGPROBS, ChatMessage, RequestBody, ResponseFormat, SamplingFields, Tool,
-                                 ToolChoice, _Body)
+from kog.server.protocol import (MAX_TOP_LOGPROBS, BodyModel, ChatMessage, RequestBody, ResponseFormat, SamplingFields,
+                                 Tool, ToolChoice)
 from kog.server.responses import ChatCompletionResponse, SessionUsage
 
 
@@ -45,15 +45,15 @@ class SessionAppendRequest(RequestBody):
     token_ids: list[int] | None = Field(None, min_length=1)
 
 
-class SessionForkRequest(_Body):
+class SessionForkRequest(BodyModel):
     n: int = Field(1, ge=1, le=64)
 
 
-class SessionSuspendRequest(_Body):
+class SessionSuspendRequest(BodyModel):
     offload: bool = False
 
 
-class SessionRollbackRequest(_Body):
+class SessionRollbackRequest(BodyModel):
     num_tokens: int = Field(ge=1)
 
 

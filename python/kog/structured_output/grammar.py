@@ -299,8 +299,11 @@ def batch_allowed(constraints: Sequence[Constraint]) -> torch.Tensor:
 def _check_tool_schemas(params: StructuredOutputParams, ll: llg.LLTokenizer) -> None:
     """InvalidRequest naming the first tool whose parameters schema does not compile."""
     for tool in params.tools:
-        grammar = llg.LLMatcher.grammar_from_json_schema(parameters_schema(tool), defaults=LENIENT)
-        error = llg.LLMatcher.validate_grammar(grammar, ll)
+        try:
+            grammar = llg.LLMatcher.grammar_from_json_schema(parameters_schema(tool), defaults=LENIENT)
+            error = llg.LLMatcher.validate_grammar(grammar, ll)
+        except ValueError as e:  # e.g. an integer outside int64, which llguidance cannot serialize
+            error = str(e)
         if error:
             raise InvalidRequest(f"structured output (tools): function {tool['function']['name']!r} parameters: "
                                  f"{_without_excerpt(error)}")

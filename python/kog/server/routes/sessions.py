@@ -17,9 +17,9 @@ from fastapi.responses import StreamingResponse
 from kog.conversation import appended_messages
 from kog.engine.request_stream import RequestStream
 from kog.server.chat_prompt import encode_messages, message_dict
+from kog.server.chat_response import ChatResponseContext, chat_choice, chat_stream, chat_usage
 from kog.server.errors import APIError
 from kog.server.params import check_context, sampling_params, speculative_params
-from kog.server.routes.chat import _Ctx, _choice, _stream, _usage
 from kog.server.routes.common import ERROR_RESPONSES, STREAM_RESPONSE
 from kog.server.serving import SSE_HEADERS, Generation
 from kog.server.session_protocol import (SessionAppendRequest, SessionCompletionResponse, SessionDeleted,
@@ -69,7 +69,7 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
         state.check_model(body.model)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    n_context = len((await state.engine.call(state.engine.engine.session_info, session_id))["token_ids"])
+    n_context = await _num_tokens(state, session_id)
     max_tokens = body.max_completion_tokens or body.max_tokens
     check_context(n_context, max_tokens, state.max_model_len)
     k = (body.top_logprobs or 0) if body.logprobs else None
@@ -83,14 +83,15 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
     await gen.start_session(session_id, params, rid, body.priority, n_context)
     parse = session.tools is not None and body.tool_choice != "none"
     parser = tool_parser(state.config.tool_call_parser, structured) if parse else None
-    ctx = _Ctx(state, body, rid, n_context, k, parser, session=True)
+    ctx = ChatResponseContext(state, body, rid, n_context, k, parser, session=True)
     if body.stream:
         return StreamingResponse(_stream_and_record(gen, ctx, session), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     [out] = await gen.run_to_end(request)
     _record_output(session, out, ctx)
     return SessionCompletionResponse(id=rid, created=ctx.created, model=state.model_name,
-                                     choices=[_choice(ctx, c) for c in out.outputs], usage=_usage(ctx, out))
+                                     choices=[chat_choice(ctx, c) for c in out.outputs],
+                                     usage=chat_usage(ctx, out))
 
 
 @router.post("/v1/sessions/{session_id}/append", response_model=SessionTokens, responses=_ERRORS)
@@ -100,11 +101,11 @@ async def append(session_id: str, body: SessionAppendRequest, request: Request) 
     them; the whole conversation is re-rendered and checked) or token ids."""
     state = get_state(request)
     session = _session(state, session_id)
-    engine = state.engine.engine
+    sessions = state.engine.engine.sessions
     if (body.messages is None) == (body.token_ids is None):
         raise APIError(400, "pass exactly one of messages or token_ids", param="messages")
     if body.token_ids is not None:
-        await state.engine.call(engine.append_session, session_id, body.token_ids)
+        await state.engine.call(sessions.append, session_id, body.token_ids)
         session.leave_chat_mode()
     else:
         if session.messages is None:
@@ -114,7 +115,7 @@ async def append(session_id: str, body: SessionAppendRequest, request: Request) 
         conversation = session.messages + new
         full = encode_messages(conversation, state.chat_template, state.tokenizer, session.tools, True,
                                session.chat_kwargs)
-        await state.engine.call(append_render, engine, session_id, full, session.rendered)
+        await state.engine.call(append_render, sessions, session_id, full, session.rendered)
         session.messages, session.rendered = conversation, len(full)
     return SessionTokens(num_tokens=await _num_tokens(state, session_id))
 
@@ -124,12 +125,13 @@ async def fork(session_id: str, body: SessionForkRequest, request: Request) -> S
     """n new sessions with this context, sharing its KV copy-on-write (appended tokens are prefilled once first)."""
     state = get_state(request)
     session = _session(state, session_id)
-    info = await state.engine.call(state.engine.engine.session_info, session_id)
+    sessions = state.engine.engine.sessions
+    info = await state.engine.call(sessions.info, session_id)
     if info["request_id"] is None and info["num_computed"] < len(info["token_ids"]) - 1:
         stream = await state.engine.add_session_request(session_id, None)
         await _run_session_request(state, session_id, stream, close_on_abort=False)
     ids = [f"sess-{uuid.uuid4().hex}" for _ in range(body.n)]
-    await state.engine.call(state.engine.engine.fork_session, session_id, ids)
+    await state.engine.call(sessions.fork, session_id, ids)
     for sid in ids:
         state.sessions[sid] = session.fork(sid)
     return SessionForked(ids=ids)
@@ -140,7 +142,7 @@ async def suspend(session_id: str, body: SessionSuspendRequest, request: Request
     """The session waits on a tool; offload: true swaps its KV to the host pool now."""
     state = get_state(request)
     _session(state, session_id)
-    return SessionState(state=await state.engine.call(state.engine.engine.suspend_session, session_id, body.offload))
+    return SessionState(state=await state.engine.call(state.engine.engine.sessions.suspend, session_id, body.offload))
 
 
 @router.post("/v1/sessions/{session_id}/rollback", response_model=SessionTokens, responses=_ERRORS)
@@ -148,7 +150,7 @@ async def rollback(session_id: str, body: SessionRollbackRequest, request: Reque
     """Keeps the first num_tokens of the context; leaves chat mode."""
     state = get_state(request)
     session = _session(state, session_id)
-    await state.engine.call(state.engine.engine.rollback_session, session_id, body.num_tokens)
+    await state.engine.call(state.engine.engine.sessions.rollback, session_id, body.num_tokens)
     session.leave_chat_mode()
     session.rendered = min(session.rendered, body.num_tokens)
     return SessionTokens(num_tokens=await _num_tokens(state, session_id))
@@ -158,7 +160,7 @@ async def rollback(session_id: str, body: SessionRollbackRequest, request: Reque
 async def get_session(session_id: str, request: Request) -> SessionInfo:
     state = get_state(request)
     session = _session(state, session_id)
-    info = await state.engine.call(state.engine.engine.session_info, session_id)
+    info = await state.engine.call(state.engine.engine.sessions.info, session_id)
     return SessionInfo(id=session_id, num_tokens=len(info["token_ids"]), token_ids=info["token_ids"],
                        num_computed=info["num_computed"],
                        kv_state=str(info["kv_state"]), pinned_tokens=info["pinned_tokens"],
@@ -189,7 +191,7 @@ def _session(state: ServerState, session_id: str) -> ServerSession:
 
 
 async def _num_tokens(state: ServerState, session_id: str) -> int:
-    return len((await state.engine.call(state.engine.engine.session_info, session_id))["token_ids"])
+    return len((await state.engine.call(state.engine.engine.sessions.info, session_id))["token_ids"])
 
 
 async def _run_session_request(state: ServerState, session_id: str, stream: RequestStream, close_on_abort: bool):
@@ -217,20 +219,20 @@ async def _close_quietly(state: ServerState, session_id: str) -> None:
         pass
 
 
-def _record_output(session: ServerSession, out, ctx: _Ctx) -> None:
+def _record_output(session: ServerSession, out, ctx: ChatResponseContext) -> None:
     """Chat mode: a generation that joined the context becomes an assistant message."""
     # NOTE: recorded as the raw text, which the template renders back as the model wrote it
     # (append_render aligns any re-tokenization difference); the reply as the client got it
     # is kept beside, to recognise it in a whole conversation sent back to append.
     if session.messages is not None and _completed(out):
-        session.replies[len(session.messages)] = _choice(ctx, out.outputs[0]).message.model_dump(exclude_none=True)
+        session.replies[len(session.messages)] = chat_choice(ctx, out.outputs[0]).message.model_dump(exclude_none=True)
         session.messages.append({"role": "assistant", "content": out.outputs[0].text})
 
 
-async def _stream_and_record(gen: Generation, ctx: _Ctx, session: ServerSession):
+async def _stream_and_record(gen: Generation, ctx: ChatResponseContext, session: ServerSession):
     """The chat SSE stream; the output is recorded even when the client leaves after its end."""
     try:
-        async for chunk in _stream(gen, ctx):
+        async for chunk in chat_stream(gen, ctx):
             yield chunk
     finally:
         out = gen.last.get(0)
