@@ -1,6 +1,8 @@
 // Maps kog::Error kinds to the Python classes of kog.errors (one hierarchy, defined in Python).
 #include <pybind11/pybind11.h>
 
+#include <string>
+
 #include "common/errors.h"
 
 namespace py = pybind11;
@@ -14,6 +16,7 @@ const char* python_class(kog::ErrorKind kind) {
     case kog::ErrorKind::kUnknownSequence: return "UnknownSequence";
     case kog::ErrorKind::kInvalidOperation: return "InvalidOperation";
     case kog::ErrorKind::kBackend: return "BackendError";
+    case kog::ErrorKind::kInternal: return "InternalError";
   }
   return "KogError";
 }
@@ -21,6 +24,12 @@ const char* python_class(kog::ErrorKind kind) {
 }  // namespace
 
 void bind_errors(py::module_& m) {
+  // Test hook: raises what a failed KOG_CHECK ("check") or KOG_ASSERT ("assert") raises, so
+  // tests/cpu/test_error_kinds.py checks the C++ -> Python -> HTTP mapping of both.
+  m.def("raise_native_error_for_test", [](const std::string& which) {
+    KOG_CHECK(which != "check", "a bad argument (KOG_CHECK)");
+    KOG_ASSERT(which != "assert", "a broken invariant (KOG_ASSERT)");
+  }, py::arg("which"));
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

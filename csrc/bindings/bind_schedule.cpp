@@ -1,13 +1,97 @@
-// Exposes the schedule's opcode and buffer numbering so Python can check its mirror.
+// The model program's types (kog._C.ModelDims, kog._C.Op) and the numbering Python mirrors:
+// opcodes, buffer ids, dtype codes and the sampling-row layout, exported so the mirrors are
+// checked against C++ itself (tests/cpu/test_schedule.py, test_gpu_program.py).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
-#include "schedule/opcodes.h"
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/errors.h"
+#include "schedule/program.h"
+#include "schedule/sampling_row.h"
 
 namespace py = pybind11;
 using kog::schedule::Buffer;
+using kog::schedule::ModelDims;
+using kog::schedule::Op;
 using kog::schedule::Opcode;
 
+namespace {
+
+ModelDims make_dims(int64_t n_layers, int64_t hidden, int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim,
+                    int64_t intermediate, int64_t vocab, int64_t rotary_dim, float rms_eps, float attn_scale,
+                    bool rope_neox, int dtype) {
+  KOG_CHECK(dtype >= 0 && dtype <= int(kog::DType::kI64), "ModelDims: unknown dtype code ", dtype);
+  ModelDims d{n_layers, hidden, n_q_heads, n_kv_heads, head_dim, intermediate, vocab, rotary_dim,
+              rms_eps, attn_scale, rope_neox, kog::DType(dtype)};
+  kog::schedule::validate_dims(d);
+  return d;
+}
+
+Op make_op(int op, int layer, int in, int residual, int out, uintptr_t w0, uintptr_t w1,
+           const std::vector<int>& deps) {
+  KOG_CHECK(deps.size() <= size_t(kog::schedule::kMaxDeps), "Op: ", deps.size(), " deps (at most ",
+            kog::schedule::kMaxDeps, ")");
+  Op o{op, layer, in, residual, out, int32_t(deps.size()), reinterpret_cast<const void*>(w0),
+       reinterpret_cast<const void*>(w1), {}};
+  for (size_t k = 0; k < deps.size(); ++k) o.deps[k] = deps[k];
+  return o;
+}
+
+std::vector<int> deps_of(const Op& o) { return std::vector<int>(o.deps, o.deps + o.n_deps); }
+
+py::tuple field(size_t offset, size_t size) { return py::make_tuple(offset, size); }
+
+}  // namespace
+
 void bind_schedule(py::module_& m) {
+  using py::arg;
+  py::class_<ModelDims>(m, "ModelDims", "The shape of one model, as every executor takes it (validated).")
+      .def(py::init(&make_dims), arg("n_layers"), arg("hidden"), arg("n_q_heads"), arg("n_kv_heads"),
+           arg("head_dim"), arg("intermediate"), arg("vocab"), arg("rotary_dim"), arg("rms_eps"),
+           arg("attn_scale"), arg("rope_neox"), arg("dtype"))
+      .def_readonly("n_layers", &ModelDims::n_layers)
+      .def_readonly("hidden", &ModelDims::hidden)
+      .def_readonly("n_q_heads", &ModelDims::n_q_heads)
+      .def_readonly("n_kv_heads", &ModelDims::n_kv_heads)
+      .def_readonly("head_dim", &ModelDims::head_dim)
+      .def_readonly("intermediate", &ModelDims::intermediate)
+      .def_readonly("vocab", &ModelDims::vocab)
+      .def_readonly("rotary_dim", &ModelDims::rotary_dim)
+      .def_readonly("rms_eps", &ModelDims::rms_eps)
+      .def_readonly("attn_scale", &ModelDims::attn_scale)
+      .def_readonly("rope_neox", &ModelDims::rope_neox)
+      .def_property_readonly("dtype", [](const ModelDims& d) { return int(d.dtype); })
+      .def("buffer_width", [](const ModelDims& d, int b) {
+             KOG_CHECK(b >= 0 && b < int(Buffer::kNumBuffers), "buffer_width: bad buffer ", b);
+             return kog::schedule::buffer_width(d, b);
+           }, arg("buffer"), "Elements per batch row of a buffer (TOKENS: 1 int32).");
+
+  py::class_<Op>(m, "Op", "One op of the program with resolved operands (csrc/schedule/program.h).")
+      .def(py::init(&make_op), arg("opcode"), arg("layer"), arg("in_"), arg("residual"), arg("out"), arg("w0"),
+           arg("w1"), arg("deps"))
+      .def_readonly("opcode", &Op::op)
+      .def_readonly("layer", &Op::layer)
+      .def_readonly("in_", &Op::in)
+      .def_readonly("residual", &Op::residual)
+      .def_readonly("out", &Op::out)
+      .def_property_readonly("w0", [](const Op& o) { return reinterpret_cast<uintptr_t>(o.w0); })
+      .def_property_readonly("w1", [](const Op& o) { return reinterpret_cast<uintptr_t>(o.w1); })
+      .def_property_readonly("deps", &deps_of)
+      .def("__repr__", [](const Op& o) {
+        std::string deps;
+        for (int k = 0; k < o.n_deps; ++k) deps += (k ? ", " : "") + std::to_string(o.deps[k]);
+        return "Op(opcode=" + std::to_string(o.op) + ", layer=" + std::to_string(o.layer) + ", in_=" +
+               std::to_string(o.in) + ", residual=" + std::to_string(o.residual) + ", out=" +
+               std::to_string(o.out) + ", deps=[" + deps + "])";
+      });
+  m.def("validate_program", &kog::schedule::validate_program, arg("ops"), arg("dims"),
+        "Raises InvalidRequest naming the first bad op (opcode, layer, buffers, weights, deps).");
+  m.attr("PROGRAM_MAX_DEPS") = kog::schedule::kMaxDeps;
+
   py::dict ops;
   ops["EMBED"] = int(Opcode::kEmbed);
   ops["RMS_NORM"] = int(Opcode::kRmsNorm);
@@ -32,4 +116,23 @@ void bind_schedule(py::module_& m) {
   bufs["LOGITS"] = int(Buffer::kLogits);
   m.attr("SCHEDULE_BUFFERS") = bufs;
   m.attr("SCHEDULE_NUM_BUFFERS") = int(Buffer::kNumBuffers);
+
+  // kog::DType codes by torch dtype name (kog.ops.DTYPE_CODE maps torch dtypes through it).
+  py::dict dtypes;
+  for (kog::DType t : {kog::DType::kF32, kog::DType::kF16, kog::DType::kBF16, kog::DType::kI32, kog::DType::kI64})
+    dtypes[kog::dtype_name(t)] = int(t);
+  m.attr("DTYPE_CODES") = dtypes;
+
+  // SamplingRow: {"itemsize": bytes, "fields": {name: (offset, size)}}, in declaration order.
+  using kog::schedule::SamplingRow;
+  py::dict fields;
+  fields["temperature"] = field(offsetof(SamplingRow, temperature), sizeof(SamplingRow::temperature));
+  fields["top_k"] = field(offsetof(SamplingRow, top_k), sizeof(SamplingRow::top_k));
+  fields["top_p"] = field(offsetof(SamplingRow, top_p), sizeof(SamplingRow::top_p));
+  fields["min_p"] = field(offsetof(SamplingRow, min_p), sizeof(SamplingRow::min_p));
+  fields["seed"] = field(offsetof(SamplingRow, seed), sizeof(SamplingRow::seed));
+  py::dict layout;
+  layout["itemsize"] = sizeof(SamplingRow);
+  layout["fields"] = fields;
+  m.attr("SAMPLING_ROW_LAYOUT") = layout;
 }

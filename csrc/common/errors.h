@@ -13,6 +13,7 @@ enum class ErrorKind {
   kUnknownSequence,   // -> kog.UnknownSequence (a KeyError)
   kInvalidOperation,  // -> kog.InvalidOperation
   kBackend,           // -> kog.BackendError (a GPU runtime failure, a missing backend)
+  kInternal,          // -> kog.errors.InternalError: a broken invariant of Kog itself (HTTP 500)
 };
 
 class Error : public std::runtime_error {
@@ -46,7 +47,8 @@ template <typename... Args>
 
 }  // namespace kog
 
-// KOG_CHECK(cond, "message ", value, ...) throws kog::Error(kInvalidArgument).
+// KOG_CHECK(cond, "message ", value, ...) throws kog::Error(kInvalidArgument): the caller passed
+// a bad argument (-> kog.InvalidRequest, HTTP 400). Use it for what a caller can get wrong.
 #define KOG_CHECK(cond, ...)                                                            \
   do {                                                                                  \
     if (!(cond)) ::kog::throw_error(::kog::ErrorKind::kInvalidArgument, __VA_ARGS__);   \
@@ -55,4 +57,12 @@ template <typename... Args>
 #define KOG_CHECK_KIND(cond, kind, ...)                                                 \
   do {                                                                                  \
     if (!(cond)) ::kog::throw_error(::kog::ErrorKind::kind, __VA_ARGS__);               \
+  } while (0)
+
+// KOG_ASSERT(cond, "message ", value, ...) throws kog::Error(kInternal): an invariant Kog itself
+// maintains is broken (a bug, not a bad request: -> kog.errors.InternalError, HTTP 500). Checked
+// in release builds too; use it for what no caller input can cause.
+#define KOG_ASSERT(cond, ...)                                                                   \
+  do {                                                                                          \
+    if (!(cond)) ::kog::throw_error(::kog::ErrorKind::kInternal, "internal error: ", __VA_ARGS__); \
   } while (0)

@@ -1,7 +1,7 @@
 // Kog's CPU worker threads: parallel regions whose waits spin briefly, then sleep.
 //
 // Why not OpenMP: libgomp's default wait policy spins ~300k iterations at every barrier and
-// between regions. The decode step ends each of its ~200 instructions with a barrier, so when
+// between regions. The decode step meets at a barrier before ~8 of each layer's 10 ops, so when
 // another process holds a core (an agent's compiler next to its model), the thread that
 // arrives first burns its time slice waiting for one that is not running: 0.8 tok/s where one
 // thread makes 30. Here every wait spins for at most a budget that adapts (it halves each time

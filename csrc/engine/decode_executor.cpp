@@ -40,47 +40,48 @@ float load_f32(const void* p, int64_t i, DType t) {
 }  // namespace
 
 DecodeExecutor::DecodeExecutor(const ModelDims& dims, const KVCacheDesc& kv,
-                               std::vector<float> inv_freq, std::vector<Instruction> program)
+                               std::vector<float> inv_freq, std::vector<Op> program)
     : d_(dims), kv_(kv), inv_freq_(std::move(inv_freq)), program_(std::move(program)) {
-  KOG_CHECK(is_float_dtype(d_.dtype), "decode executor: run dtype must be a float type");
-  KOG_CHECK(d_.n_layers > 0 && d_.hidden > 0 && d_.n_kv_heads > 0 && d_.head_dim > 0 &&
-                d_.intermediate > 0 && d_.vocab > 0 && d_.n_q_heads % d_.n_kv_heads == 0,
-            "decode executor: bad model dims");
-  KOG_CHECK(int64_t(inv_freq_.size()) * 2 == d_.rotary_dim && d_.rotary_dim > 0 &&
-                d_.rotary_dim <= d_.head_dim,
-            "decode executor: rotary_dim ", d_.rotary_dim, " != 2 x len(inv_freq) ", inv_freq_.size());
+  schedule::validate_dims(d_);
+  KOG_CHECK(int64_t(inv_freq_.size()) * 2 == d_.rotary_dim, "decode executor: rotary_dim ", d_.rotary_dim,
+            " != 2 x len(inv_freq) ", inv_freq_.size());
   KOG_CHECK(kv_.base != nullptr && kv_.num_blocks > 0 && kv_.block_size > 0, "decode executor: bad KV cache");
-  for (size_t i = 0; i < program_.size(); ++i) {
-    const Instruction& ins = program_[i];
-    KOG_CHECK(int(ins.op) >= 0 && ins.op < Opcode::kNumOpcodes, "instruction ", i, ": bad opcode ", int(ins.op));
-    KOG_CHECK(ins.layer >= -1 && ins.layer < d_.n_layers, "instruction ", i, ": bad layer ", ins.layer);
-    for (int32_t b : {ins.in, ins.residual, ins.out})
-      KOG_CHECK(b >= -1 && b < int32_t(Buffer::kNumBuffers), "instruction ", i, ": bad buffer ", b);
-    const bool needs_layer = ins.op == Opcode::kKvAppend || ins.op == Opcode::kAttnDecode;
-    KOG_CHECK(!needs_layer || ins.layer >= 0, "instruction ", i, ": needs a layer");
-    const bool needs_w = ins.op == Opcode::kEmbed || ins.op == Opcode::kRmsNorm ||
-                         ins.op == Opcode::kLinear || ins.op == Opcode::kQkNorm;
-    KOG_CHECK(!needs_w || ins.w0 != nullptr, "instruction ", i, ": missing weight");
-    KOG_CHECK(ins.op != Opcode::kQkNorm || ins.w1 != nullptr, "instruction ", i, ": missing k_norm");
-  }
+  schedule::validate_program(program_, d_);
   elem_ = dtype_size(d_.dtype);
-  qkv_width_ = (d_.n_q_heads + 2 * d_.n_kv_heads) * d_.head_dim;
+  qkv_width_ = width(Buffer::kQkv);
   layer_stride_ = kv_.num_blocks * 2 * d_.n_kv_heads * kv_.block_size * d_.head_dim;
+  plan_barriers();
 }
 
-int64_t DecodeExecutor::width(Buffer b) const {
-  switch (b) {
-    case Buffer::kTokens: return 1;
-    case Buffer::kHidden:
-    case Buffer::kResidual:
-    case Buffer::kNormed: return d_.hidden;
-    case Buffer::kQkv: return qkv_width_;
-    case Buffer::kAttn: return d_.n_q_heads * d_.head_dim;
-    case Buffer::kGateUp: return 2 * d_.intermediate;
-    case Buffer::kAct: return d_.intermediate;
-    case Buffer::kLogits: return d_.vocab;
-    default: return 0;
+// NOTE (invariant): inside a step's parallel region an op runs either on thread 0 alone
+// (serial: every op but LINEAR) or split over the whole team (LINEAR: which output rows a
+// thread computes is decided at run time by the row queue's stealing, so no two split ops share
+// a row partition). Program order on thread 0 orders two serial ops; a team barrier orders
+// everything before it (transitively: all of it completed) against everything after it. So op j
+// needs a barrier before it iff one of its deps ran since the last barrier and the pair is not
+// serial -> serial. Two split ops with no dependency may overlap: their row-queue epochs differ
+// (a thief skips slices of another epoch) and each thread uses its own scratch slice in turn.
+void DecodeExecutor::plan_barriers() {
+  barrier_before_.assign(program_.size(), 0);
+  auto split = [&](size_t i) { return Opcode(program_[i].op) == Opcode::kLinear; };
+  size_t since = 0;  // ops [since, j) ran after the last barrier
+  for (size_t j = 0; j < program_.size(); ++j) {
+    const Op& op = program_[j];
+    for (int k = 0; k < op.n_deps; ++k) {
+      const size_t d = size_t(op.deps[k]);
+      if (d >= since && (split(d) || split(j))) {
+        barrier_before_[j] = 1;
+        since = j;
+        break;
+      }
+    }
   }
+}
+
+int64_t DecodeExecutor::num_barriers() const {
+  int64_t n = 0;
+  for (char b : barrier_before_) n += b;
+  return n;
 }
 
 void DecodeExecutor::reserve(int64_t batch) {
@@ -89,8 +90,7 @@ void DecodeExecutor::reserve(int64_t batch) {
   int64_t offsets[int(Buffer::kNumBuffers)], total = 0, max_k = 0;
   for (int b = 0; b < int(Buffer::kNumBuffers); ++b) {
     offsets[b] = total;
-    const int64_t esize = b == int(Buffer::kTokens) ? 4 : elem_;
-    total += (batch * width(Buffer(b)) * esize + 63) / 64 * 64;
+    total += (batch * width(Buffer(b)) * schedule::buffer_elem_size(d_, b) + 63) / 64 * 64;
     if (b != int(Buffer::kTokens) && b != int(Buffer::kLogits)) max_k = std::max(max_k, width(Buffer(b)));
   }
   arena_.assign(size_t(total + 64), 0);
@@ -135,12 +135,15 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
   const int64_t n = stop_after < 0 ? int64_t(program_.size()) : std::min<int64_t>(stop_after, program_.size());
   // NOTE: the step runs inside one parallel region per segment (the CPU analogue of the
   // persistent GPU kernel): every LINEAR is split over the threads in row chunks (each thread
-  // its own slice first, then stealing: cpu/row_queue.h), the small ops run on thread
-  // 0 (as plain loops: for_each_row opens no nested region), and a barrier ends each instruction,
-  // which orders every dependency of the schedule. Only attention with enough work for all
-  // threads leaves the region, to use the attention kernel's own split (runs_alone).
+  // its own slice first, then stealing: cpu/row_queue.h), the small ops run on thread 0 (as
+  // plain loops: for_each_row opens no nested region), and the team meets at a barrier only
+  // before the ops plan_barriers marked (a dependency that crosses threads). Only attention
+  // with enough work for all threads leaves the region, to use the attention kernel's own split
+  // (runs_alone); leaving and entering a region orders everything, like a barrier.
   cpu::ThreadPool& pool = cpu::ThreadPool::instance();
   const int n_threads = std::min<int64_t>(pool.size(), int64_t(scratch_.size()) / std::max<int64_t>(1, scratch_stride_));
+  // reserve() sized the scratch for the pool's threads at the time, at least one.
+  KOG_ASSERT(n_threads >= 1, "decode executor: linear scratch for ", n_threads, " threads");
   for (int64_t i = 0; i < n;) {
     if (runs_alone(program_[i])) {
       exec(program_[i], s);
@@ -153,13 +156,13 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
       if (t == 0 && (!row_queue_ || row_queue_->n_threads() != nt)) row_queue_ = std::make_unique<cpu::RowQueue>(nt);
       pool.barrier();
       for (int64_t j = i; j < end; ++j) {
-        const Instruction& ins = program_[j];
-        if (ins.op == Opcode::kLinear) {
-          linear_part(ins, s.batch, epoch_base_ + uint32_t(j), t);
+        if (j > i && barrier_before_[size_t(j)]) pool.barrier();
+        const Op& op = program_[size_t(j)];
+        if (Opcode(op.op) == Opcode::kLinear) {
+          linear_part(op, s.batch, epoch_base_ + uint32_t(j), t);
         } else if (t == 0) {
-          exec(ins, s);
+          exec(op, s);
         }
-        pool.barrier();
       }
     });
     i = end;
@@ -170,24 +173,24 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
 // NOTE: attention leaves the region exactly when the kernel would use all threads itself
 // (inside the region it runs on thread 0 while the others wait at the barrier): from ~450
 // cached tokens for SmolLM2 (9 heads x 64), ~64 for Llama-3-8B (32 x 128).
-bool DecodeExecutor::runs_alone(const Instruction& ins) const {
-  return ins.op == Opcode::kAttnDecode &&
+bool DecodeExecutor::runs_alone(const Op& op) const {
+  return Opcode(op.op) == Opcode::kAttnDecode &&
          batch_ * max_seq_len_ * d_.n_q_heads * d_.head_dim >= kCpuAttentionParallelMinWork;
 }
 
-void DecodeExecutor::exec(const Instruction& ins, const DecodeStep& s) {
+void DecodeExecutor::exec(const Op& op, const DecodeStep& s) {
   const cpu::KernelTable& k = cpu::kernels();
   const int64_t B = s.batch, hd = d_.head_dim, q_w = d_.n_q_heads * hd, kv_w = d_.n_kv_heads * hd;
   char* qkv = buf(int(Buffer::kQkv));
-  switch (ins.op) {
-    case Opcode::kEmbed: embed(ins, s); break;
-    case Opcode::kRmsNorm: rmsnorm(ins, B); break;
+  switch (Opcode(op.op)) {
+    case Opcode::kEmbed: embed(op, s); break;
+    case Opcode::kRmsNorm: rmsnorm(op, B); break;
     case Opcode::kLinear: {  // outside a region: the kernel's own threads
-      const LinearParams p = linear_params(ins, B);
+      const LinearParams p = linear_params(op, B);
       k.linear(p, scratch_.data());
       break;
     }
-    case Opcode::kQkNorm: qk_norm(ins, B); break;
+    case Opcode::kQkNorm: qk_norm(op, B); break;
     case Opcode::kRope: {
       RopeParams p{qkv, qkv + q_w * elem_, s.positions, inv_freq_.data(), B, d_.n_q_heads,
                    d_.n_kv_heads, hd, d_.rotary_dim, qkv_width_, qkv_width_, 1.0f, d_.rope_neox,
@@ -196,67 +199,67 @@ void DecodeExecutor::exec(const Instruction& ins, const DecodeStep& s) {
       break;
     }
     case Opcode::kKvAppend: {
-      KVAppendParams p{static_cast<char*>(kv_.base) + ins.layer * layer_stride_ * elem_,
+      KVAppendParams p{static_cast<char*>(kv_.base) + op.layer * layer_stride_ * elem_,
                        qkv + q_w * elem_, qkv + (q_w + kv_w) * elem_, s.slots, B, d_.n_kv_heads,
                        hd, kv_.block_size, kv_.num_blocks, qkv_width_, qkv_width_, d_.dtype};
       k.kv_append(p);
       break;
     }
-    case Opcode::kAttnDecode: attention(ins, s); break;
+    case Opcode::kAttnDecode: attention(op, s); break;
     case Opcode::kSiluMul: {
-      SiluAndMulParams p{buf(ins.out), buf(ins.in), B, d_.intermediate, 2 * d_.intermediate,
+      SiluAndMulParams p{buf(op.out), buf(op.in), B, d_.intermediate, 2 * d_.intermediate,
                          d_.intermediate, d_.dtype};
       k.silu_and_mul(p);
       break;
     }
-    case Opcode::kSample: sample(s); break;
+    case Opcode::kSample: sample(op, s); break;
     default: break;
   }
 }
 
-void DecodeExecutor::embed(const Instruction& ins, const DecodeStep& s) {
+void DecodeExecutor::embed(const Op& op, const DecodeStep& s) {
   const int64_t row = d_.hidden * elem_;
   const int32_t* tokens = reinterpret_cast<const int32_t*>(buf(int(Buffer::kTokens)));
   for (int64_t b = 0; b < s.batch; ++b)
-    std::memcpy(buf(ins.out) + b * row, static_cast<const char*>(ins.w0) + tokens[b] * row, size_t(row));
+    std::memcpy(buf(op.out) + b * row, static_cast<const char*>(op.w0) + tokens[b] * row, size_t(row));
 }
 
-void DecodeExecutor::rmsnorm(const Instruction& ins, int64_t batch) {
-  const int64_t w = width(Buffer(ins.out));
-  RMSNormParams p{buf(ins.out), buf(ins.in), ins.residual >= 0 ? buf(ins.residual) : nullptr, ins.w0,
+void DecodeExecutor::rmsnorm(const Op& op, int64_t batch) {
+  const int64_t w = width(Buffer(op.out));
+  RMSNormParams p{buf(op.out), buf(op.in), op.residual >= 0 ? buf(op.residual) : nullptr, op.w0,
                   batch, w, w, w, w, d_.rms_eps, d_.dtype};
   cpu::kernels().rmsnorm(p);
 }
 
-void DecodeExecutor::qk_norm(const Instruction& ins, int64_t batch) {
+void DecodeExecutor::qk_norm(const Op& op, int64_t batch) {
   // Per token: q heads are [n_q_heads, head_dim] rows, k heads follow them in the qkv row.
   const int64_t hd = d_.head_dim;
   for (int64_t b = 0; b < batch; ++b) {
-    char* q = buf(ins.out) + b * qkv_width_ * elem_;
+    char* q = buf(op.out) + b * qkv_width_ * elem_;
     char* kk = q + d_.n_q_heads * hd * elem_;
-    RMSNormParams pq{q, q, nullptr, ins.w0, d_.n_q_heads, hd, hd, hd, 0, d_.rms_eps, d_.dtype};
-    RMSNormParams pk{kk, kk, nullptr, ins.w1, d_.n_kv_heads, hd, hd, hd, 0, d_.rms_eps, d_.dtype};
+    RMSNormParams pq{q, q, nullptr, op.w0, d_.n_q_heads, hd, hd, hd, 0, d_.rms_eps, d_.dtype};
+    RMSNormParams pk{kk, kk, nullptr, op.w1, d_.n_kv_heads, hd, hd, hd, 0, d_.rms_eps, d_.dtype};
     cpu::kernels().rmsnorm(pq);
     cpu::kernels().rmsnorm(pk);
   }
 }
 
-LinearParams DecodeExecutor::linear_params(const Instruction& ins, int64_t batch) {
-  const int64_t n = width(Buffer(ins.out)), kdim = width(Buffer(ins.in));
-  return LinearParams{buf(ins.out), buf(ins.in), ins.w0, ins.w1, batch, n, kdim, kdim, n, d_.dtype};
+LinearParams DecodeExecutor::linear_params(const Op& op, int64_t batch) {
+  const int64_t n = width(Buffer(op.out)), kdim = width(Buffer(op.in));
+  return LinearParams{buf(op.out), buf(op.in), op.w0, op.w1, batch, n, kdim, kdim, n, d_.dtype};
 }
 
-void DecodeExecutor::linear_part(const Instruction& ins, int64_t batch, uint32_t epoch, int part) {
-  cpu::kernels().linear_part(linear_params(ins, batch), scratch_.data() + part * scratch_stride_, *row_queue_,
+void DecodeExecutor::linear_part(const Op& op, int64_t batch, uint32_t epoch, int part) {
+  cpu::kernels().linear_part(linear_params(op, batch), scratch_.data() + part * scratch_stride_, *row_queue_,
                              epoch, part);
 }
 
-void DecodeExecutor::attention(const Instruction& ins, const DecodeStep& s) {
+void DecodeExecutor::attention(const Op& op, const DecodeStep& s) {
   const int64_t hd = d_.head_dim;
   PagedAttentionParams p{};
-  p.out = buf(ins.out);
-  p.q = buf(ins.in);
-  p.kv_cache = static_cast<const char*>(kv_.base) + ins.layer * layer_stride_ * elem_;
+  p.out = buf(op.out);
+  p.q = buf(op.in);
+  p.kv_cache = static_cast<const char*>(kv_.base) + op.layer * layer_stride_ * elem_;
   p.block_tables = s.block_tables;
   p.seq_lens = s.seq_lens;
   p.query_start_loc = nullptr;
@@ -278,10 +281,10 @@ void DecodeExecutor::attention(const Instruction& ins, const DecodeStep& s) {
   cpu::kernels().paged_attention_decode(p);
 }
 
-void DecodeExecutor::sample(const DecodeStep& s) {
+void DecodeExecutor::sample(const Op& op, const DecodeStep& s) {
   // Logits leave the run dtype here: [B, vocab] f32 out, greedy ids into TOKENS.
-  const char* logits = buf(int(Buffer::kLogits));
-  int32_t* tokens = reinterpret_cast<int32_t*>(buf(int(Buffer::kTokens)));
+  const char* logits = buf(op.in);
+  int32_t* tokens = reinterpret_cast<int32_t*>(buf(op.out));
   for (int64_t b = 0; b < s.batch; ++b) {
     float* out = s.logits + b * d_.vocab;
     const void* row = logits + b * d_.vocab * elem_;
@@ -299,7 +302,7 @@ void DecodeExecutor::sample(const DecodeStep& s) {
 
 void DecodeExecutor::read_buffer(Buffer b, void* dst, int64_t nbytes) const {
   KOG_CHECK(int(b) >= 0 && b < Buffer::kNumBuffers, "read_buffer: bad buffer ", int(b));
-  const int64_t esize = b == Buffer::kTokens ? 4 : elem_;
+  const int64_t esize = schedule::buffer_elem_size(d_, int32_t(b));
   KOG_CHECK(nbytes == batch_ * width(b) * esize, "read_buffer: ", nbytes, " bytes asked, buffer holds ",
             batch_ * width(b) * esize);
   std::memcpy(dst, buf(int(b)), size_t(nbytes));

@@ -1,9 +1,10 @@
-// The CPU decode executor: runs the decode instruction schedule (csrc/schedule/opcodes.h, built
-// by kog/schedule.py) for a whole batch in one call, every instruction on the CPU kernel table.
+// The CPU decode executor: runs the model program (csrc/schedule/program.h, built by
+// kog.program) for a whole batch in one call, every op on the CPU kernel table, with a barrier
+// only where a dependency crosses threads (decode_executor.cpp: plan_barriers).
 // Built once per model; keeps a workspace arena of activation buffers that grows with the batch.
 //
-//   DecodeExecutor ex(dims, kv, inv_freq, instructions);   // weight pointers baked in
-//   ex.run(step);                                          // logits [batch, vocab] f32
+//   DecodeExecutor ex(dims, kv, inv_freq, ops);   // weight pointers baked in
+//   ex.run(step);                                 // logits [batch, vocab] f32
 //
 // The executor does not own weights or the KV cache: the caller keeps them alive and in place.
 #pragma once
@@ -15,44 +16,15 @@
 #include "common/dtype.h"
 #include "cpu/row_queue.h"
 #include "ops/linear.h"
-#include "schedule/opcodes.h"
+#include "schedule/program.h"
 
 namespace kog::engine {
 
 using schedule::Buffer;
+using schedule::KVCacheDesc;
+using schedule::ModelDims;
+using schedule::Op;
 using schedule::Opcode;
-
-struct ModelDims {
-  int64_t n_layers;
-  int64_t hidden;
-  int64_t n_q_heads;
-  int64_t n_kv_heads;     // divides n_q_heads
-  int64_t head_dim;
-  int64_t intermediate;
-  int64_t vocab;
-  int64_t rotary_dim;     // 2 * len(inv_freq), <= head_dim
-  float rms_eps;
-  float attn_scale;       // softmax scale, usually head_dim^-0.5
-  bool rope_neox;
-  DType dtype;            // run dtype of weights, activations and the KV cache (f32/f16/bf16)
-};
-
-struct KVCacheDesc {
-  void* base;             // [n_layers, num_blocks, 2, n_kv_heads, block_size, head_dim] dtype, contiguous
-  int64_t num_blocks;
-  int64_t block_size;
-};
-
-// One schedule instruction with its operands resolved. Buffers not used are -1.
-struct Instruction {
-  Opcode op;
-  int32_t layer;          // -1 for model-level instructions
-  int32_t in;             // Buffer read (RMS_NORM: x; LINEAR: x; ...)
-  int32_t residual;       // RMS_NORM only: the residual stream it adds x to and normalizes
-  int32_t out;            // Buffer written
-  const void* w0;         // weight (EMBED: [vocab, hidden]; LINEAR: [n, k]; norms: [width]; QK_NORM: q_norm)
-  const void* w1;         // LINEAR: bias [n] or null; QK_NORM: k_norm [head_dim]
-};
 
 struct DecodeStep {
   int64_t batch;                // B >= 1
@@ -68,39 +40,46 @@ struct DecodeStep {
 
 class DecodeExecutor {
  public:
+  // Validates dims and program (schedule::validate_dims / validate_program): kInvalidArgument
+  // naming the bad field or op.
   DecodeExecutor(const ModelDims& dims, const KVCacheDesc& kv, std::vector<float> inv_freq,
-                 std::vector<Instruction> program);
+                 std::vector<Op> program);
 
-  // Runs instructions [0, stop_after) (all when stop_after < 0); validates the step first and
-  // throws kog::Error(kInvalidArgument) naming the first bad index, having run nothing.
+  // Runs ops [0, stop_after) (all when stop_after < 0); validates the step first and throws
+  // kog::Error(kInvalidArgument) naming the first bad index, having run nothing.
   // Thread-safe: concurrent calls are serialized (they share the arena and the cache).
   void run(const DecodeStep& step, int64_t stop_after = -1);
 
-  // Copies buffer b ([B, width] in the run dtype; LOGITS: f32) of the last run into dst.
+  // Copies buffer b ([B, width] in the run dtype; TOKENS: int32) of the last run into dst.
   void read_buffer(Buffer b, void* dst, int64_t nbytes) const;
-  int64_t width(Buffer b) const;
-  int64_t num_instructions() const { return int64_t(program_.size()); }
+  int64_t width(Buffer b) const { return schedule::buffer_width(d_, int32_t(b)); }
+  int64_t num_ops() const { return int64_t(program_.size()); }
+  // Barriers a whole step's region places (inside the region; attention outside it aside).
+  int64_t num_barriers() const;
 
  private:
   void validate(const DecodeStep& s) const;
   void reserve(int64_t batch);
   char* buf(int32_t b) const { return base_[b]; }
-  void exec(const Instruction& ins, const DecodeStep& s);
-  void embed(const Instruction& ins, const DecodeStep& s);
-  void rmsnorm(const Instruction& ins, int64_t batch);
-  void qk_norm(const Instruction& ins, int64_t batch);
+  void exec(const Op& op, const DecodeStep& s);
+  void embed(const Op& op, const DecodeStep& s);
+  void rmsnorm(const Op& op, int64_t batch);
+  void qk_norm(const Op& op, int64_t batch);
   // LINEAR as thread `part` of the region's team, rows from row_queue_ (epoch: see run).
-  void linear_part(const Instruction& ins, int64_t batch, uint32_t epoch, int part);
-  LinearParams linear_params(const Instruction& ins, int64_t batch);
-  // Instructions that run outside the step's parallel region (long-context attention).
-  bool runs_alone(const Instruction& ins) const;
-  void attention(const Instruction& ins, const DecodeStep& s);
-  void sample(const DecodeStep& s);
+  void linear_part(const Op& op, int64_t batch, uint32_t epoch, int part);
+  LinearParams linear_params(const Op& op, int64_t batch);
+  // Ops that run outside the step's parallel region (long-context attention).
+  bool runs_alone(const Op& op) const;
+  void attention(const Op& op, const DecodeStep& s);
+  void sample(const Op& op, const DecodeStep& s);
+  void plan_barriers();
 
   ModelDims d_;
   KVCacheDesc kv_;
   std::vector<float> inv_freq_;
-  std::vector<Instruction> program_;
+  std::vector<Op> program_;
+  // barrier_before_[j]: the region's team meets before op j (plan_barriers).
+  std::vector<char> barrier_before_;
   int64_t elem_;            // bytes per activation element
   int64_t qkv_width_;
   int64_t layer_stride_;    // elements of one layer's cache
@@ -111,7 +90,7 @@ class DecodeExecutor {
   std::vector<float> scratch_;  // linear: [threads, B, max k] f32, one slice per thread
   int64_t scratch_stride_ = 0;  // B * max k
   std::unique_ptr<cpu::RowQueue> row_queue_;  // sized to the region's team
-  uint32_t epoch_base_ = 0;     // + instruction index = a LINEAR's row-queue epoch
+  uint32_t epoch_base_ = 0;     // + op index = a LINEAR's row-queue epoch
   char* base_[int(Buffer::kNumBuffers)] = {};
   std::mutex mu_;
 };

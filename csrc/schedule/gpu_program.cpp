@@ -1,4 +1,7 @@
+// The GPU's expanded program. Contract: gpu_program.h.
 #include "schedule/gpu_program.h"
+
+#include <algorithm>
 
 #include "common/errors.h"
 
@@ -6,48 +9,55 @@ namespace kog::schedule {
 
 namespace {
 
-bool valid_buffer(int32_t b) { return b >= 0 && b < int32_t(Buffer::kNumBuffers); }
-
-void check_op(const GpuOp& o, size_t i, int32_t n_layers) {
-  KOG_CHECK(o.op >= 0 && o.op < int32_t(Opcode::kNumOpcodes), "gpu program: op ", i, " has opcode ", o.op);
-  const auto op = Opcode(o.op);
-  KOG_CHECK(o.layer >= -1 && o.layer < n_layers, "gpu program: op ", i, " names layer ", o.layer);
-  const bool per_layer = op == Opcode::kKvAppend || op == Opcode::kAttnDecode || op == Opcode::kQkNorm;
-  KOG_CHECK(!per_layer || o.layer >= 0, "gpu program: op ", i, " needs a layer");
-  KOG_CHECK(o.in < 0 || valid_buffer(o.in), "gpu program: op ", i, " reads buffer ", o.in);
-  KOG_CHECK(o.out < 0 || valid_buffer(o.out), "gpu program: op ", i, " writes buffer ", o.out);
-  KOG_CHECK(o.residual < 0 || valid_buffer(o.residual), "gpu program: op ", i, " residual ", o.residual);
-  KOG_CHECK(o.in >= 0, "gpu program: op ", i, " reads no buffer");
-  const bool writes = op != Opcode::kKvAppend;
-  KOG_CHECK(!writes || o.out >= 0, "gpu program: op ", i, " writes no buffer");
-  const bool weighted = op == Opcode::kEmbed || op == Opcode::kRmsNorm || op == Opcode::kLinear;
-  KOG_CHECK(!weighted || o.w0 != nullptr, "gpu program: op ", i, " has no weight");
-  KOG_CHECK(op != Opcode::kQkNorm || (o.w0 != nullptr && o.w1 != nullptr), "gpu program: op ", i,
-            " needs q and k norm weights");
-  KOG_CHECK(op != Opcode::kLinear || o.out != int32_t(Buffer::kTokens), "gpu program: op ", i,
-            " writes the token buffer");
+void add_dep(Op& o, int32_t d) {
+  for (int k = 0; k < o.n_deps; ++k)
+    if (o.deps[k] == d) return;
+  KOG_CHECK(o.n_deps < kMaxDeps, "gpu program: an op needs more than ", kMaxDeps, " deps");
+  o.deps[o.n_deps++] = d;
+  std::sort(o.deps, o.deps + o.n_deps);
 }
 
 }  // namespace
 
-std::vector<GpuOp> expand_gpu_program(const std::vector<GpuOp>& schedule_ops, int32_t n_layers) {
-  KOG_CHECK(!schedule_ops.empty(), "gpu program: no ops");
-  std::vector<GpuOp> out;
-  out.reserve(schedule_ops.size() + size_t(n_layers));
-  for (size_t i = 0; i < schedule_ops.size(); ++i) {
-    const GpuOp& o = schedule_ops[i];
-    check_op(o, i, n_layers);
+std::vector<Op> expand_gpu_program(const std::vector<Op>& ops, const ModelDims& dims) {
+  validate_program(ops, dims);
+  // produced[i]: the expanded index whose completion means op i's output is complete.
+  std::vector<int32_t> produced(ops.size());
+  std::vector<Op> out;
+  out.reserve(ops.size() + size_t(dims.n_layers));
+  int32_t last_combine = -1;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    Op o = ops[i];
+    o.n_deps = 0;
+    for (int k = 0; k < ops[i].n_deps; ++k) add_dep(o, produced[size_t(ops[i].deps[k])]);
+    const bool attn = Opcode(o.op) == Opcode::kAttnDecode;
+    if (attn && last_combine >= 0) add_dep(o, last_combine);
     out.push_back(o);
-    if (Opcode(o.op) == Opcode::kAttnDecode) {
+    produced[i] = int32_t(out.size()) - 1;
+    if (attn) {
       // Partials go to the executor's own scratch; the combine writes the attention output.
-      GpuOp combine = o;
+      Op combine = o;
       combine.op = kOpAttnCombine;
+      combine.n_deps = 1;
+      combine.deps[0] = produced[i];
       out.push_back(combine);
+      produced[i] = last_combine = int32_t(out.size()) - 1;
     }
   }
-  const Opcode last = Opcode(out.back().op);
-  KOG_CHECK(last == Opcode::kSample, "gpu program: the last op must be SAMPLE");
   return out;
+}
+
+std::vector<int32_t> program_sinks(const std::vector<Op>& ops) {
+  std::vector<char> has_dependent(ops.size(), 0);
+  for (const Op& o : ops)
+    for (int k = 0; k < o.n_deps; ++k) has_dependent[size_t(o.deps[k])] = 1;
+  std::vector<int32_t> sinks;
+  for (size_t i = 0; i < ops.size(); ++i)
+    if (!has_dependent[i]) sinks.push_back(int32_t(i));
+  // Deps point backwards, so nothing can depend on the last op.
+  KOG_ASSERT(ops.empty() || (!sinks.empty() && size_t(sinks.back()) == ops.size() - 1),
+             "program_sinks: the last op has a dependent");
+  return sinks;
 }
 
 }  // namespace kog::schedule

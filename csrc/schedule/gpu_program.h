@@ -1,32 +1,29 @@
-// The decode schedule as the GPU persistent kernel runs it: a flat list of device ops, each
-// split into work items spread over the workgroups, each waiting on the one before it through a
-// completion counter. Plain C++ (built in every backend, tested on the CPU).
+// The program as the GPU persistent kernel runs it: the validated program (program.h) with the
+// second phase of every ATTN_DECODE inserted after it. Plain C++ (built in every backend,
+// tested on the CPU).
 #pragma once
 #include <cstdint>
 #include <vector>
 
-#include "schedule/opcodes.h"
+#include "schedule/program.h"
 
 namespace kog::schedule {
 
 // GPU-only opcode: the second phase of Opcode::kAttnDecode, the log-sum-exp merge of the
-// context partitions. Schedule opcodes keep their values.
+// context partitions. Program opcodes keep their values.
 constexpr int32_t kOpAttnCombine = 100;
 
-// One operation of the device program (same operands as the CPU executor's Instruction).
-struct GpuOp {
-  int32_t op;          // Opcode value or kOpAttnCombine
-  int32_t layer;       // -1 for model-level ops
-  int32_t in;          // Buffer read, -1 if none
-  int32_t residual;    // RMS_NORM only: the residual stream it adds `in` to, or -1
-  int32_t out;         // Buffer written, -1 if none
-  int32_t pad_ = 0;
-  const void* w0;      // EMBED: [vocab, hidden]; LINEAR: [n, k]; norms: [width]; QK_NORM: q_norm
-  const void* w1;      // LINEAR: bias [n] or null; QK_NORM: k_norm [head_dim]
-};
+// Validates the program (validate_program) and inserts a combine after every ATTN_DECODE:
+//   - the combine depends on its partial phase (it reads the partials the partial phase wrote);
+//   - every op that depended on an ATTN_DECODE depends on its combine (which writes ATTN);
+//   - every partial phase after the first also depends on the previous combine: both use the
+//     one partials scratch (a WAR hazard the Python program does not name).
+// Deps are renumbered to the expanded indices. Throws kog::Error(kInvalidArgument) naming the
+// first bad op of the input program.
+std::vector<Op> expand_gpu_program(const std::vector<Op>& ops, const ModelDims& dims);
 
-// Checks the ops (opcodes, buffers, weights present) and inserts the combine phase after every
-// ATTN_DECODE. Throws kog::Error(kInvalidArgument) naming the first bad op.
-std::vector<GpuOp> expand_gpu_program(const std::vector<GpuOp>& schedule_ops, int32_t n_layers);
+// Ops of an expanded program that no later op depends on. Every op is one of them or an
+// ancestor of one, so a new step that waits on these counters waits for the whole previous step.
+std::vector<int32_t> program_sinks(const std::vector<Op>& ops);
 
 }  // namespace kog::schedule

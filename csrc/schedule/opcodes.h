@@ -1,7 +1,7 @@
-// Opcodes and buffers of the decode instruction schedule: the program that both the CPU
-// executor and the GPU persistent decode kernel run, built on the host once per model config
-// (kog/schedule.py). Numeric values are part of the interface: kog.schedule.Opcode and
-// kog.schedule.Buffer mirror them, and tests/cpu/test_schedule.py checks they agree.
+// Opcodes and buffers of the model program (program.h): what both the CPU executor and the GPU
+// persistent decode kernel run, built on the host once per model config (kog.program).
+// Numeric values are part of the interface: kog.program.Opcode and kog.program.Buffer mirror
+// them, and tests/cpu/test_schedule.py checks them against the values kog._C exports.
 #pragma once
 #include <cstdint>
 
@@ -16,11 +16,12 @@ enum class Opcode : int32_t {
   kKvAppend = 5,    // write the k and v parts of qkv into this layer's paged cache
   kAttnDecode = 6,  // attn = paged attention of q over this layer's cache
   kSiluMul = 7,     // act = silu(gate) * up
-  kSample = 8,      // tokens = sample(logits)
+  kSample = 8,      // tokens = sample(logits); the step's f32 logits output = logits
   kNumOpcodes = 9,
 };
 
-// Activation buffers of one decode step, each [batch, width] in the run dtype.
+// Activation buffers of one decode step, each [batch, width] in the run dtype (widths:
+// program.h buffer_width).
 enum class Buffer : int32_t {
   kTokens = 0,    // [batch] int32: input token ids, then the sampled ones
   kHidden = 1,    // [batch, hidden]
@@ -30,7 +31,7 @@ enum class Buffer : int32_t {
   kAttn = 5,      // [batch, n_q_heads head_dim]
   kGateUp = 6,    // [batch, 2 intermediate]
   kAct = 7,       // [batch, intermediate]
-  kLogits = 8,    // [batch, vocab] f32
+  kLogits = 8,    // [batch, vocab] run dtype (SAMPLE copies it out as f32, on both backends)
   kNumBuffers = 9,
 };
 

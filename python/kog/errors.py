@@ -43,6 +43,11 @@ class BackendError(KogError, RuntimeError):
     """The native backend failed, or the requested backend is not in this build."""
 
 
+class InternalError(KogError, RuntimeError):
+    """A broken invariant inside Kog (a bug, not a bad request: HTTP 500). Native KOG_ASSERT
+    failures are raised as this class; KOG_CHECK failures (bad arguments) as InvalidRequest."""
+
+
 class QueueFull(KogError):
     """The async engine's waiting queue is at its limit; retry later (HTTP 429)."""
 
@@ -60,6 +65,7 @@ __all__ = [
     "ConversationDiverged",
     "EngineDraining",
     "EngineStepError",
+    "InternalError",
     "InvalidOperation",
     "InvalidRequest",
     "KVCacheFull",

@@ -19,15 +19,15 @@ from kog.errors import BackendError, InvalidRequest
 
 apply_torch_threads()
 
-# Mirrors kog::DType (csrc/common/dtype.h).
-_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int32: 3, torch.int64: 4}
+# torch dtype -> kog::DType code (csrc/common/dtype.h), as kog._C exports the codes.
+DTYPE_CODE: dict[torch.dtype, int] = {getattr(torch, name): code for name, code in _C.DTYPE_CODES.items()}
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _float_code(name: str, t: torch.Tensor) -> int:
     if t.dtype not in FLOAT_DTYPES:
         raise InvalidRequest(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-    return _DTYPE_CODE[t.dtype]
+    return DTYPE_CODE[t.dtype]
 
 
 def _same(name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:
@@ -176,7 +176,7 @@ def rope(
     _C.rope(
         q.data_ptr(), k.data_ptr() if k is not None else 0, positions.data_ptr(), inv_freq.data_ptr(),
         n_tokens, n_q_heads, n_kv_heads, head_dim, rotary_dim, q.stride(0) if n_tokens > 1 else n_q_heads * head_dim,
-        k_stride, float(attention_scaling), bool(is_neox), code, _DTYPE_CODE[positions.dtype], device, stream,
+        k_stride, float(attention_scaling), bool(is_neox), code, DTYPE_CODE[positions.dtype], device, stream,
     )
     return q, k
 
@@ -338,7 +338,7 @@ def kv_append(
         validate_indices: check slot values (reads them; pass False when the caller already has).
     """
     num_blocks, n_kv_heads, block_size, head_dim = _kv_cache_shape(kv_cache)
-    code = _DTYPE_CODE[kv_cache.dtype]
+    code = DTYPE_CODE[kv_cache.dtype]
     for name, t in (("k", k), ("v", v)):
         _same(name, t, kv_cache, "kv_cache")
         _heads(name, t, k.shape[0] if k.dim() == 3 else None)
@@ -423,7 +423,7 @@ _PREFILL_KERNEL = {"auto": 0, "split": 1, "flash": 2}
 def _paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, validate, kernel=0):
     decode = query_start_loc is None
     num_blocks, n_kv_heads, block_size, head_dim = _kv_cache_shape(kv_cache)
-    code = _DTYPE_CODE[kv_cache.dtype]
+    code = DTYPE_CODE[kv_cache.dtype]
     _same("q", q, kv_cache, "kv_cache")
     _heads("q", q)
     n_tokens, n_q_heads = q.shape[0], q.shape[1]

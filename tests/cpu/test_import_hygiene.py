@@ -27,13 +27,7 @@ import pytest
 KOG = Path(__file__).resolve().parents[2] / "python" / "kog"
 PUBLIC_UNDERSCORE = {"_C"}  # kog._C, the native module
 
-# NOTE: known violations another helper of issue 15 is removing (kog.ops._DTYPE_CODE becomes
-# dtype codes exported from C++). The lead deletes these two entries after merging that work;
-# the test fails if an entry no longer matches a violation, so a stale entry cannot linger.
-ALLOWED = {
-    ("kog.models.decode", "_DTYPE_CODE"),
-    ("kog.models.gpu_decode", "_DTYPE_CODE"),
-}
+ALLOWED: set[tuple[str, str]] = set()  # (module, private name) exceptions; none today
 
 
 @dataclass(frozen=True)

@@ -72,3 +72,39 @@ def test_attention_waits_for_its_layers_kv_append():
 def test_bad_spec():
     with pytest.raises(ValueError, match="n_layers"):
         build_decode_schedule(ScheduleSpec(n_layers=0))
+
+
+def test_dtype_codes_are_the_ones_cpp_exports():
+    import torch
+
+    from kog.ops import DTYPE_CODE
+
+    assert {str(t).removeprefix("torch."): code for t, code in DTYPE_CODE.items()} == dict(_C.DTYPE_CODES)
+    assert {torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64} <= set(DTYPE_CODE)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_model_dims_come_from_the_config(arch):
+    import torch
+
+    import kog
+    from kog.models.decode import ROPE_NEOX, model_dims
+    from kog.ops import DTYPE_CODE
+    from kog.testing.tiny_models import tiny_config
+
+    c = tiny_config(arch)
+    d = model_dims(c, torch.bfloat16)
+    assert (d.n_layers, d.hidden, d.n_q_heads, d.n_kv_heads, d.head_dim, d.intermediate, d.vocab) == (
+        c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+        c.intermediate_size, c.vocab_size)
+    assert d.rope_neox == ROPE_NEOX[arch] and d.dtype == DTYPE_CODE[torch.bfloat16]
+    assert d.buffer_width(Buffer.QKV) == (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    assert d.buffer_width(Buffer.LOGITS) == c.vocab_size and d.buffer_width(Buffer.TOKENS) == 1
+    fields = dict(n_layers=2, hidden=64, n_q_heads=4, n_kv_heads=3, head_dim=16, intermediate=128, vocab=99,
+                  rotary_dim=16, rms_eps=1e-6, attn_scale=0.25, rope_neox=True, dtype=0)
+    with pytest.raises(kog.InvalidRequest, match="3 kv heads do not divide 4 query heads"):
+        _C.ModelDims(**fields)
+    with pytest.raises(kog.InvalidRequest, match="rotary_dim 18"):
+        _C.ModelDims(**(fields | dict(n_kv_heads=2, rotary_dim=18)))
+    with pytest.raises(kog.InvalidRequest, match="float type"):
+        model_dims(c, torch.int32)

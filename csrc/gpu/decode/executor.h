@@ -12,19 +12,7 @@
 
 namespace kog::gpu::decode {
 
-struct GpuModelDims {
-  int32_t n_layers, hidden, n_q_heads, n_kv_heads, head_dim, intermediate, vocab, rotary_dim;
-  float rms_eps;
-  float attn_scale;
-  bool rope_neox;
-  DType dtype;
-};
-
-struct GpuKVCache {
-  void* base;            // [n_layers, num_blocks, 2, n_kv_heads, block_size, head_dim] dtype, device
-  int64_t num_blocks;
-  int32_t block_size;
-};
+using schedule::KVCacheDesc;
 
 // One step's inputs and outputs, all device pointers (the caller keeps them alive until the
 // launch completes on `stream`).
@@ -44,7 +32,7 @@ struct GpuDecodeStep {
   int32_t n_stop_ids;
   int32_t* out_tokens;           // [n_steps, B]
   int32_t* finished;             // [B] in/out
-  float* logits;                 // [B, vocab] f32: the last step's logits
+  float* logits;                 // [B, vocab] f32: the last step's logits (SAMPLE's copy of LOGITS)
 };
 
 class GpuDecodeExecutor {
@@ -53,9 +41,10 @@ class GpuDecodeExecutor {
   static constexpr int kMaxLoopSteps = 64;
 
   // ops: the expanded program (schedule::expand_gpu_program) with device weight pointers; inv_freq: device
-  // [rotary_dim / 2] f32. Allocates the activation arena on the current device.
-  GpuDecodeExecutor(const GpuModelDims& dims, const GpuKVCache& kv, const float* inv_freq,
-                    const std::vector<GpuOp>& ops);
+  // [rotary_dim / 2] f32. Allocates the activation arena on the current device (widths:
+  // schedule::buffer_width, the same as the CPU executor's).
+  GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& kv, const float* inv_freq,
+                    const std::vector<Op>& ops);
   ~GpuDecodeExecutor();
   GpuDecodeExecutor(const GpuDecodeExecutor&) = delete;
   GpuDecodeExecutor& operator=(const GpuDecodeExecutor&) = delete;
@@ -69,11 +58,13 @@ class GpuDecodeExecutor {
  private:
   void ensure_partials(int32_t max_parts);
 
-  GpuModelDims d_;
-  GpuKVCache kv_;
+  ModelDims d_;
+  KVCacheDesc kv_;
   const float* inv_freq_;
   int32_t n_ops_ = 0;
-  GpuOp* program_ = nullptr;        // device
+  int32_t n_sinks_ = 0;
+  Op* program_ = nullptr;           // device
+  int32_t* sinks_ = nullptr;        // device [n_sinks_] (schedule::program_sinks)
   char* arena_ = nullptr;           // device: activation buffers for kMaxBatch rows
   char* buffers_[int(schedule::Buffer::kNumBuffers)] = {};
   unsigned* counters_ = nullptr;    // device [kMaxLoopSteps * n_ops + 1]

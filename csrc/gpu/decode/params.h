@@ -5,38 +5,29 @@
 
 #include "common/dtype.h"
 #include "schedule/gpu_program.h"
-#include "schedule/opcodes.h"
+#include "schedule/sampling_row.h"
 
 namespace kog::gpu::decode {
 
-using schedule::GpuOp;
 using schedule::kOpAttnCombine;
-
-// Per-sequence sampling on the device. temperature <= 0 is greedy (argmax).
-struct SamplingRow {
-  float temperature;
-  int32_t top_k;       // <= 0: off
-  float top_p;         // 1: off
-  float min_p;         // 0: off
-  uint64_t seed;       // draws are a function of (seed, step counter): reproducible
-};
+using schedule::ModelDims;
+using schedule::Op;
+using schedule::SamplingRow;
 
 struct PersistentDecodeParams {
-  const GpuOp* program;        // [n_ops] device memory
+  const Op* program;           // [n_ops] device memory: the expanded program (gpu_program.h)
   int32_t n_ops;
+  const int32_t* step_sinks;   // [n_sinks] device: ops nothing later in the step depends on
+  int32_t n_sinks;
   int32_t batch;               // B, 1..kMaxBatch
   int32_t n_steps;             // decode steps run in this launch (>= 1): loop mode when > 1
 
-  // model
-  int32_t n_layers, hidden, n_q_heads, n_kv_heads, head_dim, intermediate, vocab, rotary_dim;
-  float rms_eps;
-  float attn_scale;
-  bool rope_neox;
-  DType dtype;                 // weights, activations and KV cache
+  ModelDims dims;              // the model (schedule/program.h; buffer widths: buffer_width)
   const float* inv_freq;       // [rotary_dim / 2] device
 
-  // activations: buffers[b] is [B, width(b)] in dtype; LOGITS is f32; TOKENS is int32 [B]
+  // activations: buffers[b] is [B, buffer_width(b)] in dtype (LOGITS too); TOKENS is int32 [B]
   char* buffers[int(schedule::Buffer::kNumBuffers)];
+  float* logits_out;           // [B, vocab] f32: SAMPLE copies its LOGITS row here
   float* attn_partials;        // [B, n_q_heads, max_parts, head_dim + 2] f32 (acc..., max, sum)
   int32_t max_parts;           // context partitions per sequence, sized for the last step
 

@@ -2,16 +2,20 @@
 // the final norm, the LM head and sampling -- for n_steps tokens (loop mode: the sampled token
 // feeds the next step on the device; positions, slots and stop checks too).
 //
-// Every workgroup walks the same program (params.h GpuOp list). Op j of step s is split into
-// work items; workgroup w takes items w, w + grid, ... Before its first item of an op, a
-// workgroup (1) issues the loads of its first weight vectors when the op is a LINEAR, then
-// (2) waits until the previous op's completion counter reaches that op's item count; after each
-// item it bumps the op's own counter (sync.cuh). So there is no grid-wide barrier: a workgroup
-// with nothing to do in an op runs ahead to the next one and has its weights in flight while the
-// op it depends on finishes elsewhere. The last workgroup to leave zeroes the counters, so
+// Every workgroup walks the same program (the expanded schedule::Op list). Op j of step s is
+// split into work items; workgroup w takes items w, w + grid, ... Before its first item of an
+// op, a workgroup (1) issues the loads of its first weight vectors when the op is a LINEAR, then
+// (2) waits until the completion counter of each of the op's deps reaches that dep's item count
+// (exactly its deps, not the op before it: independent ops overlap); after each item it bumps
+// the op's own counter (sync.cuh). A dep's full count implies its own deps completed (each item
+// ran after them), so waits are transitive. A new step first waits on the previous step's sinks
+// (schedule::program_sinks: every op is one of them or an ancestor). So there is no grid-wide
+// barrier: a workgroup with nothing to do in an op runs ahead to the next one and has its
+// weights in flight while the ops it depends on finish elsewhere. The last workgroup to leave zeroes the counters, so
 // nothing is reset or re-captured between launches, whatever the batch or context lengths.
 // Cooperative launch guarantees that all workgroups are resident (the waits cannot deadlock).
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "gpu/decode/attention_item.cuh"
@@ -32,90 +36,80 @@ namespace {
 constexpr int kSmemFloats = kAttnPartialSmemFloats > kSampleSmemFloats ? kAttnPartialSmemFloats
                                                                                : kSampleSmemFloats;
 
-__host__ __device__ inline int64_t buffer_width(const PersistentDecodeParams& p, int32_t b) {
-  switch (Buffer(b)) {
-    case Buffer::kTokens: return 1;
-    case Buffer::kHidden:
-    case Buffer::kResidual:
-    case Buffer::kNormed: return p.hidden;
-    case Buffer::kQkv: return int64_t(p.n_q_heads + 2 * p.n_kv_heads) * p.head_dim;
-    case Buffer::kAttn: return int64_t(p.n_q_heads) * p.head_dim;
-    case Buffer::kGateUp: return 2 * int64_t(p.intermediate);
-    case Buffer::kAct: return p.intermediate;
-    case Buffer::kLogits: return p.vocab;
-    default: return 0;
-  }
+__host__ __device__ __forceinline__ int64_t buffer_width(const PersistentDecodeParams& p, int32_t b) {
+  return schedule::buffer_width(p.dims, b);
 }
 
-__device__ inline int64_t items_of(const PersistentDecodeParams& p, const GpuOp& op) {
+__device__ inline int64_t items_of(const PersistentDecodeParams& p, const Op& op) {
   switch (op.op) {
     case int32_t(Opcode::kLinear): return linear_items(buffer_width(p, op.out));
-    case int32_t(Opcode::kAttnDecode): return int64_t(p.batch) * p.n_q_heads * p.max_parts;
-    case kOpAttnCombine: return int64_t(p.batch) * p.n_q_heads;
+    case int32_t(Opcode::kAttnDecode): return int64_t(p.batch) * p.dims.n_q_heads * p.max_parts;
+    case kOpAttnCombine: return int64_t(p.batch) * p.dims.n_q_heads;
     default: return p.batch;  // one item per sequence
   }
 }
 
 template <typename T>
-__device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const GpuOp& op, int64_t item, int step,
+__device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const Op& op, int64_t item, int step,
                          const WeightPrefetch<T>& pf, bool use_pf, float* smem) {
   auto buf = [&](int32_t b) { return reinterpret_cast<T*>(p.buffers[b]); };
   const int b = int(item);  // per-sequence ops
   const int64_t qkv_w = buffer_width(p, int32_t(Buffer::kQkv));
-  const int64_t layer_elems = p.num_blocks * 2 * p.n_kv_heads * p.block_size * int64_t(p.head_dim);
+  const int64_t layer_elems = p.num_blocks * 2 * p.dims.n_kv_heads * p.block_size * int64_t(p.dims.head_dim);
   T* kv_layer = static_cast<T*>(p.kv_base) + (op.layer < 0 ? 0 : op.layer) * layer_elems;
-  const AttnShape as{p.n_q_heads, p.n_kv_heads, p.head_dim, p.block_size, p.attn_scale};
+  const AttnShape as{int(p.dims.n_q_heads), int(p.dims.n_kv_heads), int(p.dims.head_dim), p.block_size, p.dims.attn_scale};
   switch (op.op) {
     case int32_t(Opcode::kEmbed):
       embed_item<T>(static_cast<const T*>(op.w0), reinterpret_cast<const int32_t*>(p.buffers[op.in]), buf(op.out),
-                    p.hidden, b);
+                    p.dims.hidden, b);
       break;
     case int32_t(Opcode::kRmsNorm):
       rmsnorm_item<T>(buf(op.in), op.residual >= 0 ? buf(op.residual) : nullptr, static_cast<const T*>(op.w0),
-                      buf(op.out), buffer_width(p, op.out), p.rms_eps, b, smem);
+                      buf(op.out), buffer_width(p, op.out), p.dims.rms_eps, b, smem);
       break;
     case int32_t(Opcode::kLinear): {
       const int64_t n = buffer_width(p, op.out), k = buffer_width(p, op.in);
-      if (op.out == int32_t(Buffer::kLogits))
-        linear_item<T, float>(static_cast<const T*>(op.w0), static_cast<const T*>(op.w1), buf(op.in), k,
-                              reinterpret_cast<float*>(p.buffers[op.out]), n, p.batch, n, k, item, pf, use_pf);
-      else
-        linear_item<T, T>(static_cast<const T*>(op.w0), static_cast<const T*>(op.w1), buf(op.in), k, buf(op.out), n,
-                          p.batch, n, k, item, pf, use_pf);
+      linear_item<T, T>(static_cast<const T*>(op.w0), static_cast<const T*>(op.w1), buf(op.in), k, buf(op.out), n,
+                        p.batch, n, k, item, pf, use_pf);
       break;
     }
     case int32_t(Opcode::kQkNorm):
-      qk_norm_item<T>(buf(op.in), qkv_w, static_cast<const T*>(op.w0), static_cast<const T*>(op.w1), p.n_q_heads,
-                      p.n_kv_heads, p.head_dim, p.rms_eps, b);
+      qk_norm_item<T>(buf(op.in), qkv_w, static_cast<const T*>(op.w0), static_cast<const T*>(op.w1), p.dims.n_q_heads,
+                      p.dims.n_kv_heads, p.dims.head_dim, p.dims.rms_eps, b);
       break;
     case int32_t(Opcode::kRope):
-      rope_item<T>(buf(op.in), qkv_w, p.inv_freq, p.positions[b], p.n_q_heads + p.n_kv_heads, p.head_dim,
-                   p.rotary_dim, p.rope_neox, b);
+      rope_item<T>(buf(op.in), qkv_w, p.inv_freq, p.positions[b], p.dims.n_q_heads + p.dims.n_kv_heads, p.dims.head_dim,
+                   p.dims.rotary_dim, p.dims.rope_neox, b);
       break;
     case int32_t(Opcode::kKvAppend):
-      kv_append_item<T>(buf(op.in), qkv_w, kv_layer, p.slots[b], p.n_q_heads, p.n_kv_heads, p.head_dim,
+      kv_append_item<T>(buf(op.in), qkv_w, kv_layer, p.slots[b], p.dims.n_q_heads, p.dims.n_kv_heads, p.dims.head_dim,
                         p.block_size, b);
       break;
     case int32_t(Opcode::kAttnDecode): {  // item = (b, h, part)
-      const int part = int(item % p.max_parts), h = int(item / p.max_parts % p.n_q_heads);
-      const int sb = int(item / (int64_t(p.max_parts) * p.n_q_heads));
-      attn_partial_item<T>(buf(op.in) + sb * qkv_w + int64_t(h) * p.head_dim, kv_layer,
-                           p.block_tables + int64_t(sb) * p.max_blocks, p.seq_lens[sb], h / (p.n_q_heads / p.n_kv_heads),
-                           p.attn_partials + item * (p.head_dim + 2), as, part, smem);
+      const int part = int(item % p.max_parts), h = int(item / p.max_parts % p.dims.n_q_heads);
+      const int sb = int(item / (int64_t(p.max_parts) * p.dims.n_q_heads));
+      attn_partial_item<T>(buf(op.in) + sb * qkv_w + int64_t(h) * p.dims.head_dim, kv_layer,
+                           p.block_tables + int64_t(sb) * p.max_blocks, p.seq_lens[sb], h / (p.dims.n_q_heads / p.dims.n_kv_heads),
+                           p.attn_partials + item * (p.dims.head_dim + 2), as, part, smem);
       break;
     }
     case kOpAttnCombine: {  // item = (b, h)
-      const int sb = int(item / p.n_q_heads), h = int(item % p.n_q_heads);
-      attn_combine_item<T>(p.attn_partials + item * p.max_parts * (p.head_dim + 2), attn_parts(p.seq_lens[sb]),
-                           buf(op.out) + sb * int64_t(p.n_q_heads) * p.head_dim + int64_t(h) * p.head_dim, p.head_dim);
+      const int sb = int(item / p.dims.n_q_heads), h = int(item % p.dims.n_q_heads);
+      attn_combine_item<T>(p.attn_partials + item * p.max_parts * (p.dims.head_dim + 2), attn_parts(p.seq_lens[sb]),
+                           buf(op.out) + sb * int64_t(p.dims.n_q_heads) * p.dims.head_dim + int64_t(h) * p.dims.head_dim, p.dims.head_dim);
       break;
     }
     case int32_t(Opcode::kSiluMul):
-      silu_mul_item<T>(buf(op.in), buf(op.out), p.intermediate, b);
+      silu_mul_item<T>(buf(op.in), buf(op.out), p.dims.intermediate, b);
       break;
     case int32_t(Opcode::kSample): {
-      const float* logits = reinterpret_cast<const float*>(p.buffers[op.in]) + int64_t(b) * p.vocab;
-      const int token = sample_row(logits, p.vocab, p.sampling[b], p.rng_step + uint64_t(step), smem);
+      // LOGITS is the run dtype (as on the CPU); the f32 copy is the step's logits output and
+      // what is sampled from.
+      const T* row = buf(op.in) + int64_t(b) * p.dims.vocab;
+      float* logits = p.logits_out + int64_t(b) * p.dims.vocab;
+      for (int64_t v = threadIdx.x; v < p.dims.vocab; v += blockDim.x) logits[v] = gpu_to_float(row[v]);
+      __syncthreads();
+      const int token = sample_row(logits, p.dims.vocab, p.sampling[b], p.rng_step + uint64_t(step), smem);
       if (threadIdx.x == 0) {
         const bool was_done = p.finished[b] != 0;
         p.out_tokens[step * p.batch + b] = was_done ? -1 : token;
@@ -137,13 +131,27 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
   }
 }
 
+// Every thread of the workgroup calls it; returns once each op ops[i] of the step whose counters
+// start at step_base completed all of its items (thread 0 spins, then one sync and acquire).
+__device__ __forceinline__ void wait_for_ops(const PersistentDecodeParams& p, const int32_t* ops, int32_t n,
+                                             int64_t step_base) {
+  if (threadIdx.x == 0)
+    for (int32_t k = 0; k < n; ++k) {
+      const int32_t d = ops[k];
+      const unsigned target = unsigned(items_of(p, p.program[d]));
+      while (load_acquire(&p.counters[step_base + d]) < target) backoff();
+    }
+  __syncthreads();
+  fence_acquire();
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(PersistentDecodeParams p) {
   __shared__ float smem[kSmemFloats];
   __shared__ int all_done;
   for (int step = 0; step < p.n_steps; ++step) {
-    if (step > 0) {  // every workgroup: the previous step's SAMPLE completed
-      wait_for(&p.counters[int64_t(step) * p.n_ops - 1], unsigned(p.batch));
+    if (step > 0) {  // every workgroup: the whole previous step completed (its sinks, SAMPLE included)
+      wait_for_ops(p, p.step_sinks, p.n_sinks, int64_t(step - 1) * p.n_ops);
       if (threadIdx.x == 0) {
         int done = 1;
         for (int b = 0; b < p.batch; ++b) done &= p.finished[b] != 0;
@@ -154,9 +162,9 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(Persiste
     }
     for (int j = 0; j < p.n_ops; ++j) {
       const int64_t g = int64_t(step) * p.n_ops + j;
-      const GpuOp op = p.program[j];
+      const Op& op = p.program[j];
       const int64_t n_items = items_of(p, op);
-      bool ready = g == 0 || (j == 0 && step > 0);  // a new step already waited above
+      bool ready = op.n_deps == 0;  // deps are ops of this step: the step's start waited for the last
       WeightPrefetch<T> pf;
       bool have_pf = false;
       for (int64_t item = blockIdx.x; item < n_items; item += gridDim.x) {
@@ -166,7 +174,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(Persiste
                                pf);
             have_pf = true;
           }
-          wait_for(&p.counters[g - 1], unsigned(items_of(p, p.program[j == 0 ? p.n_ops - 1 : j - 1])));
+          wait_for_ops(p, op.deps, op.n_deps, int64_t(step) * p.n_ops);
           ready = true;
         }
         run_item<T>(p, op, item, step, pf, have_pf, smem);
@@ -201,41 +209,37 @@ void* kernel_for(DType t) {
 
 }  // namespace
 
-GpuDecodeExecutor::GpuDecodeExecutor(const GpuModelDims& dims, const GpuKVCache& kv, const float* inv_freq,
-                                     const std::vector<GpuOp>& ops)
+GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& kv, const float* inv_freq,
+                                     const std::vector<Op>& ops)
     : d_(dims), kv_(kv), inv_freq_(inv_freq), n_ops_(int32_t(ops.size())) {
-  KOG_CHECK(!ops.empty(), "gpu decode: empty program");
+  // ops come from schedule::expand_gpu_program, which validated them and the dims.
+  KOG_ASSERT(!ops.empty(), "gpu decode: empty program");
   KOG_CHECK(dims.head_dim <= kMaxHeadDim && dims.head_dim % 2 == 0, "gpu decode: head_dim ", dims.head_dim,
             " must be even and <= ", kMaxHeadDim);
-  KOG_CHECK(dims.n_kv_heads > 0 && dims.n_q_heads % dims.n_kv_heads == 0, "gpu decode: heads ", dims.n_q_heads,
-            "/", dims.n_kv_heads);
+  KOG_CHECK(kv.block_size > 0 && kv.block_size <= INT32_MAX, "gpu decode: block_size ", kv.block_size);
   const int64_t elem = dtype_size(dims.dtype);
   const int64_t vec = 16 / elem;
   KOG_CHECK(dims.hidden % vec == 0 && dims.intermediate % vec == 0 && (dims.n_q_heads * dims.head_dim) % vec == 0,
             "gpu decode: hidden, intermediate and q width must be multiples of ", vec, " elements");
-  for (const GpuOp& o : ops)
+  for (const Op& o : ops)
     if (o.op == int32_t(Opcode::kLinear))
       KOG_CHECK(reinterpret_cast<uintptr_t>(o.w0) % 16 == 0, "gpu decode: LINEAR weights must be 16-byte aligned");
-  const int64_t widths[] = {0,
-                            dims.hidden,
-                            dims.hidden,
-                            dims.hidden,
-                            int64_t(dims.n_q_heads + 2 * dims.n_kv_heads) * dims.head_dim,
-                            int64_t(dims.n_q_heads) * dims.head_dim,
-                            2 * int64_t(dims.intermediate),
-                            dims.intermediate,
-                            0};
+  // TOKENS lives in the caller's tensor; every other buffer (LOGITS too) in the arena.
   int64_t offsets[int(Buffer::kNumBuffers)];
   int64_t total = 0;
   for (int b = 0; b < int(Buffer::kNumBuffers); ++b) {
     offsets[b] = total;
-    const int64_t bytes = b == int(Buffer::kTokens) ? kMaxBatch * 4 : kMaxBatch * widths[b] * elem;
+    const int64_t bytes = b == int(Buffer::kTokens) ? 0 : kMaxBatch * schedule::buffer_width(d_, b) * elem;
     total += (bytes + 255) / 256 * 256;
   }
   KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&arena_), size_t(total)));
   for (int b = 0; b < int(Buffer::kNumBuffers); ++b) buffers_[b] = arena_ + offsets[b];
-  KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&program_), ops.size() * sizeof(GpuOp)));
-  KOG_GPU_CHECK(gpuMemcpyAsync(program_, ops.data(), ops.size() * sizeof(GpuOp), gpuMemcpyHostToDevice, nullptr));
+  KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&program_), ops.size() * sizeof(Op)));
+  KOG_GPU_CHECK(gpuMemcpyAsync(program_, ops.data(), ops.size() * sizeof(Op), gpuMemcpyHostToDevice, nullptr));
+  const std::vector<int32_t> sinks = schedule::program_sinks(ops);
+  n_sinks_ = int32_t(sinks.size());
+  KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&sinks_), sinks.size() * sizeof(int32_t)));
+  KOG_GPU_CHECK(gpuMemcpyAsync(sinks_, sinks.data(), sinks.size() * sizeof(int32_t), gpuMemcpyHostToDevice, nullptr));
   const size_t counter_bytes = (size_t(kMaxLoopSteps) * ops.size() + 1) * sizeof(unsigned);
   KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&counters_), counter_bytes));
   KOG_GPU_CHECK(gpuMemsetAsync(counters_, 0, counter_bytes, nullptr));
@@ -254,6 +258,7 @@ GpuDecodeExecutor::~GpuDecodeExecutor() {
   // Frees cannot throw out of a destructor: errors here are dropped.
   (void)gpuFree(partials_);
   (void)gpuFree(counters_);
+  (void)gpuFree(sinks_);
   (void)gpuFree(program_);
   (void)gpuFree(arena_);
 }
@@ -289,17 +294,17 @@ void GpuDecodeExecutor::run(const GpuDecodeStep& s, void* stream) {
   p.n_ops = n_ops_;
   p.batch = s.batch;
   p.n_steps = s.n_steps;
-  p.n_layers = d_.n_layers, p.hidden = d_.hidden, p.n_q_heads = d_.n_q_heads, p.n_kv_heads = d_.n_kv_heads;
-  p.head_dim = d_.head_dim, p.intermediate = d_.intermediate, p.vocab = d_.vocab, p.rotary_dim = d_.rotary_dim;
-  p.rms_eps = d_.rms_eps, p.attn_scale = d_.attn_scale, p.rope_neox = d_.rope_neox, p.dtype = d_.dtype;
+  p.step_sinks = sinks_;
+  p.n_sinks = n_sinks_;
+  p.dims = d_;
   p.inv_freq = inv_freq_;
   std::memcpy(p.buffers, buffers_, sizeof(buffers_));
-  // Tokens and logits live in the caller's tensors, so they need no copy in or out.
+  // Tokens and the f32 logits live in the caller's tensors, so they need no copy in or out.
   p.buffers[int(Buffer::kTokens)] = reinterpret_cast<char*>(s.tokens);
-  p.buffers[int(Buffer::kLogits)] = reinterpret_cast<char*>(s.logits);
+  p.logits_out = s.logits;
   p.attn_partials = partials_;
   p.max_parts = max_parts;
-  p.kv_base = kv_.base, p.num_blocks = kv_.num_blocks, p.block_size = kv_.block_size;
+  p.kv_base = kv_.base, p.num_blocks = kv_.num_blocks, p.block_size = int32_t(kv_.block_size);
   p.positions = s.positions, p.seq_lens = s.seq_lens, p.slots = s.slots;
   p.block_tables = s.block_tables, p.max_blocks = s.max_blocks;
   p.sampling = s.sampling, p.rng_step = s.rng_step;

@@ -1,9 +1,12 @@
-"""The native decode step: kog._C.DecodeExecutor built from the decode schedule.
+"""The native decode step: kog._C.DecodeExecutor built from the model program.
 
-Python resolves each instruction of kog.program.build_decode_schedule to raw operands (buffers,
-weight addresses); C++ runs the whole program for the batch in one call, GIL released. The
-executor points into `weights` and the KV tensor: both must stay alive and never move, which
-the owner (ModelRunner) guarantees by keeping them for its lifetime.
+Python lowers each op of the program (kog.program: opcode, layer, reads, writes, weight names,
+deps) to a kog._C.Op with raw operands (buffer ids, weight addresses, dep indices); C++ runs the
+whole program for the batch in one call, GIL released. `model_dims` is the one place the model's
+shape (kog._C.ModelDims) is built from the config; the CPU executor and the GPU kernel
+(kog.models.gpu_decode) both take it. The executor points into `weights` and the KV tensor:
+both must stay alive and never move, which the owner (ModelRunner) guarantees by keeping them
+for its lifetime.
 """
 
 from __future__ import annotations
@@ -12,8 +15,32 @@ import torch
 
 from kog import _C
 from kog.config import ModelConfig
-from kog.ops import _DTYPE_CODE
+from kog.errors import InvalidRequest
+from kog.ops import DTYPE_CODE
 from kog.program import Buffer, Instruction, Opcode, ScheduleSpec, build_decode_schedule
+
+# RoPE pairing of each family's checkpoints as Kog loads them: rotate_half, i.e. dims (i, i + R/2)
+# (HF Llama, Mistral and Qwen; GGUF llama weights are permuted back to it on load).
+ROPE_NEOX: dict[str, bool] = {"llama": True, "mistral": True, "qwen2": True, "qwen3": True}
+
+
+def model_dims(config: ModelConfig, dtype: torch.dtype) -> _C.ModelDims:
+    """The model's shape as both executors take it (validated in C++: InvalidRequest if bad).
+
+    Args:
+        config: the model.
+        dtype: the run dtype of weights, activations and the KV cache.
+    """
+    if config.architecture not in ROPE_NEOX:
+        raise InvalidRequest(f"no decode program for architecture {config.architecture!r}")
+    if dtype not in DTYPE_CODE:
+        raise InvalidRequest(f"run dtype {dtype} has no kog dtype code")
+    return _C.ModelDims(
+        n_layers=config.num_hidden_layers, hidden=config.hidden_size,
+        n_q_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim, intermediate=config.intermediate_size, vocab=config.vocab_size,
+        rotary_dim=config.head_dim, rms_eps=config.rms_norm_eps, attn_scale=config.head_dim ** -0.5,
+        rope_neox=ROPE_NEOX[config.architecture], dtype=DTYPE_CODE[dtype])
 
 
 def schedule_for(config: ModelConfig) -> list[Instruction]:
@@ -22,12 +49,13 @@ def schedule_for(config: ModelConfig) -> list[Instruction]:
         qkv_bias=config.attention_bias, tie_word_embeddings=config.tie_word_embeddings))
 
 
-def resolve(ins: Instruction, weights: dict[str, torch.Tensor]) -> tuple[int, int, int, int, int, int, int]:
-    """(opcode, layer, in, residual, out, w0, w1) of one instruction, as DecodeExecutor takes it.
+def lower(ins: Instruction, weights: dict[str, torch.Tensor]) -> _C.Op:
+    """One program op with raw operands, as both executors take it.
 
     RMS_NORM reads (x,) or (x, residual): with a residual the kernel adds x into it and
-    normalizes the sum. Attention and KV_APPEND name the layer's cache, which the executor
-    addresses by layer; only their activation buffers are passed here.
+    normalizes the sum. Attention and KV_APPEND name the layer's cache, which the executors
+    address by layer; only their activation buffers are passed here. deps are indices into the
+    same program.
     """
     bufs_in = [r for r in ins.reads if isinstance(r, Buffer)]
     bufs_out = [w for w in ins.writes if isinstance(w, Buffer)]
@@ -35,29 +63,29 @@ def resolve(ins: Instruction, weights: dict[str, torch.Tensor]) -> tuple[int, in
     if ins.opcode == Opcode.RMS_NORM and len(bufs_in) == 2:
         residual = int(bufs_in[1])
     ptrs = [weights[name].data_ptr() for name in ins.weights] + [0, 0]
-    return (int(ins.opcode), ins.layer, int(bufs_in[0]) if bufs_in else -1, residual,
-            int(bufs_out[0]) if bufs_out else -1, ptrs[0], ptrs[1])
+    return _C.Op(int(ins.opcode), ins.layer, int(bufs_in[0]) if bufs_in else -1, residual,
+                 int(bufs_out[0]) if bufs_out else -1, ptrs[0], ptrs[1], sorted(ins.deps))
+
+
+def lower_program(program: list[Instruction], weights: dict[str, torch.Tensor]) -> list[_C.Op]:
+    """Every op of a program, lowered (see lower)."""
+    return [lower(ins, weights) for ins in program]
 
 
 def build_executor(config: ModelConfig, weights: dict[str, torch.Tensor], kv: torch.Tensor,
-                   block_size: int, inv_freq: torch.Tensor) -> _C.DecodeExecutor:
+                   block_size: int, inv_freq: torch.Tensor,
+                   program: list[Instruction] | None = None) -> _C.DecodeExecutor:
     """Args:
         config: the model.
         weights: prepared weights (kog.models.weights.prepare_weights), contiguous, run dtype.
         kv: [num_layers, num_blocks, 2, n_kv_heads, block_size, head_dim] in the run dtype.
         block_size: tokens per KV block.
         inv_freq: [rotary_dim / 2] float32 RoPE frequencies.
+        program: the ops to run (default: schedule_for(config)); any topological order of them.
     """
     dtype = weights["model.embed_tokens.weight"].dtype
     if kv.dtype != dtype or not kv.is_contiguous():
-        raise ValueError(f"kv cache must be contiguous {dtype}, got {kv.dtype}")
-    dims = dict(
-        n_layers=config.num_hidden_layers, hidden=config.hidden_size,
-        n_q_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads,
-        head_dim=config.head_dim, intermediate=config.intermediate_size, vocab=config.vocab_size,
-        rms_eps=config.rms_norm_eps, attn_scale=config.head_dim ** -0.5, rope_neox=True,
-        dtype=_DTYPE_CODE[dtype],
-    )
-    program = [resolve(ins, weights) for ins in schedule_for(config)]
-    return _C.DecodeExecutor(dims, kv.data_ptr(), kv.shape[1], block_size,
-                             inv_freq.float().tolist(), program)
+        raise InvalidRequest(f"kv cache must be contiguous {dtype}, got {kv.dtype}")
+    ops = lower_program(schedule_for(config) if program is None else program, weights)
+    return _C.DecodeExecutor(model_dims(config, dtype), kv.data_ptr(), kv.shape[1], block_size,
+                             inv_freq.float().tolist(), ops)

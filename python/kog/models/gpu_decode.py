@@ -1,5 +1,5 @@
 """The GPU persistent decode kernel for one model: kog._C.GpuDecodeExecutor built from the same
-decode schedule as the CPU executor (kog.models.decode), run as ONE launch per call.
+program and ModelDims as the CPU executor (kog.models.decode), run as ONE launch per call.
 
 A call runs `n_steps` whole decode steps of a batch of 1..8 sequences on the device: every
 layer, the final norm, the LM head and sampling; with n_steps > 1 the sampled token feeds the
@@ -19,13 +19,20 @@ import torch
 from kog import _C
 from kog.config import ModelConfig
 from kog.errors import BackendError, InvalidRequest
-from kog.models.decode import resolve, schedule_for
-from kog.ops import _DTYPE_CODE
+from kog.models.decode import lower_program, model_dims, schedule_for
 
-# Mirrors csrc/gpu/decode/params.h SamplingRow (24 bytes).
-SAMPLING_ROW = np.dtype({"names": ["temperature", "top_k", "top_p", "min_p", "seed"],
-                         "formats": ["<f4", "<i4", "<f4", "<f4", "<u8"],
-                         "offsets": [0, 4, 8, 12, 16], "itemsize": 24})
+# The field types of csrc/schedule/sampling_row.h SamplingRow; offsets and size come from C++.
+SAMPLING_ROW_FORMATS = {"temperature": "<f4", "top_k": "<i4", "top_p": "<f4", "min_p": "<f4", "seed": "<u8"}
+
+
+def _sampling_row_dtype() -> np.dtype:
+    layout = _C.SAMPLING_ROW_LAYOUT
+    names = list(layout["fields"])
+    return np.dtype({"names": names, "formats": [SAMPLING_ROW_FORMATS[n] for n in names],
+                     "offsets": [layout["fields"][n][0] for n in names], "itemsize": layout["itemsize"]})
+
+
+SAMPLING_ROW = _sampling_row_dtype()
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,7 @@ class DeviceSampling:
 @dataclass
 class GpuDecodeResult:
     tokens: torch.Tensor       # [n_steps, B] int32 sampled ids (-1 after a sequence finished)
-    logits: torch.Tensor       # [B, vocab] f32 logits of the last step
+    logits: torch.Tensor       # [B, vocab] f32 logits of the last step (computed in the run dtype)
     finished: torch.Tensor     # [B] int32, 1 once a sequence sampled a stop id
 
 
@@ -74,14 +81,12 @@ class GpuDecoder:
         self.vocab_size = config.vocab_size
         self._inv_freq = inv_freq.to(self.device, torch.float32).contiguous()
         self._kv = kv
-        dims = dict(n_layers=config.num_hidden_layers, hidden=config.hidden_size,
-                    n_q_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads,
-                    head_dim=config.head_dim, intermediate=config.intermediate_size, vocab=config.vocab_size,
-                    rms_eps=config.rms_norm_eps, attn_scale=config.head_dim ** -0.5, rope_neox=True,
-                    dtype=_DTYPE_CODE[kv.dtype])
-        ops = [resolve(ins, weights) for ins in schedule_for(config)]
+        dims = model_dims(config, kv.dtype)
+        if 2 * self._inv_freq.numel() != dims.rotary_dim:
+            raise InvalidRequest(f"inv_freq has {self._inv_freq.numel()} frequencies, rotary_dim is {dims.rotary_dim}")
+        ops = lower_program(schedule_for(config), weights)
         self._executor = _C.GpuDecodeExecutor(dims, kv.data_ptr(), kv.shape[1], block_size,
-                                              self._inv_freq.data_ptr(), 2 * self._inv_freq.numel(), ops)
+                                              self._inv_freq.data_ptr(), ops)
         self._weights = weights  # the executor points into them
         self.block_size = block_size
 

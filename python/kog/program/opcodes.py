@@ -1,4 +1,8 @@
-"""Opcodes and activation buffers of the model program; they mirror csrc/schedule/opcodes.h."""
+"""Opcodes and activation buffers of the model program; they mirror csrc/schedule/opcodes.h.
+
+tests/cpu/test_schedule.py checks both against the values kog._C exports (SCHEDULE_OPCODES,
+SCHEDULE_BUFFERS); buffer widths come from C++ too (kog._C.ModelDims.buffer_width).
+"""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@
 | waiting queue full (kog.QueueFull)             | 429    | rate_limit_error, with Retry-After        |
 | shutting down (kog.EngineDraining)             | 503    | service_unavailable, with Retry-After     |
 | engine step failed (kog.EngineStepError)       | 500    | server_error                              |
+| broken invariant (kog.errors.InternalError)    | 500    | server_error / internal_error             |
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kog.errors import (ConversationDiverged, EngineDraining, EngineStepError, InvalidOperation, InvalidRequest,
-                        QueueFull, SessionClosed)
+from kog.errors import (ConversationDiverged, EngineDraining, EngineStepError, InternalError, InvalidOperation,
+                        InvalidRequest, QueueFull, SessionClosed)
 from kog.server.responses import ErrorDetail, ErrorResponse
 
 log = logging.getLogger("kog.server")
@@ -86,6 +87,9 @@ def to_api_error(exc: BaseException, retry_after_s: int = 1) -> APIError:
         return APIError(503, str(exc), headers={"Retry-After": str(retry_after_s)})
     if isinstance(exc, EngineStepError):
         return APIError(500, str(exc))
+    if isinstance(exc, InternalError):  # a bug in Kog, not in the request: logged with its trace
+        log.error("internal error", exc_info=exc)
+        return APIError(500, str(exc), code="internal_error")
     log.exception("unexpected error", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}")
 
@@ -109,7 +113,8 @@ def install_error_handlers(app: FastAPI, retry_after_s: int = 1) -> None:
 
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
-    for cls in (APIError, InvalidRequest, InvalidOperation, QueueFull, EngineDraining, EngineStepError, Exception):
+    for cls in (APIError, InvalidRequest, InvalidOperation, QueueFull, EngineDraining, EngineStepError, InternalError,
+                Exception):
         app.add_exception_handler(cls, on_kog_error)
 
 

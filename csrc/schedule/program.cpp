@@ -1,0 +1,62 @@
+// Validation of the model program. Contract: program.h.
+#include "schedule/program.h"
+
+#include "common/errors.h"
+
+namespace kog::schedule {
+
+namespace {
+
+bool valid_buffer(int32_t b) { return b >= 0 && b < int32_t(Buffer::kNumBuffers); }
+
+bool needs_layer(Opcode op) { return op == Opcode::kKvAppend || op == Opcode::kAttnDecode || op == Opcode::kQkNorm; }
+
+bool needs_weight(Opcode op) {
+  return op == Opcode::kEmbed || op == Opcode::kRmsNorm || op == Opcode::kLinear || op == Opcode::kQkNorm;
+}
+
+void check_op(const Op& o, size_t i, const ModelDims& d) {
+  KOG_CHECK(o.op >= 0 && o.op < int32_t(Opcode::kNumOpcodes), "program: op ", i, " has opcode ", o.op);
+  const auto op = Opcode(o.op);
+  KOG_CHECK(o.layer >= -1 && o.layer < d.n_layers, "program: op ", i, " names layer ", o.layer, " of ",
+            d.n_layers);
+  KOG_CHECK(!needs_layer(op) || o.layer >= 0, "program: op ", i, " needs a layer");
+  KOG_CHECK(valid_buffer(o.in), "program: op ", i, " reads buffer ", o.in);
+  KOG_CHECK(o.out == -1 || valid_buffer(o.out), "program: op ", i, " writes buffer ", o.out);
+  KOG_CHECK(o.residual == -1 || valid_buffer(o.residual), "program: op ", i, " residual ", o.residual);
+  KOG_CHECK(o.residual == -1 || op == Opcode::kRmsNorm, "program: op ", i, " has a residual but is not RMS_NORM");
+  KOG_CHECK(op == Opcode::kKvAppend || o.out >= 0, "program: op ", i, " writes no buffer");
+  KOG_CHECK(!needs_weight(op) || o.w0 != nullptr, "program: op ", i, " has no weight");
+  KOG_CHECK(op != Opcode::kQkNorm || o.w1 != nullptr, "program: op ", i, " needs q and k norm weights");
+  KOG_CHECK(op != Opcode::kLinear || o.out != int32_t(Buffer::kTokens), "program: op ", i,
+            " writes the token buffer");
+  KOG_CHECK(o.n_deps >= 0 && o.n_deps <= kMaxDeps, "program: op ", i, " has ", o.n_deps, " deps (at most ",
+            kMaxDeps, ")");
+  for (int k = 0; k < o.n_deps; ++k) {
+    KOG_CHECK(o.deps[k] >= 0 && size_t(o.deps[k]) < i, "program: op ", i, " depends on op ", o.deps[k],
+              ", which is not an earlier op");
+    KOG_CHECK(k == 0 || o.deps[k] > o.deps[k - 1], "program: op ", i, " lists its deps out of order");
+  }
+}
+
+}  // namespace
+
+void validate_dims(const ModelDims& d) {
+  KOG_CHECK(is_float_dtype(d.dtype), "model dims: run dtype must be a float type, got ", dtype_name(d.dtype));
+  KOG_CHECK(d.n_layers > 0 && d.hidden > 0 && d.n_q_heads > 0 && d.n_kv_heads > 0 && d.head_dim > 0 &&
+                d.intermediate > 0 && d.vocab > 0,
+            "model dims: every size must be positive");
+  KOG_CHECK(d.n_q_heads % d.n_kv_heads == 0, "model dims: ", d.n_kv_heads, " kv heads do not divide ",
+            d.n_q_heads, " query heads");
+  KOG_CHECK(d.rotary_dim > 0 && d.rotary_dim % 2 == 0 && d.rotary_dim <= d.head_dim, "model dims: rotary_dim ",
+            d.rotary_dim, " must be even and in (0, head_dim ", d.head_dim, "]");
+  KOG_CHECK(d.rms_eps > 0.f && d.attn_scale > 0.f, "model dims: rms_eps and attn_scale must be positive");
+}
+
+void validate_program(const std::vector<Op>& ops, const ModelDims& d) {
+  KOG_CHECK(!ops.empty(), "program: no ops");
+  for (size_t i = 0; i < ops.size(); ++i) check_op(ops[i], i, d);
+  KOG_CHECK(Opcode(ops.back().op) == Opcode::kSample, "program: the last op must be SAMPLE");
+}
+
+}  // namespace kog::schedule

@@ -1,0 +1,97 @@
+// The model program: ONE description of a decode step that both the CPU executor
+// (csrc/engine/decode_executor.h) and the GPU persistent kernel (csrc/gpu/decode/) run, built on
+// the host by kog.program and lowered to raw operands by kog/models/decode.py. Plain C++ (every
+// build; the parts the kernel reads are host+device inline functions).
+//
+//   ModelDims dims{...};               // once per model config (kog.models.decode.model_dims)
+//   validate_program(ops, dims);       // throws kog::Error(kInvalidArgument) naming the bad op
+//   buffer_width(dims, Buffer::kQkv);  // the one definition of every activation width
+//
+// Invariant of a valid program: op i lists in deps the indices (< i) of the ops that must
+// complete before it starts; program order is a topological order of that graph, and any
+// executor that starts an op only after its deps completed computes what the sequential order
+// computes (kog/program/schedule.py derives deps from reads and writes: RAW, WAW and WAR).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "common/dtype.h"
+#include "schedule/opcodes.h"
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define KOG_HOST_DEVICE __host__ __device__
+#else
+#define KOG_HOST_DEVICE
+#endif
+
+namespace kog::schedule {
+
+// The shape of one model, as every executor needs it. Built once from kog.config.ModelConfig.
+struct ModelDims {
+  int64_t n_layers;
+  int64_t hidden;
+  int64_t n_q_heads;
+  int64_t n_kv_heads;     // divides n_q_heads
+  int64_t head_dim;
+  int64_t intermediate;
+  int64_t vocab;
+  int64_t rotary_dim;     // rotated dims of each head, even, <= head_dim (2 x len(inv_freq))
+  float rms_eps;
+  float attn_scale;       // softmax scale, usually head_dim^-0.5
+  bool rope_neox;         // rotate_half pairs (i, i + rotary_dim / 2); false: interleaved pairs
+  DType dtype;            // run dtype of weights, activations and the KV cache (f32/f16/bf16)
+};
+
+// The paged KV cache an executor writes and attends over (host or device memory).
+struct KVCacheDesc {
+  void* base;             // [n_layers, num_blocks, 2, n_kv_heads, block_size, head_dim] dtype, contiguous
+  int64_t num_blocks;
+  int64_t block_size;
+};
+
+// Most ops one op may wait for. schedule.py's Llama-family ops have at most 4.
+constexpr int kMaxDeps = 8;
+
+// One operation of the program with its operands resolved. Buffers not used are -1.
+struct Op {
+  int32_t op;             // Opcode value (or, in the GPU's expanded program, kOpAttnCombine)
+  int32_t layer;          // -1 for model-level ops
+  int32_t in;             // Buffer read (RMS_NORM: x; LINEAR: x; ...)
+  int32_t residual;       // RMS_NORM only: the residual stream it adds x to and normalizes, or -1
+  int32_t out;            // Buffer written, -1 if none (KV_APPEND writes the layer's cache)
+  int32_t n_deps;         // 0..kMaxDeps
+  const void* w0;         // EMBED: [vocab, hidden]; LINEAR: [n, k]; norms: [width]; QK_NORM: q_norm [head_dim]
+  const void* w1;         // LINEAR: bias [n] or null; QK_NORM: k_norm [head_dim]
+  int32_t deps[kMaxDeps]; // [n_deps] indices of earlier ops that must complete first, ascending
+};
+
+// Elements per batch row of buffer b (TOKENS: one int32 id; LOGITS: vocab in the run dtype).
+KOG_HOST_DEVICE inline int64_t buffer_width(const ModelDims& d, int32_t b) {
+  switch (Buffer(b)) {
+    case Buffer::kTokens: return 1;
+    case Buffer::kHidden:
+    case Buffer::kResidual:
+    case Buffer::kNormed: return d.hidden;
+    case Buffer::kQkv: return (d.n_q_heads + 2 * d.n_kv_heads) * d.head_dim;
+    case Buffer::kAttn: return d.n_q_heads * d.head_dim;
+    case Buffer::kGateUp: return 2 * d.intermediate;
+    case Buffer::kAct: return d.intermediate;
+    case Buffer::kLogits: return d.vocab;
+    default: return 0;
+  }
+}
+
+// Bytes per element of buffer b: TOKENS holds int32 ids, every other buffer the run dtype.
+inline int64_t buffer_elem_size(const ModelDims& d, int32_t b) {
+  return b == int32_t(Buffer::kTokens) ? 4 : dtype_size(d.dtype);
+}
+
+// Checks the dims (positive sizes, heads that group, a float run dtype, rotary_dim).
+// Throws kog::Error(kInvalidArgument) naming the bad field.
+void validate_dims(const ModelDims& d);
+
+// Checks every op (opcode, layer, buffers, weights, deps in [0, i) and ascending) and that the
+// last op is SAMPLE. Throws kog::Error(kInvalidArgument) naming the first bad op.
+void validate_program(const std::vector<Op>& ops, const ModelDims& d);
+
+}  // namespace kog::schedule
