@@ -1,7 +1,7 @@
 """How fast is Kog's CPU decode next to transformers (and llama.cpp), and how close to the
 memory bandwidth of this machine, measured in the same run?
 
-    PYTHONPATH=python python bench/cpu_decode.py [--new-tokens 128] [--repeats 3]
+    PYTHONPATH=python python bench/cpu_decode.py [--new-tokens 128] [--repeats 3] [--baseline DIR]
 
 SmolLM2-135M, batch 1: decode tok/s (new tokens after a 32-token prompt) and the time of a
 512-token prefill, best of N (the machine may be shared). Bandwidth: a STREAM-style triad
@@ -12,6 +12,12 @@ neighbours are busy, so every decode run also gets a triad just before and just 
 "% adj" is the median over runs of achieved / max(adjacent triads), next to "% triad" against
 the best triad of the whole run.
 
+`--baseline DIR` (DIR holds another build's `kog` package, e.g. a copy of python/ from main)
+adds a table of the 512-token prefill of this tree next to that build, f32 and bf16, and of a
+4-token prefill of a tiny 8-layer model (the prefill path's per-op Python cost), measured in
+child processes that alternate between the two (best of the rounds for each), in the same run;
+`--prefill-only` prints only that table.
+
 A second table: bf16 decode after longer prompts (an agent's context: system prompt, tool
 schemas, history), Kog next to llama.cpp F16 (KV cache F16), where attention reads a growing
 share of each step's bytes.
@@ -20,8 +26,13 @@ share of each step's bytes.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -77,6 +88,67 @@ def kog_engine(model, prompt: list[int], new: int, repeats: int) -> tuple[list[t
     long = (prompt * 64)[:512]
     prefill = lambda: runner.prefill([PrefillChunk(long, 0, table, slot(np.arange(512)))])  # noqa: E731
     return paired_runs(decode_run, repeats), min(_timed(prefill) for _ in range(repeats))
+
+
+PREFILL_TOKENS = 512
+
+
+def prefill_child(case: str, repeats: int) -> None:
+    """Prints {"prefill": best seconds of `repeats` 512-token prefills} of the kog on sys.path
+    (case: a dtype), or for case "tiny" the best mean of 300 4-token prefills of a tiny random
+    8-layer model: the per-op Python cost of the prefill path."""
+    if case == "tiny":
+        return tiny_prefill_child(repeats)
+    model = load_model(dtype=getattr(torch, case))
+    prompt = model.tokenizer.encode("The history of the city begins in the Middle Ages, when a small " * 4)[:32]
+    bs = 16
+    runner = ModelRunner(model, num_kv_blocks=40, block_size=bs)
+    table = np.arange(40, dtype=np.int32)
+    chunk = PrefillChunk((prompt * 64)[:PREFILL_TOKENS], 0, table,
+                         table[np.arange(PREFILL_TOKENS) // bs] * bs + np.arange(PREFILL_TOKENS) % bs)
+    runner.prefill([chunk])  # warm-up: first-touch of weights and cache
+    print(json.dumps({"prefill": min(_timed(lambda: runner.prefill([chunk])) for _ in range(repeats))}))
+
+
+def tiny_prefill_child(repeats: int, calls: int = 300) -> None:
+    from kog.loader import LoadedModel
+    from kog.testing.tiny_models import random_weights, tiny_config
+
+    c = tiny_config("llama", num_hidden_layers=8)
+    model = LoadedModel(path=None, config=c, weights=random_weights(c), dtype=torch.float32, tokenizer=None,
+                        chat_template=None, stop_token_ids=())
+    runner = ModelRunner(model, num_kv_blocks=8, block_size=16)
+    chunk = [PrefillChunk([5, 6, 7, 8], 0, np.arange(8, dtype=np.int32), np.arange(4))]
+    for _ in range(50):
+        runner.prefill(chunk)
+
+    def many() -> None:
+        for _ in range(calls):
+            runner.prefill(chunk)
+    print(json.dumps({"prefill": min(_timed(many) for _ in range(repeats)) / calls}))
+
+
+def prefill_vs_baseline(baseline: str, rounds: int, repeats: int) -> None:
+    """This tree's 512-token prefill against another build's, alternating child processes."""
+    here = str(Path(__file__).resolve().parent.parent / "python")
+    builds = {"this tree": here, "baseline": str(Path(baseline).resolve())}
+    cases = {"float32": f"SmolLM2 f32, {PREFILL_TOKENS} tok", "bfloat16": f"SmolLM2 bf16, {PREFILL_TOKENS} tok",
+             "tiny": "tiny 8-layer, 4 tok"}
+    rows = []
+    for case, label in cases.items():
+        best = {name: float("inf") for name in builds}
+        for _ in range(rounds):
+            for name, path in builds.items():
+                out = subprocess.run([sys.executable, __file__, "--prefill-child", case, "--repeats", str(repeats)],
+                                     env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
+                                     check=True, timeout=1800).stdout
+                best[name] = min(best[name], json.loads(out.strip().splitlines()[-1])["prefill"])
+        rows.append((label, best["this tree"], best["baseline"]))
+    print(f"\nprefill, {torch.get_num_threads()} threads: best of {rounds} alternating rounds x {repeats} runs; "
+          f"baseline = {baseline}")
+    print(f"{'case':<24}{'this tree ms':>14}{'baseline ms':>13}{'baseline / this':>17}")
+    for label, this, base in rows:
+        print(f"{label:<24}{this * 1e3:>14.2f}{base * 1e3:>13.2f}{base / this:>16.2f}x")
 
 
 def hf_engine(folder, dtype, prompt: list[int], new: int, repeats: int) -> tuple[list[tuple[float, float]], float]:
@@ -184,7 +256,19 @@ def main() -> None:
     ap.add_argument("--hf-repeats", type=int, default=1)
     ap.add_argument("--contexts", default="1024,4096", help="prompt lengths of the long-context table ('' skips it)")
     ap.add_argument("--context-steps", type=int, default=32)
+    ap.add_argument("--baseline", help="a folder holding another build's kog package: adds the prefill table")
+    ap.add_argument("--baseline-rounds", type=int, default=3)
+    ap.add_argument("--prefill-only", action="store_true", help="with --baseline: only the prefill table")
+    ap.add_argument("--prefill-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.prefill_child:
+        prefill_child(args.prefill_child, args.repeats)
+        return
+    if args.prefill_only:
+        if not args.baseline:
+            ap.error("--prefill-only needs --baseline")
+        prefill_vs_baseline(args.baseline, args.baseline_rounds, args.repeats)
+        return
     f32 = load_model(dtype=torch.float32)
     prompt = f32.tokenizer.encode("The history of the city begins in the Middle Ages, when a small " * 4)[:32]
     bw = triad_gbs()
@@ -231,6 +315,9 @@ def main() -> None:
             lc = "-" if lcpp_tps is None else f"{lcpp_tps:.1f}"
             ratio = "-" if lcpp_tps is None else f"{kog_tps / lcpp_tps:.2f}x"
             print(f"{c:>8}{kog_tps:>11.1f}{lc:>11}{ratio:>17}")
+
+    if args.baseline:
+        prefill_vs_baseline(args.baseline, args.baseline_rounds, args.repeats)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from kog import _C
-from kog.program import Buffer, Opcode, ScheduleSpec, build_decode_schedule
+from kog.program import Buffer, Opcode, DecoderSpec, decoder_program
 
 
 def test_python_enums_mirror_the_cpp_header():
@@ -17,7 +17,7 @@ def test_python_enums_mirror_the_cpp_header():
 
 @pytest.mark.parametrize("qk_norm, per_layer", [(False, 10), (True, 11)])
 def test_shape_of_the_schedule(qk_norm, per_layer):
-    sched = build_decode_schedule(ScheduleSpec(n_layers=3, qk_norm=qk_norm))
+    sched = decoder_program(DecoderSpec(n_layers=3, qk_norm=qk_norm))
     assert len(sched) == 1 + 3 * per_layer + 3
     assert sched[0].opcode == Opcode.EMBED and sched[-1].opcode == Opcode.SAMPLE
     assert [i.opcode for i in sched[-3:]] == [Opcode.RMS_NORM, Opcode.LINEAR, Opcode.SAMPLE]
@@ -27,8 +27,8 @@ def test_shape_of_the_schedule(qk_norm, per_layer):
 
 
 def test_weights_named_per_layer_and_tied_head():
-    untied = build_decode_schedule(ScheduleSpec(n_layers=2, qkv_bias=True))
-    tied = build_decode_schedule(ScheduleSpec(n_layers=2, tie_word_embeddings=True))
+    untied = decoder_program(DecoderSpec(n_layers=2, qkv_bias=True))
+    tied = decoder_program(DecoderSpec(n_layers=2, tie_word_embeddings=True))
     assert untied[-2].weights == ("lm_head.weight",)
     assert tied[-2].weights == ("model.embed_tokens.weight",)
     qkv = [i for i in untied if i.opcode == Opcode.LINEAR and i.writes == (Buffer.QKV,)]
@@ -45,12 +45,12 @@ def transitive_deps(sched):
     return closure
 
 
-@pytest.mark.parametrize("spec", [ScheduleSpec(n_layers=1), ScheduleSpec(n_layers=4, qk_norm=True, qkv_bias=True)])
+@pytest.mark.parametrize("spec", [DecoderSpec(n_layers=1), DecoderSpec(n_layers=4, qk_norm=True, qkv_bias=True)])
 def test_every_conflicting_pair_is_ordered_by_dependencies(spec):
     # Two instructions conflict when one writes what the other reads or writes. For any parallel
     # executor honouring deps to match the sequential order, the later one of every conflicting
     # pair must (transitively) depend on the earlier one.
-    sched = build_decode_schedule(spec)
+    sched = decoder_program(spec)
     closure = transitive_deps(sched)
     for i, j in itertools.combinations(range(len(sched)), 2):
         a, b = sched[i], sched[j]
@@ -62,7 +62,7 @@ def test_every_conflicting_pair_is_ordered_by_dependencies(spec):
 
 
 def test_attention_waits_for_its_layers_kv_append():
-    sched = build_decode_schedule(ScheduleSpec(n_layers=2))
+    sched = decoder_program(DecoderSpec(n_layers=2))
     appends = {i.layer: n for n, i in enumerate(sched) if i.opcode == Opcode.KV_APPEND}
     for n, ins in enumerate(sched):
         if ins.opcode == Opcode.ATTN_DECODE:
@@ -71,7 +71,7 @@ def test_attention_waits_for_its_layers_kv_append():
 
 def test_bad_spec():
     with pytest.raises(ValueError, match="n_layers"):
-        build_decode_schedule(ScheduleSpec(n_layers=0))
+        decoder_program(DecoderSpec(n_layers=0))
 
 
 def test_dtype_codes_are_the_ones_cpp_exports():

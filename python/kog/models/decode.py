@@ -17,7 +17,7 @@ from kog import _C
 from kog.config import ModelConfig
 from kog.errors import InvalidRequest
 from kog.ops import DTYPE_CODE
-from kog.program import Buffer, Instruction, Opcode, ScheduleSpec, build_decode_schedule
+from kog.program import Buffer, Instruction, Opcode, program_for
 
 # RoPE pairing of each family's checkpoints as Kog loads them: rotate_half, i.e. dims (i, i + R/2)
 # (HF Llama, Mistral and Qwen; GGUF llama weights are permuted back to it on load).
@@ -44,9 +44,7 @@ def model_dims(config: ModelConfig, dtype: torch.dtype) -> _C.ModelDims:
 
 
 def schedule_for(config: ModelConfig) -> list[Instruction]:
-    return build_decode_schedule(ScheduleSpec(
-        n_layers=config.num_hidden_layers, qk_norm=config.qk_norm,
-        qkv_bias=config.attention_bias, tie_word_embeddings=config.tie_word_embeddings))
+    return program_for(config)
 
 
 def lower(ins: Instruction, weights: dict[str, torch.Tensor]) -> _C.Op:

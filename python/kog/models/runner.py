@@ -1,10 +1,11 @@
-"""ModelRunner: the forward pass of a Llama-family model over Kog's paged KV cache.
+"""ModelRunner: the forward pass of a model family over Kog's paged KV cache.
 
-Prefill runs layer by layer in Python (torch matmuls for the projections, Kog's kernels for
-everything else), over a batch of chunks of different sequences. Decode runs the whole step --
-every layer, the final norm and the LM head -- in one native call: on the CPU the decode
-executor (kog._C.DecodeExecutor), on a GPU the persistent decode kernel (kog.models.gpu_decode),
-both built once from kog.program. Both write K/V into the same cache, so they mix freely.
+Both passes run the family's program (kog.program.program_for), the one description of the
+model. Prefill interprets it in Python over a batch of chunks of different sequences
+(kog.program.interpreter: torch GEMMs for the projections, Kog's kernels for everything else).
+Decode runs the whole step -- every layer, the final norm and the LM head -- in one native
+call: on the CPU the decode executor (kog._C.DecodeExecutor), on a GPU the persistent decode
+kernel (kog.models.gpu_decode). Both write K/V into the same cache, so they mix freely.
 Inputs and outputs (token ids, block tables, logits) are host objects on every device.
 """
 
@@ -15,7 +16,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from kog import ops
 from kog.config import ModelConfig
@@ -26,6 +26,8 @@ from kog.loader import LoadedModel
 from kog.models.decode import build_executor
 from kog.hugepages import to_hugepages
 from kog.models.weights import prepare_weights
+from kog.program import Buffer, TokenBatch, program_for
+from kog.program.interpreter import ProgramInterpreter
 
 
 @dataclass
@@ -74,7 +76,8 @@ class ModelRunner:
         self.kv = KVCacheStorage(layout, num_kv_blocks, num_host_blocks, device=self.device)
         # [head_dim / 2] f32 RoPE frequencies, on the device
         self.inv_freq = ops.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(self.device)
-        self.lm_head = self.weights["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"]
+        self.program = program_for(c)
+        self._interpreter = ProgramInterpreter(c, self.program, self.weights, self.kv.kv, self.inv_freq)
         if self.device.type == "cuda":
             from kog.models.gpu_decode import GpuDecoder
 
@@ -103,11 +106,8 @@ class ModelRunner:
         """
         if not chunks:
             return [] if all_logits else torch.empty(0, self.vocab_size)
-        b = self._prefill_batch(chunks)
-        hidden, residual = self._layers(b)
-        rows = slice(None) if all_logits else b["last"]
-        logits = self._head(hidden[rows], residual[rows])  # [rows, vocab]
-        logits = logits.cpu()
+        state = self._interpreter.run(self._prefill_batch(chunks, all_logits))
+        logits = state.buffers[Buffer.LOGITS].float().cpu()  # [sampled rows, vocab]
         if not all_logits:
             return logits
         return list(torch.split(logits, [len(ch.token_ids) for ch in chunks]))
@@ -173,8 +173,9 @@ class ModelRunner:
                 sampled[z] = res.tokens[0].cpu().numpy()
         return torch.cat(parts)
 
-    def _prefill_batch(self, chunks: list[PrefillChunk]) -> dict[str, torch.Tensor]:
-        """Flattens chunks into one token batch plus attention metadata."""
+    def _prefill_batch(self, chunks: list[PrefillChunk], all_logits: bool) -> TokenBatch:
+        """Flattens chunks into one token batch; every row yields logits with all_logits, else
+        the last row of each chunk."""
         bs, lens = self.block_size, [len(ch.token_ids) for ch in chunks]
         for i, ch in enumerate(chunks):
             end = ch.start_pos + lens[i]
@@ -195,63 +196,13 @@ class ModelRunner:
         for i, ch in enumerate(chunks):
             tables[i, :len(ch.block_table)] = ch.block_table
         qsl = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)  # [n + 1]
-        batch = dict(
-            ids=ids,
-            positions=torch.cat([torch.arange(ch.start_pos, ch.start_pos + n) for ch, n in zip(chunks, lens)]),
-            slots=torch.from_numpy(np.concatenate([np.asarray(ch.slots, dtype=np.int64) for ch in chunks])),
-            tables=torch.from_numpy(tables),
-            seq_lens=torch.tensor([ch.start_pos + n for ch, n in zip(chunks, lens)], dtype=torch.int32),
-            qsl=qsl,
-            last=(qsl[1:] - 1).long(),
+        dev = self.device
+        return TokenBatch(
+            ids=ids.to(dev),
+            positions=torch.cat([torch.arange(ch.start_pos, ch.start_pos + n) for ch, n in zip(chunks, lens)]).to(dev),
+            slots=torch.from_numpy(np.concatenate([np.asarray(ch.slots, dtype=np.int64) for ch in chunks])).to(dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            seq_lens=torch.tensor([ch.start_pos + n for ch, n in zip(chunks, lens)], dtype=torch.int32).to(dev),
+            query_start_loc=qsl.to(dev),
+            sampled_rows=None if all_logits or len(chunks) == ids.shape[0] else (qsl[1:] - 1).long().to(dev),
         )
-        return {k: v.to(self.device) for k, v in batch.items()}
-
-    def _layers(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """All decoder layers over the flattened batch; returns (last block output, residual)."""
-        c, w = self.config, self.weights
-        T, hd = b["ids"].shape[0], c.head_dim
-        q_w, kv_w = c.num_attention_heads * hd, c.num_key_value_heads * hd
-        eps = c.rms_norm_eps
-        residual = w["model.embed_tokens.weight"][b["ids"]]  # [T, hidden]
-        hidden = None
-        for n in range(c.num_hidden_layers):
-            p = f"model.layers.{n}."
-            kv = self.kv.kv[n]  # [num_blocks, 2, n_kv_heads, block_size, head_dim]
-            if hidden is None:
-                x = ops.rmsnorm(residual, w[p + "input_layernorm.weight"], eps)
-            else:
-                x = ops.rmsnorm(hidden, w[p + "input_layernorm.weight"], eps, residual=residual)
-            qkv = _mm(x, w[p + "self_attn.qkv_proj.weight"], w.get(p + "self_attn.qkv_proj.bias"))  # [T, q+2kv]
-            q = qkv[:, :q_w].view(T, c.num_attention_heads, hd)
-            k = qkv[:, q_w:q_w + kv_w].view(T, c.num_key_value_heads, hd)
-            v = qkv[:, q_w + kv_w:].view(T, c.num_key_value_heads, hd)
-            if c.qk_norm:
-                q = ops.rmsnorm(q.contiguous(), w[p + "self_attn.q_norm.weight"], eps)
-                k = ops.rmsnorm(k.contiguous(), w[p + "self_attn.k_norm.weight"], eps)
-            ops.rope(q, k, b["positions"], self.inv_freq)
-            ops.kv_append(k, v, kv, b["slots"], validate_indices=n == 0)
-            attn = ops.paged_attention_prefill(q, kv, b["tables"], b["seq_lens"], b["qsl"],
-                                               validate_indices=n == 0)  # [T, n_q_heads, hd]
-            hidden = _mm(attn.view(T, q_w), w[p + "self_attn.o_proj.weight"])
-            x = ops.rmsnorm(hidden, w[p + "post_attention_layernorm.weight"], eps, residual=residual)
-            act = ops.silu_and_mul(_mm(x, w[p + "mlp.gate_up_proj.weight"]))
-            hidden = _mm(act, w[p + "mlp.down_proj.weight"])
-        return hidden, residual
-
-    def _head(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        x = ops.rmsnorm(hidden.contiguous(), self.weights["model.norm.weight"], self.config.rms_norm_eps,
-                        residual=residual.contiguous())
-        return _mm(x, self.lm_head).float()
-
-
-def _mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T (+ bias): fp32 math, one rounding to x's dtype (the kernels' contract).
-
-    NOTE: half-precision GEMMs of many rows run in fp32 on upcast copies: on CPUs without
-    native bf16 matmul units torch's bf16 GEMM is several times slower than converting the
-    weight and running the fp32 one (measured 4x on AVX2).
-    """
-    if x.dtype == torch.float32 or x.shape[0] < 16 or x.device.type != "cpu":
-        return F.linear(x, w, bias)
-    return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
-

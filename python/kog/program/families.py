@@ -1,0 +1,78 @@
+"""One function per model family: the family's program, built from its config.
+
+    program = program_for(config)   # config.architecture is the HF model_type
+
+The program is the single description of the model: the CPU decode executor, the GPU
+persistent kernel and prefill (kog.program.interpreter) all run what these functions emit. A
+new family is a new function here plus its entry in FAMILIES; a new kind of layer is a new
+block in kog.program.decoder.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from kog.config import ModelConfig
+from kog.errors import ModelLoadError
+from kog.program.decoder import DecoderSpec, decoder_program
+from kog.program.program import Instruction
+
+FamilyFunction = Callable[[ModelConfig], list[Instruction]]
+
+
+class UnknownModelFamily(ModelLoadError):
+    """No program function is registered for the config's model_type."""
+
+
+def llama(config: ModelConfig) -> list[Instruction]:
+    """Llama: pre-norm GQA attention (RoPE) and a SwiGLU MLP; some checkpoints bias q/k/v."""
+    _check_qk_norm(config, False)
+    return decoder_program(DecoderSpec(config.num_hidden_layers, qkv_bias=config.attention_bias,
+                                       tie_word_embeddings=config.tie_word_embeddings))
+
+
+def mistral(config: ModelConfig) -> list[Instruction]:
+    """Mistral: Llama's layers. NOTE: its sliding window is not in the program: ModelRunner caps
+    sequences at the window, where full attention and windowed attention agree."""
+    _check_qk_norm(config, False)
+    return decoder_program(DecoderSpec(config.num_hidden_layers, qkv_bias=config.attention_bias,
+                                       tie_word_embeddings=config.tie_word_embeddings))
+
+
+def qwen2(config: ModelConfig) -> list[Instruction]:
+    """Qwen2: Llama's layers with a bias on the q/k/v projections (config.attention_bias,
+    which defaults to true for qwen2)."""
+    _check_qk_norm(config, False)
+    return decoder_program(DecoderSpec(config.num_hidden_layers, qkv_bias=config.attention_bias,
+                                       tie_word_embeddings=config.tie_word_embeddings))
+
+
+def qwen3(config: ModelConfig) -> list[Instruction]:
+    """Qwen3: Llama's layers with an RMSNorm on every head of q and k before RoPE."""
+    _check_qk_norm(config, True)
+    return decoder_program(DecoderSpec(config.num_hidden_layers, qk_norm=True, qkv_bias=config.attention_bias,
+                                       tie_word_embeddings=config.tie_word_embeddings))
+
+
+# HF model_type -> the family's program function.
+FAMILIES: dict[str, FamilyFunction] = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3}
+
+
+def program_for(config: ModelConfig) -> list[Instruction]:
+    """The program of config's family.
+
+    Raises:
+        UnknownModelFamily: config.architecture has no registered family function.
+    """
+    family = FAMILIES.get(config.architecture)
+    if family is None:
+        raise UnknownModelFamily(f"no model program for model_type {config.architecture!r}; "
+                                 f"Kog has programs for {sorted(FAMILIES)}")
+    return family(config)
+
+
+def _check_qk_norm(config: ModelConfig, family_has_it: bool) -> None:
+    # The prepared weights follow config.qk_norm (kog.models.weights): it must agree with the program.
+    if config.qk_norm != family_has_it:
+        raise ModelLoadError(f"model_type {config.architecture!r} {'has' if family_has_it else 'has no'} "
+                             f"q/k norm, but the config says qk_norm={config.qk_norm}")

@@ -1,0 +1,176 @@
+"""A plain Python interpreter of the model program: the prefill path and the reference every
+native executor is compared with, op by op.
+
+    interp = ProgramInterpreter(config, program_for(config), weights, kv, inv_freq)
+    state = interp.run(batch)                  # a TokenBatch of any size
+    logits = state.buffers[Buffer.LOGITS]      # [R, vocab] in the run dtype, R = sampled rows
+
+Each op runs over the whole token batch with torch (projections) and kog.ops kernels (norms,
+RoPE, KV append, paged attention, SiLU-mul), on whatever device the tensors live on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from kog import ops
+from kog.config import ModelConfig
+from kog.program.batch import TokenBatch
+from kog.program.opcodes import Buffer, Opcode
+from kog.program.program import Instruction, Rows
+
+
+@dataclass
+class ProgramState:
+    """Buffers of one run: each [rows, width] (TOKENS: [rows] int64), rows as `rows_of` says."""
+
+    batch: TokenBatch
+    buffers: dict[Buffer, torch.Tensor]
+    rows_of: dict[Buffer, Rows]
+    validated: set[Opcode] = field(default_factory=set)  # ops whose index inputs were checked this run
+    qkv_views: tuple[torch.Tensor, ...] = ()  # (QKV, q, k, v): the views of the QKV tensor last split
+
+    def read(self, buf: Buffer, rows: Rows) -> torch.Tensor:
+        """buf as an op over `rows` sees it: an op over the sampled rows reads only those rows
+        of a buffer that holds every token."""
+        t, have = self.buffers[buf], self.rows_of[buf]
+        if have == rows:
+            return t
+        if have != Rows.ALL or rows != Rows.SAMPLED:
+            raise ValueError(f"an op over {rows.value} rows reads {buf.name}, which holds {have.value} rows")
+        sampled = self.batch.sampled_rows
+        return t if sampled is None else t.index_select(0, sampled)
+
+    def write(self, buf: Buffer, t: torch.Tensor, rows: Rows) -> None:
+        self.buffers[buf] = t
+        self.rows_of[buf] = rows
+
+    def first_run_of(self, opcode: Opcode) -> bool:
+        """True the first time an op of this kind runs in this state: the batch's slots, block
+        ids and lengths are the same for every layer, so checking them once is enough."""
+        first = opcode not in self.validated
+        self.validated.add(opcode)
+        return first
+
+
+class ProgramInterpreter:
+    """Runs a program over token batches.
+
+    Args:
+        config: the model (head counts and sizes split the QKV buffer; eps of the norms).
+        program: the family's program (kog.program.program_for).
+        weights: prepared weights (kog.models.weights.prepare_weights) on the run device.
+        kv: [num_layers, num_blocks, 2, n_kv_heads, block_size, head_dim], the paged cache.
+        inv_freq: [rotary_dim / 2] float32 RoPE frequencies, on the run device.
+    """
+
+    def __init__(self, config: ModelConfig, program: Sequence[Instruction], weights: dict[str, torch.Tensor],
+                 kv: torch.Tensor, inv_freq: torch.Tensor) -> None:
+        self.config, self.program, self.kv, self.inv_freq = config, list(program), kv, inv_freq
+        hd = config.head_dim
+        self._q_w, self._kv_w = config.num_attention_heads * hd, config.num_key_value_heads * hd
+        self._ops = [(ins, _HANDLERS[ins.opcode], tuple(weights[n] for n in ins.weights)) for ins in self.program]
+
+    def start(self, batch: TokenBatch, buffers: dict[Buffer, torch.Tensor] | None = None) -> ProgramState:
+        """The state before an op: TOKENS holds the batch's ids, and `buffers` (optional, over
+        every token: [T, width]) other values, e.g. another executor's, to run one op from."""
+        bufs = {Buffer.TOKENS: batch.ids} | dict(buffers or {})
+        return ProgramState(batch, bufs, {b: Rows.ALL for b in bufs})
+
+    def step(self, state: ProgramState, index: int) -> None:
+        """Runs op `index` of the program on state."""
+        ins, handler, weights = self._ops[index]
+        handler(self, state, ins, weights)
+
+    def run(self, batch: TokenBatch, stop_after: int | None = None) -> ProgramState:
+        """Runs ops [0, stop_after) (all when None) over batch, in program order."""
+        state = self.start(batch)
+        for i in range(len(self._ops) if stop_after is None else stop_after):
+            self.step(state, i)
+        return state
+
+    def q_k_v(self, state: ProgramState) -> tuple[torch.Tensor, ...]:
+        """Views [T, heads, head_dim] of the q, k and v parts of QKV (made once per QKV tensor:
+        four ops of a layer use them, and views cost microseconds each)."""
+        qkv = state.buffers[Buffer.QKV]  # [T, (n_q + 2 n_kv) head_dim]
+        if not state.qkv_views or state.qkv_views[0] is not qkv:
+            T, hd, q_w, kv_w = qkv.shape[0], self.config.head_dim, self._q_w, self._kv_w
+            state.qkv_views = (qkv, qkv[:, :q_w].view(T, -1, hd), qkv[:, q_w:q_w + kv_w].view(T, -1, hd),
+                               qkv[:, q_w + kv_w:].view(T, -1, hd))
+        return state.qkv_views[1:]
+
+
+def _embed(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
+    s.write(ins.writes[0], w[0][s.read(ins.reads[0], ins.rows)], ins.rows)
+
+
+def _rms_norm(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
+    # reads (x,) or (x, residual): with a residual, residual += x in place and the sum is normalized.
+    x = s.read(ins.reads[0], ins.rows).contiguous()
+    res = s.read(ins.reads[1], ins.rows).contiguous() if len(ins.reads) == 2 else None
+    s.write(ins.writes[0], ops.rmsnorm(x, w[0], it.config.rms_norm_eps, residual=res), ins.rows)
+    if res is not None:
+        s.write(ins.writes[1], res, ins.rows)
+
+
+def _linear(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
+    x = s.read(ins.reads[0], ins.rows)
+    s.write(ins.writes[0], matmul(x, w[0], w[1] if len(w) > 1 else None), ins.rows)
+
+
+def _qk_norm(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
+    q, k, _ = it.q_k_v(s)
+    eps = it.config.rms_norm_eps
+    q.copy_(ops.rmsnorm(q.contiguous(), w[0], eps))
+    k.copy_(ops.rmsnorm(k.contiguous(), w[1], eps))
+
+
+def _rope(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
+    q, k, _ = it.q_k_v(s)
+    ops.rope(q, k, s.batch.positions, it.inv_freq)
+
+
+def _kv_append(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
+    _, k, v = it.q_k_v(s)
+    ops.kv_append(k, v, it.kv[ins.layer], s.batch.slots, validate_indices=s.first_run_of(ins.opcode))
+
+
+def _attention(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
+    # Causal attention of every token over its sequence's cache: decode is q_len = 1 per sequence.
+    q, _, _ = it.q_k_v(s)
+    b = s.batch
+    out = ops.paged_attention_prefill(q, it.kv[ins.layer], b.block_tables, b.seq_lens, b.query_start_loc,
+                                      validate_indices=s.first_run_of(ins.opcode))  # [T, n_q, hd]
+    s.write(ins.writes[0], out.view(q.shape[0], -1), ins.rows)
+
+
+def _silu_mul(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
+    s.write(ins.writes[0], ops.silu_and_mul(s.read(ins.reads[0], ins.rows)), ins.rows)
+
+
+def _sample(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
+    # Greedy: the first maximum, as the native executors pick it.
+    s.write(ins.writes[0], s.read(ins.reads[0], ins.rows).argmax(-1), ins.rows)
+
+
+_HANDLERS: dict[Opcode, Callable[[ProgramInterpreter, ProgramState, Instruction, tuple], None]] = {
+    Opcode.EMBED: _embed, Opcode.RMS_NORM: _rms_norm, Opcode.LINEAR: _linear, Opcode.QK_NORM: _qk_norm,
+    Opcode.ROPE: _rope, Opcode.KV_APPEND: _kv_append, Opcode.ATTN_DECODE: _attention,
+    Opcode.SILU_MUL: _silu_mul, Opcode.SAMPLE: _sample,
+}
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias): fp32 math, one rounding to x's dtype (the kernels' contract).
+
+    NOTE: half-precision GEMMs of many rows run in fp32 on upcast copies: on CPUs without
+    native bf16 matmul units torch's bf16 GEMM is several times slower than converting the
+    weight and running the fp32 one (measured 4x on AVX2).
+    """
+    if x.dtype == torch.float32 or x.shape[0] < 16 or x.device.type != "cpu":
+        return F.linear(x, w, bias)
+    return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
