@@ -12,6 +12,7 @@ void bind_linear(py::module_& m);
 void bind_schedule(py::module_& m);
 void bind_attention(py::module_& m);
 void bind_engine(py::module_& m);
+void bind_decode_loop(py::module_& m);
 void bind_gpu_decode(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
@@ -25,5 +26,6 @@ PYBIND11_MODULE(_C, m) {
   bind_schedule(m);
   bind_attention(m);
   bind_engine(m);
+  bind_decode_loop(m);
   bind_gpu_decode(m);
 }

@@ -10,6 +10,7 @@
 #include "ops/kv_append.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
+#include "ops/sample.h"
 #include "cpu/row_queue.h"
 
 namespace kog::cpu {
@@ -28,6 +29,7 @@ struct KernelTable {
   void (*kv_append)(const KVAppendParams&);
   void (*paged_attention_decode)(const PagedAttentionParams&);
   void (*paged_attention_prefill)(const PagedAttentionParams&);
+  void (*sample)(const SampleParams&);  // one thread; rows in order (csrc/ops/sample.h)
 };
 
 namespace generic { const KernelTable& kernel_table(); }

@@ -6,9 +6,9 @@ import torch
 
 import kog
 from kog.engine import EngineConfig, LLMEngine
-from kog.sampler import SampleRow, make_generator, sample
 from kog.sampling_params import SamplingParams
-from kog.testing.fake_runner import FakeRunner, context_logits
+from kog.testing.engine_oracle import oracle_tokens
+from kog.testing.fake_runner import FakeRunner
 from kog.testing.tiny_models import tiny_tokenizer
 
 TOK = tiny_tokenizer()
@@ -23,15 +23,7 @@ def make_engine(num_blocks=64, block_size=4, budget=16, max_num_seqs=8, max_mode
 
 def oracle(prompt, params, index=0):
     """Token ids the engine must produce: the same sampler on the true context."""
-    ids, out = list(prompt), []
-    gen = make_generator(None if params.seed is None else params.seed + index)
-    while True:
-        logits = context_logits(ids, TOK.vocab_size)[None]
-        t = sample(logits, [SampleRow(params, prompt, out, [EOS], gen)]).token_ids[0]
-        out.append(t)
-        ids.append(t)
-        if (t == EOS and not params.ignore_eos and len(out) >= params.min_tokens) or len(out) >= params.max_tokens:
-            return out
+    return oracle_tokens(prompt, params, TOK.vocab_size, EOS, index)
 
 
 def run(engine, requests):

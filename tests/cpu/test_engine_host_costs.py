@@ -10,6 +10,7 @@ from kog.engine.outputs import FinishReason
 from kog.engine.sequence import Sequence, TokenSpan
 from kog.sampler import PenaltyCounts, SampleRow, apply_penalties, make_generator, sample
 from kog.sampling_params import SamplingParams
+from kog.testing.engine_oracle import oracle_tokens
 from kog.testing.fake_runner import FakeRunner, context_logits
 from kog.testing.tiny_models import tiny_tokenizer
 
@@ -85,11 +86,7 @@ def test_decode_under_pressure_preempts_as_one_by_one_appends_did_and_matches_th
         preempted += len(engine.scheduler.waiting) > waiting
     assert preempted and engine.num_prefill_tokens_computed > sum(map(len, prompts.values()))
     for rid, p in prompts.items():
-        ids, out, gen = list(p), [], make_generator(params.seed)
-        while len(out) < params.max_tokens:
-            t = sample(context_logits(ids, TOK.vocab_size)[None], [SampleRow(params, p, out, [EOS], gen)]).token_ids[0]
-            out.append(t)
-            ids.append(t)
+        out = oracle_tokens(p, params, TOK.vocab_size, EOS)
         assert engine.get_output(rid).outputs[0].token_ids == out, rid
         assert engine.get_output(rid).outputs[0].finish_reason is FinishReason.LENGTH
 
@@ -153,7 +150,8 @@ def test_penalty_counts_equal_recounting_the_context_at_every_step():
 
 def test_the_engine_keeps_penalty_counts_per_sequence():
     engine, _ = make_engine()
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, frequency_penalty=0.5)
+    # logprobs: sampled by kog.sampler (a native request's counts are native: kog.engine.decode_loop)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, frequency_penalty=0.5, logprobs=0)
     engine.add_request("r", prompt(3, 8), params)
     seq = engine._requests["r"][0]
     while engine.has_unfinished():
@@ -162,3 +160,5 @@ def test_the_engine_keeps_penalty_counts_per_sequence():
     assert float(seq.penalties.counts.sum()) == 3
     engine.add_request("plain", prompt(4, 8), SamplingParams(temperature=0, max_tokens=2))
     assert engine._requests["plain"][0].penalties is None
+    engine.add_request("native", prompt(5, 8), SamplingParams(temperature=0, max_tokens=2, frequency_penalty=0.5))
+    assert engine._requests["native"][0].penalties is None

@@ -118,7 +118,9 @@ def test_errors_through_the_client(server, client):
 
 
 def test_client_disconnect_mid_stream_frees_kv(server):
-    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 200, "n": 4, "ignore_eos": True,
+    # NOTE: n = 32 > --max-num-seqs: with 4 the decode loop (16 tokens per native call) could finish
+    # all 200 tokens of the tiny model before the first chunk is read
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 200, "n": 32, "ignore_eos": True,
             "stream": True}
     aborted_before = _requests_ended(server, "abort")
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
@@ -160,8 +162,9 @@ def test_sigterm_drains_in_flight_then_exits(tmp_path_factory):
         result = {}
 
         def stream():
-            # n > max_num_seqs: two waves, so the drain outlasts the checks below even on an idle machine
-            body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 200, "n": 32, "ignore_eos": True,
+            # n > max_num_seqs: four waves, so the drain outlasts the checks below even on an idle machine
+            # (steps run one token at a time while choices wait; the last wave runs the decode loop)
+            body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 200, "n": 64, "ignore_eos": True,
                     "stream": True}
             with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
                 result["events"] = [line for line in r.iter_lines() if line]
@@ -183,4 +186,4 @@ def test_sigterm_drains_in_flight_then_exits(tmp_path_factory):
     events = result["events"]
     assert events[-1] == "data: [DONE]"
     finishes = [ch["finish_reason"] for e in events[:-1] for ch in json.loads(e[6:])["choices"] if ch["finish_reason"]]
-    assert finishes == ["length"] * 32  # every in-flight choice ran to its end
+    assert finishes == ["length"] * 64  # every in-flight choice ran to its end

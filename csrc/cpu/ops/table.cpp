@@ -14,10 +14,11 @@ void linear_part(const LinearParams& p, float* scratch, RowQueue& queue, uint32_
 void kv_append(const KVAppendParams& p);
 void paged_attention_decode(const PagedAttentionParams& p);
 void paged_attention_prefill(const PagedAttentionParams& p);
+void sample(const SampleParams& p);
 
 const KernelTable& kernel_table() {
   static const KernelTable table{KOG_STR(KOG_ISA_NS), &rmsnorm, &rope, &silu_and_mul, &linear, &linear_part,
-                                 &kv_append, &paged_attention_decode, &paged_attention_prefill};
+                                 &kv_append, &paged_attention_decode, &paged_attention_prefill, &sample};
   return table;
 }
 

@@ -1,7 +1,9 @@
 """LLMEngine: requests in, one continuous-batching step at a time, outputs out.
 
 A step = schedule (KV allocation, copies applied) -> one batched decode call + one batched
-prefill call on the runner -> sample -> detokenize and check stop conditions.
+prefill call on the runner -> sample -> detokenize and check stop conditions. A step that only
+decodes native requests runs up to K decode steps in one native call instead (loop mode,
+kog.engine.decode_loop).
 
 Agent sessions (open/generate/append/fork/suspend/rollback/close) live in `engine.sessions`, a
 SessionManager (kog.engine.session_manager, docs/SESSIONS.md). Nothing here is thread-safe: call
@@ -20,6 +22,7 @@ import torch
 
 from kog.engine import prompt_logprobs, structured
 from kog.engine.chunks import forward_chunks
+from kog.engine.decode_loop import LOOP_MAX_STEPS, DecodeLoop, NativeSampler, is_native, merge_deltas, sample_rows
 from kog.engine.outputs import CompletionOutput, FinishReason, RequestOutput, StreamDelta
 from kog.engine.scheduler import PrefillWork, Scheduler, SchedulerOutput
 from kog.engine.sequence import Sequence
@@ -30,7 +33,7 @@ from kog.errors import InvalidRequest
 from kog.kvcache import KVCacheManager
 from kog.loader.tokenizer import Tokenizer
 from kog.models.runner import PrefillChunk
-from kog.sampler import PenaltyCounts, SampleRow, make_generator, needs_penalties, sample
+from kog.sampler import PenaltyCounts, SampleRow, make_generator, needs_penalties
 from kog.sampling_params import SamplingParams
 
 
@@ -42,6 +45,7 @@ class EngineConfig:
     num_host_blocks: int = 0           # host swap pool (suspended sessions, swap preemption)
     namespace: str = ""                # seeds the prefix-cache hashes (the model id)
     enable_prefix_caching: bool = True # admit requests with their longest cached prefix
+    max_loop_steps: int = LOOP_MAX_STEPS  # most decode steps one native call runs (1: no loop mode)
 
 
 class Runner(Protocol):
@@ -87,6 +91,9 @@ class LLMEngine:
             check_params=self.speculator.check, new_sequence=self._new_sequence,
             admit_grammar=lambda seq: structured.admit(seq, self.tokenizer, self.eos_token_ids, runner.vocab_size),
             is_request=lambda rid: rid in self._requests, register=self._register, abort=self.abort))
+        self.native_sampler = NativeSampler(runner.vocab_size, self.eos_token_ids, self.max_model_len)
+        self.decode_loop = DecodeLoop(runner, self.kv, runner.kv.apply, self.native_sampler,
+                                      self.config.max_loop_steps)
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
@@ -159,6 +166,10 @@ class LLMEngine:
         if not work.decode and not work.prefill:
             return []
         verify = self.speculator.take(work.decode, work.decode_slots)  # speculating seqs leave the decode
+        if work.decode and not work.prefill and not verify:  # K native decode steps in one call
+            k = self.decode_loop.steps_for(work.decode, bool(self.scheduler.waiting))
+            if k > 1 and self.decode_loop.reserve(work.decode, k):
+                return self._loop_step(work.decode, k)
         # The grammar masks of sequences with output are computed while the forwards run (a prompt's
         # first mask is not: its constraint may be forked for n > 1 siblings meanwhile).
         masks = structured.prefetch_masks(work.decode + [w.seq for w in work.prefill if w.seq.num_output_tokens])
@@ -203,7 +214,7 @@ class LLMEngine:
         structured.prepare_masks([s for _, s in rows])  # the rows not prefetched
         seqs, picked = [s for _, s in rows], logits[[r for r, _ in rows]]
         structured.before_sampling(seqs, self.max_model_len)
-        result = sample(picked, [self._sample_row(s) for s in seqs])
+        result = sample_rows(self.native_sampler, picked, seqs, self._sample_row)
         structured.keep_calls_in_budget(seqs, picked, result, self._sample_row, self.max_model_len)
         for k, (_, seq) in enumerate(rows):
             delta = self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k], now)
@@ -237,10 +248,12 @@ class LLMEngine:
         seed = None if params.seed is None else params.seed + index
         return Sequence(next(self._seq_ids) if seq_id is None else seq_id, request_id, index, list(ids),
                         params, self.tokenizer.detokenizer(params.skip_special_tokens), make_generator(seed),
-                        priority=priority, penalties=PenaltyCounts() if needs_penalties(params) else None)
+                        priority=priority, penalties=PenaltyCounts() if needs_penalties(params) and not is_native(params) else None)
 
     def _done(self, seq: Sequence) -> None:
         """seq's request ended: a session keeps its KV (parked), any other sequence frees it."""
+        self.decode_loop.release_unused(seq)
+        self.native_sampler.forget(seq)
         self.speculator.finish(seq)
         if seq.session_id is not None:
             self.sessions.on_done(seq)
@@ -275,6 +288,24 @@ class LLMEngine:
         tokens = np.array([s.token_ids[-1] for s in seqs], dtype=np.int64)  # [B]
         return self.runner.decode(tokens, positions, block_tables, (positions + 1).astype(np.int32),
                                   np.asarray(slots, dtype=np.int64))
+
+    def _loop_step(self, seqs: list[Sequence], k: int) -> list[StreamDelta]:
+        """k decode steps of native seqs in one native call (kog.engine.decode_loop); each row's
+        tokens appended one by one as a step at a time would, one merged delta per row."""
+        rows = self.decode_loop.run(seqs, k)
+        now = time.monotonic()
+        deltas = []
+        for seq, tokens in zip(seqs, rows):
+            base, delta = seq.num_computed, None
+            for j, token in enumerate(tokens):
+                seq.num_computed = base + j + 1  # the tokens fed so far have KV
+                seq.num_forward_passes += 1
+                delta = merge_deltas(delta, self._append_token(seq, token, None, None, now))
+                if seq.finish_reason is not None:
+                    break
+            self.decode_loop.release_unused(seq)
+            deltas.append(delta)
+        return deltas
 
     def _run_prefill(self, work: list[PrefillWork]) -> torch.Tensor:
         """[len(work), vocab] logits of each chunk's last token; prompt logprobs recorded on the way."""

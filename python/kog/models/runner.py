@@ -87,6 +87,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ public API
 
+    @property
+    def native_decoder(self):
+        """What runs whole decode steps natively: the CPU DecodeExecutor or the GpuDecoder
+        (kog.engine.decode_loop runs K steps per call on it)."""
+        return self._gpu if self.device.type == "cuda" else self._executor
+
     def prefill(self, chunks: list[PrefillChunk], all_logits: bool = False) -> torch.Tensor | list[torch.Tensor]:
         """Runs chunks of several sequences in one batch, writing their K/V into the cache.
 

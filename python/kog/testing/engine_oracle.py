@@ -4,6 +4,8 @@ any KV cache: the same sampler applied to context_logits of the true token seque
 from __future__ import annotations
 
 from kog.engine import EngineConfig, LLMEngine
+from kog.engine.decode_loop import NativeSampler, is_native
+from kog.engine.sequence import Sequence
 from kog.loader.tokenizer import Tokenizer
 from kog.sampler import SampleRow, make_generator, sample
 from kog.sampling_params import SamplingParams
@@ -25,11 +27,17 @@ def oracle_tokens(context: list[int], params: SamplingParams, vocab_size: int, e
     """
     ids, out = list(context), []
     gen = make_generator(None if params.seed is None else params.seed + index)
+    native = NativeSampler(vocab_size, [eos], 1 << 40) if is_native(params) else None
+    seq = Sequence(0, "oracle", index, list(context), params, None)
     while True:
         logits = context_logits(ids, vocab_size)[None]
-        t = sample(logits, [SampleRow(params, context, out, [eos], gen)]).token_ids[0]
+        if native is not None:  # the engine samples such requests natively (kog.engine.decode_loop)
+            t = native.sample([seq], logits)[0]
+        else:
+            t = sample(logits, [SampleRow(params, context, out, [eos], gen)]).token_ids[0]
         out.append(t)
         ids.append(t)
+        seq.append_token(t)
         if (t == eos and not params.ignore_eos and len(out) >= params.min_tokens) or len(out) >= params.max_tokens:
             return out
 
