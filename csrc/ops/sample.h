@@ -21,11 +21,14 @@
 #pragma once
 #include <cstdint>
 
+#include "common/host_device.h"
+
 namespace kog {
 
-// splitmix64 finalizer over (seed, counter), top 24 bits: the GPU kernel's uniform01, bit for bit.
+// Uniform [0, 1) from (seed, counter): splitmix64 finalizer over both, top 24 bits. The one
+// definition of the draw: the CPU sampler and the GPU kernel (gpu/decode/sample_item.cuh) call it.
 // static: every translation unit (each CPU ISA build included) keeps its own copy.
-static inline float uniform01(uint64_t seed, uint64_t counter) {
+static KOG_HOST_DEVICE inline float uniform01(uint64_t seed, uint64_t counter) {
   uint64_t z = seed * 0x9E3779B97F4A7C15ull + counter + 0x632BE59BD9B4E019ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;

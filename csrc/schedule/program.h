@@ -16,13 +16,8 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/host_device.h"
 #include "schedule/opcodes.h"
-
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define KOG_HOST_DEVICE __host__ __device__
-#else
-#define KOG_HOST_DEVICE
-#endif
 
 namespace kog::schedule {
 

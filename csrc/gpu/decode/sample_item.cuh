@@ -13,17 +13,9 @@
 #include "gpu/decode/params.h"
 #include "gpu/decode/sync.cuh"
 #include "gpu/decode/tuning.cuh"
+#include "ops/sample.h"  // uniform01: the draw, shared with the CPU sampler
 
 namespace kog::gpu::decode {
-
-// Uniform [0, 1) from (seed, counter): splitmix64 finalizer over both, top 24 bits.
-__device__ __forceinline__ float uniform01(uint64_t seed, uint64_t counter) {
-  uint64_t z = seed * 0x9E3779B97F4A7C15ull + counter + 0x632BE59BD9B4E019ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  return float(z >> 40) * (1.f / 16777216.f);
-}
 
 // Shared scratch of sample_row, in floats.
 constexpr int kSampleSmemFloats = 2 * kThreads + 2;
