@@ -55,6 +55,7 @@ py::dict seq_info(const SeqInfo& s) {
   d["state"] = s.state;
   d["tail"] = s.tail;
   d["num_tokens"] = s.num_tokens;
+  d["named"] = s.named;
   d["tokens_known"] = s.tokens_known;
   d["host_blocks"] = s.host_blocks;
   return d;
@@ -180,6 +181,9 @@ void bind_kvcache(py::module_& m) {
              Moves mv;
              a.append(SeqId(seq), tokens.size(), tokens_ptr(tokens), mv);
              return mv;
+           })
+      .def("name_tokens", [](KVCacheAllocator& a, int64_t seq, int64_t start, const I32& ids) {
+             a.name_tokens(SeqId(seq), start, tokens_ptr(ids), ids.size());
            })
       .def("append_batch", [](KVCacheAllocator& a, const I64& seqs, const I64& counts,
                               std::optional<I32> tokens) {

@@ -47,6 +47,7 @@ int64_t KVCacheAllocator::add_sequence(SeqId id, const int32_t* tokens, int64_t 
   Sequence s;
   s.tail = acquire(chain);
   s.num_tokens = cached;
+  s.named = cached;
   s.table_valid = false;
   Sequence& ref = seqs_.emplace(id, std::move(s)).first->second;
   do_append(ref, n - cached, tokens + cached, mv);
@@ -116,6 +117,36 @@ int64_t KVCacheAllocator::max_appendable_batch(const int64_t* ids, const int64_t
   return fit;
 }
 
+void KVCacheAllocator::name_tokens(SeqId id, int64_t start, const int32_t* ids, int64_t n) {
+  Sequence& s = get_running(id, "name_tokens");
+  KOG_CHECK(n >= 0 && (n == 0 || ids), "name_tokens: bad ids (n=", n, ")");
+  KOG_CHECK(start >= 0 && start <= s.named, "name_tokens: start ", start,
+            " would leave a gap after the ", s.named, " named tokens of sequence ", id.value);
+  KOG_CHECK(start + n <= s.num_tokens, "name_tokens: tokens [", start, ", ", start + n,
+            ") pass the sequence's ", s.num_tokens, " tokens");
+  materialize(s);
+  auto stored = [&](int64_t p) -> int32_t& { return pool_.tokens(BlockId(s.table[p / bs_]))[p % bs_]; };
+  // A named token, or one in a registered block (shared with a sequence that named it), is fixed.
+  for (int64_t p = start; p < start + n; ++p) {
+    if (p >= s.named && !pool_.hashed(BlockId(s.table[p / bs_]))) continue;
+    KOG_CHECK(stored(p) == ids[p - start], "name_tokens: token ", p, " of sequence ", id.value,
+              " is ", stored(p), ", not ", ids[p - start]);
+  }
+  for (int64_t p = s.named; p < start + n; ++p) stored(p) = ids[p - start];
+  s.named = std::max(s.named, start + n);
+  // Register the full blocks now named, in chain order; a block whose parent is not registered
+  // breaks the chain (nothing past it is cacheable).
+  for (int64_t i = start / bs_; i < s.named / bs_; ++i) {
+    const BlockId b(s.table[i]);
+    if (pool_.hashed(b)) continue;
+    const BlockId p = i > 0 ? BlockId(s.table[i - 1]) : BlockId();
+    if (p.valid() && !pool_.hashed(p)) break;
+    const BlockHash ph = p.valid() ? pool_.hash(p) : seed_;
+    pool_.seal(b, chain_hash(ph, pool_.tokens(b), bs_), ph);
+  }
+  refresh_known(s);
+}
+
 void KVCacheAllocator::fork(SeqId parent, SeqId child) { fork_batch(&parent.value, &child.value, 1); }
 
 void KVCacheAllocator::fork_batch(const int64_t* parents, const int64_t* children, int64_t n) {
@@ -134,6 +165,7 @@ void KVCacheAllocator::fork_batch(const int64_t* parents, const int64_t* childre
     Sequence c;
     c.tail = p.tail;
     c.num_tokens = p.num_tokens;
+    c.named = p.named;
     c.tokens_known = p.tokens_known;
     c.table_valid = false;  // NOTE: O(1) fork: the child's table is rebuilt on first use
     if (c.tail.valid()) pool_.add_ref(c.tail);
@@ -147,7 +179,8 @@ void KVCacheAllocator::truncate(SeqId id, int64_t n) {
             "], got ", n);
   const int64_t drop = blocks_for(s.num_tokens) - blocks_for(n);
   s.num_tokens = n;
-  if (drop == 0) return;
+  s.named = std::min(s.named, n);
+  if (drop == 0) return refresh_known(s);
   BlockId new_tail = s.tail;
   for (int64_t i = 0; i < drop; ++i) new_tail = pool_.parent(new_tail);
   // The sequence's reference moves from the old tail to the new one; the cascade from the old
@@ -156,6 +189,7 @@ void KVCacheAllocator::truncate(SeqId id, int64_t n) {
   pool_.release(s.tail);
   s.tail = new_tail;
   if (s.table_valid) s.table.resize(s.table.size() - drop);
+  refresh_known(s);
 }
 
 void KVCacheAllocator::free(SeqId id) { free_batch(&id.value, 1); }
@@ -249,6 +283,7 @@ int64_t KVCacheAllocator::append_need(const Sequence& s, int64_t n) const {
 void KVCacheAllocator::do_append(Sequence& s, int64_t n, const int32_t* tokens, Moves& mv) {
   if (n == 0) return;
   if (!tokens) s.tokens_known = false;
+  const bool extends_named = tokens && s.named == s.num_tokens;
   if (s.num_tokens % bs_ != 0) prepare_tail_write(s, mv);
   int64_t done = 0;
   while (done < n) {
@@ -265,6 +300,7 @@ void KVCacheAllocator::do_append(Sequence& s, int64_t n, const int32_t* tokens, 
     for (int32_t j = 0; j < take; ++j) mv.slots.push_back(base + j);
     if (tokens) std::memcpy(pool_.tokens(s.tail) + off, tokens + done, sizeof(int32_t) * take);
     s.num_tokens += take;
+    if (extends_named) s.named += take;
     done += take;
     if (s.num_tokens % bs_ == 0 && s.tokens_known) seal_tail(s);
   }
@@ -298,6 +334,11 @@ void KVCacheAllocator::seal_tail(Sequence& s) {
   }
   const BlockHash ph = p.valid() ? pool_.hash(p) : seed_;
   pool_.seal(s.tail, chain_hash(ph, pool_.tokens(s.tail), bs_), ph);
+}
+
+void KVCacheAllocator::refresh_known(Sequence& s) {
+  const BlockId last_full = s.num_tokens % bs_ == 0 || !s.tail.valid() ? s.tail : pool_.parent(s.tail);
+  s.tokens_known = s.named == s.num_tokens && (!last_full.valid() || pool_.hashed(last_full));
 }
 
 void KVCacheAllocator::materialize(Sequence& s) {

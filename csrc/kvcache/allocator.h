@@ -50,7 +50,8 @@ struct SeqInfo {
   SeqState state;
   int32_t tail;  // device tail block (the anchor of the resident prefix when swapped), -1 none
   int64_t num_tokens;
-  bool tokens_known;
+  int64_t named;      // leading tokens whose ids the allocator holds
+  bool tokens_known;  // every token named and the hash chain intact: full blocks feed the cache
   std::vector<int32_t> host_blocks;  // swapped-out suffix, root first
 };
 
@@ -70,6 +71,11 @@ class KVCacheAllocator {
   // nullptr (count-only: the sequences stop feeding the prefix cache).
   void append_batch(const int64_t* seqs, const int64_t* counts, int64_t n, Moves& mv,
                     const int32_t* tokens = nullptr);
+  // Names tokens [start, start + n) of a running sequence appended count-only (their ids known
+  // only after their KV was computed, as in the decode loop): stores the ids and registers every
+  // block they complete in the prefix cache, so the sequence feeds it again. start must leave no
+  // gap (start <= the sequence's named prefix); ids already named must match. Moves nothing.
+  void name_tokens(SeqId seq, int64_t start, const int32_t* ids, int64_t n);
   // The verb pair of append: whether n more tokens fit now (counting free and cached blocks and
   // what swapping suspended sequences would free, exactly as append reserves), and the most
   // tokens that fit. Both throw as append does for an unknown or non-running sequence.
@@ -113,7 +119,8 @@ class KVCacheAllocator {
   struct Sequence {
     BlockId tail;
     int64_t num_tokens = 0;
-    bool tokens_known = true;
+    int64_t named = 0;          // leading tokens whose ids are stored (<= num_tokens)
+    bool tokens_known = true;   // == (named == num_tokens and every full block hashed)
     SeqState state = SeqState::kRunning;
     uint64_t suspend_tick = 0;
     bool table_valid = true;
@@ -147,6 +154,8 @@ class KVCacheAllocator {
   void do_append(Sequence& s, int64_t n, const int32_t* tokens, Moves& mv);
   void prepare_tail_write(Sequence& s, Moves& mv);
   void seal_tail(Sequence& s);
+  // tokens_known from named and the last full block (after a truncate or a naming).
+  void refresh_known(Sequence& s);
   std::vector<BlockId> match(const int32_t* tokens, int64_t n) const;
   BlockId acquire(const std::vector<BlockId>& chain);  // refs chain.back(), revives as needed
   void materialize(Sequence& s);

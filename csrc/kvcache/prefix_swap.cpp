@@ -92,7 +92,7 @@ void KVCacheAllocator::swap_out(SeqId id, Moves& mv) {
 
 SeqInfo KVCacheAllocator::info(SeqId id) const {
   const Sequence& s = get(id);
-  SeqInfo out{s.state, s.tail.value, s.num_tokens, s.tokens_known, {}};
+  SeqInfo out{s.state, s.tail.value, s.num_tokens, s.named, s.tokens_known, {}};
   for (HostBlockId h : s.host_blocks) out.host_blocks.push_back(h.value);
   return out;
 }

@@ -143,6 +143,13 @@ class KVCacheManager:
         return self._a.append_batch(np.asarray(seq_ids, np.int64), np.asarray(counts, np.int64),
                                     None if tokens is None else _ids(tokens))
 
+    def name_tokens(self, seq_id: int, start: int, tokens: Sequence[int] | np.ndarray) -> None:
+        """Names tokens [start, start + len(tokens)) of a sequence appended count-only (the
+        decode loop reserves KV before it knows the ids): the full blocks they complete join the
+        prefix cache, and later appends with ids feed it again. start must not pass the
+        sequence's named prefix (info()["named"]); tokens already named must match."""
+        self._a.name_tokens(seq_id, start, _ids(tokens))
+
     def can_append(self, seq_id: int, n_tokens: int) -> bool:
         """Whether append(seq_id, n_tokens) would succeed now (free and cached blocks, and
         what swapping suspended sequences would free, exactly as append counts them)."""
@@ -228,6 +235,12 @@ class KVCacheManager:
 
     def num_tokens(self, seq_id: int) -> int:
         return self._a.info(seq_id)["num_tokens"]
+
+    def info(self, seq_id: int) -> dict:
+        """One sequence as the allocator holds it: state, tail block, num_tokens, named (the
+        leading tokens whose ids it holds), tokens_known (whether its full blocks feed the prefix
+        cache) and host_blocks (its swapped-out suffix)."""
+        return self._a.info(seq_id)
 
     def state(self, seq_id: int) -> KVState:
         """Where seq_id's KV is: KVState.RUNNING, SUSPENDED or SWAPPED."""

@@ -254,3 +254,25 @@ def test_parameters_below_float32_range_sample_like_their_limit(model):
     got = generate(engine, [(p, tiny)])[0]
     assert got[("r0", 0)][0] == generate(make_engine(model, max_steps=1)[0], [(p, greedy)])[0][("r0", 0)][0]
     assert max(rec.ks) >= 8
+
+
+def test_loop_decoded_blocks_feed_the_prefix_cache_like_one_step(model):
+    """The loop reserves KV count-only; settling a row names its tokens, so a retry whose
+    prompt is the first request's prompt + output reuses the loop-decoded blocks."""
+    p = prompts(1, seed=7)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+
+    def hit_tokens_of_the_retry(engine):
+        out = generate(engine, [(p, greedy)])[0][("r0", 0)][0]
+        before = engine.kv.stats()["prefix_hit_tokens"]
+        engine.add_request("retry", p + out, SamplingParams(temperature=0.0, max_tokens=1))
+        while engine.has_unfinished():
+            engine.step()
+        return engine.kv.stats()["prefix_hit_tokens"] - before
+
+    loop, rec = make_engine(model, max_steps=16)
+    one, _ = make_engine(model, max_steps=1)
+    hit = hit_tokens_of_the_retry(loop)
+    assert max(rec.ks) >= 8
+    assert hit == hit_tokens_of_the_retry(one) and hit >= (len(p) + 60 - 1) // 4 * 4 - 4
+    assert_no_kv_held(loop)

@@ -162,6 +162,37 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
+    def name_tokens(self, data):
+        """Names a span of a sequence's tokens (the model's ids are the truth: KV was written
+        for them even when they were appended count-only); a wrong id or a gap is refused."""
+        sid = self.seq(data)
+        s = self.seqs[sid]
+        n = len(s["tokens"])
+        if not s["running"]:
+            assert self.expect_error(kog.InvalidOperation, self.m.name_tokens, sid, 0, [])
+            return
+        named = self.m.debug_state()["seqs"][sid]["named"]
+        start = data.draw(st.integers(0, n))
+        end = data.draw(st.integers(start, n))
+        ids = s["tokens"][start:end]
+        if start > named:
+            assert self.expect_error(kog.InvalidRequest, self.m.name_tokens, sid, start, ids)
+            return
+        if start < min(named, end) and data.draw(st.booleans()):
+            wrong = [ids[0] + 50] + ids[1:]  # the first id is named already: it must match
+            assert self.expect_error(kog.InvalidRequest, self.m.name_tokens, sid, start, wrong)
+            return
+        d = self.m.debug_state()
+        table = self.m.block_table(sid)
+        intact = all(d["hashed"][b] for b in table[: start // BS])  # the chain up to the span
+        self.m.name_tokens(sid, start, ids)
+        d = self.m.debug_state()
+        assert d["seqs"][sid]["named"] == max(named, end)
+        if intact:  # every block now full and named joined the prefix cache
+            assert all(d["hashed"][b] for b in table[: max(named, end) // BS])
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
     def free(self, data):
         sid = self.seq(data)
         self.m.free(sid)
@@ -275,6 +306,18 @@ class KVCacheMachine(RuleBasedStateMachine):
                 got = self.store.gather(0, self.m.block_table(sid), n)
                 k, v = kv_of(s["tokens"], 0)
                 assert torch.equal(got[0], k) and torch.equal(got[1], v), f"KV of seq {sid} corrupt"
+
+    @invariant()
+    def known_sequences_feed_the_cache(self):
+        """tokens_known: every token named and every full block registered (hashed)."""
+        d = self.m.debug_state()
+        for sid, info in d["seqs"].items():
+            assert 0 <= info["named"] <= info["num_tokens"]
+            if info["state"] == "swapped":
+                continue
+            full = self.m.block_table(sid)[: info["num_tokens"] // BS]
+            chain = info["named"] == info["num_tokens"] and all(d["hashed"][b] for b in full)
+            assert info["tokens_known"] == chain, f"seq {sid}: tokens_known disagrees with its blocks"
 
     @invariant()
     def block_tables_are_the_padded_tables(self):

@@ -154,3 +154,48 @@ def test_finish_reason_mirrors_the_native_enum():
         expect = None if name == "NONE" else FinishReason[name]
         assert FinishReason.from_native(value) is expect and FinishReason.from_native(int(value)) is expect
     assert FinishReason.STOP == "stop" and str(FinishReason.LENGTH) == "length"
+
+
+def test_name_tokens_feeds_the_prefix_cache_after_a_count_only_append():
+    m = KVCacheManager(8, BS, namespace="t")
+    m.add_sequence(0, [1, 2, 3])
+    m.append(0, n_tokens=6)  # KV reserved before the ids are known (the decode loop)
+    ids = [1, 2, 3, 7, 8, 9, 10, 11, 12]
+    assert m.lookup(ids) == 0 and not m.info(0)["tokens_known"]
+    m.name_tokens(0, 3, ids[3:])
+    assert m.info(0)["named"] == 9 and m.info(0)["tokens_known"]
+    assert m.lookup(ids) == 8  # both full blocks joined the cache
+    m.append(0, [13, 14, 15])  # and later appends with ids feed it again
+    assert m.lookup(ids + [13, 14, 15]) == 12
+    m.free(0)
+    cached, _ = m.add_sequence(1, ids + [13, 14, 15, 16])
+    assert cached == 12
+
+
+def test_name_tokens_refuses_a_gap_and_a_different_id_and_changes_nothing():
+    m = KVCacheManager(8, BS, namespace="t")
+    m.add_sequence(0, [1, 2, 3, 4, 5])
+    m.append(0, n_tokens=6)
+    before = m.debug_state()
+    with pytest.raises(kog.InvalidRequest, match="gap"):
+        m.name_tokens(0, 6, [9, 9])  # token 5 is not named yet
+    with pytest.raises(kog.InvalidRequest, match="is 5, not 6"):
+        m.name_tokens(0, 4, [6, 7])  # token 4 is named (5)
+    with pytest.raises(kog.InvalidRequest, match="pass"):
+        m.name_tokens(0, 5, [0] * 7)  # past the 11 tokens
+    assert m.debug_state() == before
+    m.name_tokens(0, 4, [5, 6, 7])  # overlapping a named token with its own id is fine
+    assert m.info(0)["named"] == 7
+    m.suspend(0)
+    with pytest.raises(kog.InvalidOperation):
+        m.name_tokens(0, 7, [1])
+
+
+def test_truncate_back_to_named_tokens_feeds_the_cache_again():
+    m = KVCacheManager(8, BS, namespace="t")
+    m.add_sequence(0, [1, 2, 3, 4, 5, 6])
+    m.append(0, n_tokens=5)  # count-only: the sequence stops feeding the cache
+    m.truncate(0, 6)  # back to its named tokens (a rejected reservation)
+    assert m.info(0)["tokens_known"]
+    m.append(0, [7, 8])
+    assert m.lookup([1, 2, 3, 4, 5, 6, 7, 8]) == 8

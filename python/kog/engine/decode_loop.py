@@ -21,9 +21,10 @@ tokens or a stop token leaves the batch inside the call. So the first token neve
 comes from the prefill step), the next come 1, 2, 4, ... at a time, and a new request waits at
 most one loop call. The engine reserves the KV of each row's next min(K, tokens left) tokens
 first and gives back what a row that stopped early did not use.
-NOTE: the reservation is a count-only append (the ids are not known yet), after which the
-allocator stops feeding that sequence's later blocks to the prefix cache (its prompt's blocks
-are cached already); an allocator verb naming the ids afterwards would lift this.
+The reservation is a count-only append (the ids are not known yet); when a row is settled
+(release_unused), the allocator is told the ids of the reserved tokens that were computed
+(KVCacheManager.name_tokens), so loop-decoded blocks join the prefix cache as a step at a
+time's do: a session's next turn or a retry of the same request reuses them.
 On the CPU the loop is kog._C.DecodeLoop over the decode executor; on a GPU it is the persistent
 kernel's loop mode (GpuDecoder.decode with n_steps, GPU_DECODE_MAX_BATCH rows per launch), for
 rows without penalties and past min_tokens (the kernel samples on the device and bans nothing),
@@ -178,6 +179,7 @@ class DecodeLoop:
         cpu = isinstance(decoder, _C.DecodeExecutor)
         self._cpu = _C.DecodeLoop(decoder, runner.vocab_size, runner.block_size) if cpu else None
         self._gpu = decoder if decoder is not None and not cpu else None  # a GpuDecoder (or a test's stand-in)
+        self._reserved: dict[int, int] = {}  # seq_id -> first position reserved count-only, until settled
 
     def steps_for(self, seqs: Seq[Sequence], others_waiting: bool) -> int:
         """K for a decode-only step over seqs (1: the usual one-step path)."""
@@ -201,6 +203,8 @@ class DecodeLoop:
             moves = self.kv.append_batch([s.seq_id for s in seqs], [min(k, self._room(s)) - 1 for s in seqs])
         except KVCacheFull:
             return False
+        for s in seqs:  # the scheduler appended (with its id) the token at num_computed
+            self._reserved[s.seq_id] = s.num_computed + 1
         self.apply_moves(moves)  # swaps of suspended sequences the reservation made room with
         return True
 
@@ -222,11 +226,17 @@ class DecodeLoop:
         return [out[: n_new[i], i].tolist() for i in range(len(seqs))]
 
     def release_unused(self, seq: Sequence) -> None:
-        """Gives back the KV a finished row reserved but did not compute (call before its KV is
-        freed or parked)."""
-        if seq.seq_id in self.kv and self.kv.state(seq.seq_id) == KVState.RUNNING \
-                and self.kv.num_tokens(seq.seq_id) > seq.num_computed:
+        """Settles a row after a loop call (call before its KV is freed or parked): gives back
+        the KV it reserved but did not compute, and names the reserved tokens it did compute
+        (token_ids[p] is the token whose KV sits at position p), so their full blocks feed the
+        prefix cache."""
+        start = self._reserved.pop(seq.seq_id, None)
+        if seq.seq_id not in self.kv or self.kv.state(seq.seq_id) != KVState.RUNNING:
+            return
+        if self.kv.num_tokens(seq.seq_id) > seq.num_computed:
             self.kv.truncate(seq.seq_id, seq.num_computed)
+        if start is not None and start < seq.num_computed:
+            self.kv.name_tokens(seq.seq_id, start, seq.token_ids[start : seq.num_computed])
 
     # ---- internal helpers ---------------------------------------------------------------------
     def _room(self, seq: Sequence) -> int:
