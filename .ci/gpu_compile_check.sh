@@ -2,7 +2,8 @@
 # GPU compile check (no GPU needed): builds the CUDA wheel (nvcc, sm_90a) and the ROCm wheel
 # (hipcc, gfx90a + gfx940) exactly as users would, then checks that each wheel's _C holds device
 # code for every target, that it imports on a GPU-less machine and reports no device, and prints
-# the per-kernel resource usage (registers, shared/LDS memory, scratch, spills).
+# the per-kernel resource usage (registers, shared/LDS memory, scratch, spills), and reads the
+# machine code of both vendors for the loads the kernels are meant to use (.ci/gpu_isa_check.py).
 # Usage: .ci/gpu_compile_check.sh [OUT_DIR] (default build/gpu-check). Exits non-zero on any
 # failure; logs stay in OUT_DIR.
 set -euo pipefail
@@ -33,10 +34,20 @@ if [[ -z $cuobjdump ]]; then
   cuobjdump=$(find "$out/tools" -type f -name cuobjdump | head -1)
 fi
 [[ -x $cuobjdump ]] || fail "no cuobjdump"
+# cuobjdump -sass disassembles through nvdisasm, also its own package.
+if ! command -v nvdisasm >/dev/null; then
+  # its own --target: pip does not merge into the nvidia/ folder cuobjdump's package made
+  python3 -m pip install -q --target "$out/tools/nvdisasm" "nvidia-cuda-nvdisasm>=13" ||
+    fail "cannot install nvdisasm"
+  PATH="$(dirname "$(find "$out/tools/nvdisasm" -type f -name nvdisasm | head -1)"):$PATH"
+fi
+command -v nvdisasm >/dev/null || fail "no nvdisasm"
 command -v nvcc >/dev/null || fail "nvcc not found"
 command -v hipcc >/dev/null || fail "hipcc not found"
 readelf=$(command -v llvm-readelf || command -v llvm-readelf-15 || true)
 [[ -n $readelf ]] || fail "no llvm-readelf"
+objdump=$(command -v llvm-objdump-15 || command -v llvm-objdump || true)  # 15 knows gfx940 (14 does not)
+[[ -n $objdump ]] || fail "no llvm-objdump"
 lap "tools"
 
 # build_wheel NAME ENV...: pip wheel with the given environment; extracts it to $out/NAME/x.
@@ -86,6 +97,8 @@ for k in "${KERNELS[@]}"; do grep -q "kog3gpu.*[0-9]$k" <<<"$usage" || fail "sm_
 echo "resource usage, sm_90a (REG per thread; SHARED per block; LOCAL > 0 would mean spills):"
 table 4 <<<"$usage"
 ! grep -qv "LOCAL:0 " <<<"$usage" || fail "a kernel uses local memory (register spills?)"
+# The GEMV's global loads are 16 bytes wide (.ci/gpu_isa_check.py).
+"$cuobjdump" -sass "$so" | python3 .ci/gpu_isa_check.py sass || fail "ISA check, sm_90a"
 import_check cuda cuda
 lap "cuda checks"
 
@@ -122,6 +135,8 @@ for arch in gfx90a gfx940; do
   ! grep -qv "SCRATCH:0 " <<<"$usage" || fail "$arch: a kernel uses scratch memory"
   grep -v "SSPILL:0 " <<<"$usage" | table 8 | sed "s/^/note: $arch SGPR spills to VGPR lanes: /" || true
   ! grep -qv "WAVE:64 " <<<"$usage" || fail "$arch: a kernel is not wave64"
+  for f in $files; do "$objdump" -d --mcpu="$arch" "$out/rocm/co/$f"; done |
+    python3 .ci/gpu_isa_check.py amdgcn || fail "ISA check, $arch"
 done
 import_check rocm rocm
 lap "rocm checks"

@@ -182,7 +182,8 @@ if ((built)); then
     # persistent kernel gets its own step: a hang there must not cost the op kernels' check.
     ops="strided or extremes or small_positions or stream"
     ops+=" or (reference and (7-4-2-128-128 or 3-7 or 5-129)) or prefill_other_head_dims"
-    san=("$sanitizer" --error-exitcode 99 --kernel-name kns=kog)
+    # The kernel's dependency waits are bounded (2 s by default): far longer under the sanitizer.
+    san=(env KOG_GPU_WAIT_TIMEOUT_MS=120000 "$sanitizer" --error-exitcode 99 --kernel-name kns=kog)
     ign=(--ignore=tests/gpu/test_greedy_1b_gpu.py "${decode_tests[@]/#/--ignore=}")
     step memcheck_ops 60 "${san[@]}" --tool memcheck "$PY" -m pytest -q -p no:cacheprovider -x tests/gpu \
       "${ign[@]}" -k "$ops"

@@ -78,6 +78,19 @@ void bind_gpu_decode(py::module_& m) {
            arg("block_tables"), arg("max_blocks"), arg("max_seq_len"), arg("sampling"), arg("rng_step"),
            arg("stop_ids"), arg("n_stop_ids"), arg("out_tokens"), arg("finished"), arg("logits"), arg("stream"),
            py::call_guard<py::gil_scoped_release>())
+      .def("set_wait_timeout_ms", &GpuDecodeExecutor::set_wait_timeout_ms, arg("ms"),
+           "Bound of the kernel's dependency waits (0: none); a longer wait traps (see wait_timeout)")
+      .def("wait_timeout",
+           [](const GpuDecodeExecutor& ex) -> py::object {
+             const kog::gpu::decode::WaitTimeout t = ex.wait_timeout();
+             if (!t.fired) return py::none();
+             py::dict d;
+             d["block"] = t.block, d["step"] = t.step, d["op"] = t.op, d["count"] = t.count, d["target"] = t.target;
+             return d;
+           },
+           "What the first timed-out wait recorded ({block, step, op, count, target}), or None")
+      .def("set_debug_skip_signal_op", &GpuDecodeExecutor::set_debug_skip_signal_op, arg("op"),
+           "Tests: op (expanded index) of step 0 whose items never signal; -1 off")
       .def_property_readonly("grid_size", &GpuDecodeExecutor::grid_size)
       .def_property_readonly("num_ops", &GpuDecodeExecutor::num_ops);
   m.attr("GPU_DECODE_MAX_BATCH") = GpuDecodeExecutor::kMaxBatch;

@@ -78,6 +78,18 @@ struct alignas(sizeof(T) * N) Vec {
 template <typename T>
 constexpr int kVec16 = 16 / sizeof(T);
 
+// One 16-byte load of a Vec as a single 128-bit instruction (LDG.E.128 / global_load_dwordx4).
+// A plain copy of Vec<bf16 or half, 8> is element-wise on NVIDIA (their copy constructors):
+// eight 2-byte loads. p: 16-byte aligned.
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load16(const Vec<T, N>* p) {
+  static_assert(sizeof(Vec<T, N>) == 16, "load16 moves exactly 16 bytes");
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  Vec<T, N> out;
+  __builtin_memcpy(&out, &raw, 16);
+  return out;
+}
+
 inline bool aligned_to(const void* p, int64_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(bytes) == 0;
 }

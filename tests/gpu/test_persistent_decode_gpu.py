@@ -133,3 +133,45 @@ def test_bad_batch_is_refused(device):
         dec.decode(list(range(9)), list(range(9)), np.zeros((9, 4), dtype=np.int32))
     with pytest.raises(kog.InvalidRequest):
         dec.decode([1], [100], np.zeros((1, 2), dtype=np.int32))  # tables too short
+
+
+_LOST_SIGNAL = r"""
+import json, sys
+import numpy as np, torch
+sys.path.insert(0, sys.argv[1])
+from test_persistent_decode_gpu import cpu_runner, gpu_decoder, prefill
+r = cpu_runner("llama", torch.float32)
+tables = prefill(r, [[1, 2, 3, 4, 5]])
+dec = gpu_decoder(r, torch.device("cuda"))
+dec._executor.set_wait_timeout_ms(50)
+dec._executor.set_debug_skip_signal_op(int(sys.argv[2]))
+error = None
+try:
+    dec.decode([5], np.array([5]), tables)
+    torch.cuda.synchronize()
+except RuntimeError as e:
+    error = str(e)[:300]
+print(json.dumps({"error": error, "timeout": dec.wait_timeout()}))
+"""
+
+
+@pytest.mark.parametrize("skipped", [0, 5])
+def test_a_lost_signal_traps_with_its_wait_recorded_instead_of_hanging(device, skipped, tmp_path):
+    """The watchdog: op `skipped`'s items never signal, so a wait on it (or on an op after it)
+    outlives its 50 ms bound, records where and traps: the launch fails instead of hanging. In a
+    subprocess, since the trap loses the GPU context."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "lost_signal.py"
+    script.write_text(_LOST_SIGNAL)
+    done = subprocess.run([sys.executable, str(script), str(Path(__file__).parent), str(skipped)],
+                          capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    assert lines, done.stderr[-2000:]
+    got = json.loads(lines[-1])
+    assert got["error"] is not None, got  # the launch failed (the trap)
+    t = got["timeout"]
+    assert t is not None and t["step"] == 0 and t["op"] >= skipped and t["count"] < t["target"], t

@@ -55,6 +55,18 @@ class GpuDecodeExecutor {
   int grid_size() const { return grid_; }
   int64_t num_ops() const { return int64_t(n_ops_); }
 
+  // The watchdog of the kernel's dependency waits: a wait longer than this traps, recording
+  // where (wait_timeout()). Default kDefaultWaitTimeoutMs; 0 waits forever (a debugger, a
+  // sanitizer's slowed run).
+  static constexpr double kDefaultWaitTimeoutMs = 2000.0;
+  void set_wait_timeout_ms(double ms);
+  // What the first timed-out wait recorded (fired == 0: none). Host memory: readable after the
+  // trap has killed the launch.
+  WaitTimeout wait_timeout() const;
+  // Tests: the items of op `op` (expanded index) of step 0 never signal (-1: off), so a wait on
+  // it times out.
+  void set_debug_skip_signal_op(int32_t op) { debug_skip_signal_op_ = op; }
+
  private:
   void ensure_partials(int32_t max_parts);
 
@@ -71,6 +83,11 @@ class GpuDecodeExecutor {
   float* partials_ = nullptr;       // device
   int32_t partials_parts_ = 0;
   int grid_ = 0;
+  WaitTimeout* timeout_host_ = nullptr;    // host-mapped (gpuHostAllocMapped)
+  WaitTimeout* timeout_device_ = nullptr;  // its device address
+  int64_t ticks_per_ms_ = 0;               // gpu_wall_ticks per ms on this device
+  uint64_t wait_timeout_ticks_ = 0;
+  int32_t debug_skip_signal_op_ = -1;
 };
 
 }  // namespace kog::gpu::decode

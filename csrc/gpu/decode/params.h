@@ -14,6 +14,17 @@ using schedule::ModelDims;
 using schedule::Op;
 using schedule::SamplingRow;
 
+// What a timed-out dependency wait records, in host-mapped memory (readable after the trap that
+// follows kills the launch and its context). The first wait to time out writes it.
+struct WaitTimeout {
+  int32_t fired;    // 1 once a wait timed out
+  int32_t block;    // the workgroup that waited
+  int32_t step;     // loop step of the op it waited for
+  int32_t op;       // the op it waited for (index into the expanded program)
+  uint32_t count;   // that op's completed items when the wait gave up
+  uint32_t target;  // the items it waited for (the op's item count)
+};
+
 struct PersistentDecodeParams {
   const Op* program;           // [n_ops] device memory: the expanded program (gpu_program.h)
   int32_t n_ops;
@@ -54,6 +65,11 @@ struct PersistentDecodeParams {
   // synchronization (device, zero before the first launch; the kernel leaves them zero)
   unsigned* counters;          // [n_steps * n_ops] work items completed per op
   unsigned* exit_count;        // [1] blocks that finished this launch
+  // watchdog: a wait longer than wait_timeout_ticks (gpu_wall_ticks; 0: no limit) records where
+  // in *timeout (host-mapped) and traps, so a lost signal fails instead of hanging
+  WaitTimeout* timeout;
+  uint64_t wait_timeout_ticks;
+  int32_t debug_skip_signal_op;  // tests only: op of step 0 whose items never signal (-1: none)
 };
 
 }  // namespace kog::gpu::decode

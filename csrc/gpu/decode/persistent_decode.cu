@@ -43,7 +43,7 @@ __host__ __device__ __forceinline__ int64_t buffer_width(const PersistentDecodeP
 __device__ inline int64_t items_of(const PersistentDecodeParams& p, const Op& op) {
   switch (op.op) {
     case int32_t(Opcode::kLinear): return linear_items(buffer_width(p, op.out));
-    case int32_t(Opcode::kAttnDecode): return int64_t(p.batch) * p.dims.n_q_heads * p.max_parts;
+    case int32_t(Opcode::kAttnDecode): return int64_t(p.batch) * p.dims.n_kv_heads * p.max_parts;
     case kOpAttnCombine: return int64_t(p.batch) * p.dims.n_q_heads;
     default: return p.batch;  // one item per sequence
   }
@@ -85,12 +85,13 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
       kv_append_item<T>(buf(op.in), qkv_w, kv_layer, p.slots[b], p.dims.n_q_heads, p.dims.n_kv_heads, p.dims.head_dim,
                         p.block_size, b);
       break;
-    case int32_t(Opcode::kAttnDecode): {  // item = (b, h, part)
-      const int part = int(item % p.max_parts), h = int(item / p.max_parts % p.dims.n_q_heads);
-      const int sb = int(item / (int64_t(p.max_parts) * p.dims.n_q_heads));
-      attn_partial_item<T>(buf(op.in) + sb * qkv_w + int64_t(h) * p.dims.head_dim, kv_layer,
-                           p.block_tables + int64_t(sb) * p.max_blocks, p.seq_lens[sb], h / (p.dims.n_q_heads / p.dims.n_kv_heads),
-                           p.attn_partials + item * (p.dims.head_dim + 2), as, part, smem);
+    case int32_t(Opcode::kAttnDecode): {  // item = (b, kv head g, part): the GQA group of g
+      const int part = int(item % p.max_parts), g = int(item / p.max_parts % p.dims.n_kv_heads);
+      const int sb = int(item / (int64_t(p.max_parts) * p.dims.n_kv_heads));
+      // partials [B, n_q_heads, max_parts, hd + 2]: this item's part of head 0 of sequence sb
+      float* dst = p.attn_partials + (int64_t(sb) * p.dims.n_q_heads * p.max_parts + part) * (p.dims.head_dim + 2);
+      attn_partial_item<T>(buf(op.in) + sb * qkv_w, kv_layer, p.block_tables + int64_t(sb) * p.max_blocks,
+                           p.seq_lens[sb], g, dst, int64_t(p.max_parts) * (p.dims.head_dim + 2), as, part, smem);
       break;
     }
     case kOpAttnCombine: {  // item = (b, h)
@@ -133,13 +134,23 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
 
 // Every thread of the workgroup calls it; returns once each op ops[i] of the step whose counters
 // start at step_base completed all of its items (thread 0 spins, then one sync and acquire).
+// A wait past p.wait_timeout_ticks records (op, counter, target, block) in p.timeout and traps.
 __device__ __forceinline__ void wait_for_ops(const PersistentDecodeParams& p, const int32_t* ops, int32_t n,
                                              int64_t step_base) {
   if (threadIdx.x == 0)
     for (int32_t k = 0; k < n; ++k) {
       const int32_t d = ops[k];
       const unsigned target = unsigned(items_of(p, p.program[d]));
-      while (load_acquire(&p.counters[step_base + d]) < target) backoff();
+      const unsigned* counter = &p.counters[step_base + d];
+      if (!spin_until(counter, target, p.wait_timeout_ticks)) {
+        WaitTimeout* t = p.timeout;
+        if (atomicCAS(&t->fired, 0, 1) == 0) {
+          t->block = int32_t(blockIdx.x), t->step = int32_t(step_base / p.n_ops), t->op = d;
+          t->count = load_acquire(counter), t->target = target;
+          __threadfence_system();
+        }
+        gpu_trap();
+      }
     }
   __syncthreads();
   fence_acquire();
@@ -179,6 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(Persiste
         }
         run_item<T>(p, op, item, step, pf, have_pf, smem);
         have_pf = false;
+        if (g == p.debug_skip_signal_op) continue;  // tests: a lost signal (uniform over the workgroup)
         signal_done(&p.counters[g]);
       }
     }
@@ -214,8 +226,8 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
     : d_(dims), kv_(kv), inv_freq_(inv_freq), n_ops_(int32_t(ops.size())) {
   // ops come from schedule::expand_gpu_program, which validated them and the dims.
   KOG_ASSERT(!ops.empty(), "gpu decode: empty program");
-  KOG_CHECK(dims.head_dim <= kMaxHeadDim && dims.head_dim % 2 == 0, "gpu decode: head_dim ", dims.head_dim,
-            " must be even and <= ", kMaxHeadDim);
+  KOG_CHECK(dims.head_dim % 2 == 0 && attn_vectorizable(dims.head_dim, dtype_size(dims.dtype)), "gpu decode: head_dim ",
+            dims.head_dim, " must be even, <= ", kMaxHeadDim, " and a multiple of 16 bytes");
   KOG_CHECK(kv.block_size > 0 && kv.block_size <= INT32_MAX, "gpu decode: block_size ", kv.block_size);
   const int64_t elem = dtype_size(dims.dtype);
   const int64_t vec = 16 / elem;
@@ -252,10 +264,27 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
   KOG_GPU_CHECK(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel_for(dims.dtype), kThreads, 0));
   KOG_CHECK_KIND(per_sm > 0, kBackend, "gpu decode: the kernel cannot be resident on this device");
   grid_ = prop.multiProcessorCount * std::min(per_sm, kBlocksPerMultiprocessor);
+
+  KOG_GPU_CHECK(gpuHostAlloc(reinterpret_cast<void**>(&timeout_host_), sizeof(WaitTimeout), gpuHostAllocMapped));
+  std::memset(timeout_host_, 0, sizeof(WaitTimeout));
+  KOG_GPU_CHECK(gpuHostGetDevicePointer(reinterpret_cast<void**>(&timeout_device_), timeout_host_, 0));
+  ticks_per_ms_ = gpu_wall_ticks_per_ms(device);
+  set_wait_timeout_ms(kDefaultWaitTimeoutMs);
+}
+
+void GpuDecodeExecutor::set_wait_timeout_ms(double ms) {
+  KOG_CHECK(ms >= 0 && ms <= 1e9, "gpu decode: wait timeout ", ms, " ms not in [0, 1e9]");
+  wait_timeout_ticks_ = uint64_t(ms * double(ticks_per_ms_));
+}
+
+WaitTimeout GpuDecodeExecutor::wait_timeout() const {
+  const volatile WaitTimeout* v = timeout_host_;  // the device writes it behind the compiler's back
+  return WaitTimeout{v->fired, v->block, v->step, v->op, v->count, v->target};
 }
 
 GpuDecodeExecutor::~GpuDecodeExecutor() {
   // Frees cannot throw out of a destructor: errors here are dropped.
+  (void)gpuFreeHost(timeout_host_);
   (void)gpuFree(partials_);
   (void)gpuFree(counters_);
   (void)gpuFree(sinks_);
@@ -312,6 +341,9 @@ void GpuDecodeExecutor::run(const GpuDecodeStep& s, void* stream) {
   p.out_tokens = s.out_tokens, p.finished = s.finished;
   p.counters = counters_;
   p.exit_count = counters_ + size_t(kMaxLoopSteps) * n_ops_;
+  p.timeout = timeout_device_;
+  p.wait_timeout_ticks = wait_timeout_ticks_;
+  p.debug_skip_signal_op = debug_skip_signal_op_;
 
   void* args[] = {&p};
   KOG_GPU_CHECK(gpuLaunchCooperativeKernel(kernel_for(d_.dtype), dim3(unsigned(grid_)), dim3(kThreads), args, 0,

@@ -1,6 +1,9 @@
 // Cross-workgroup dependencies of the persistent decode kernel, and block reductions that may
 // run any number of times per kernel.
 //
+// Every wait of the persistent kernel is bounded (spin_until): one that outlives its timeout
+// records the op, counter and target and traps (persistent_decode.cu, wait_for_ops).
+//
 // Protocol: a workgroup finishing a work item of op g does  __syncthreads; thread 0: release
 // fence + atomicAdd(counters[g], 1).  A workgroup starting op g + 1 has thread 0 spin until
 // counters[g] reaches op g's item count with acquire loads, then __syncthreads and an acquire
@@ -35,6 +38,18 @@ __device__ __forceinline__ void backoff() {
 #else
   __nanosleep(64);
 #endif
+}
+
+// Spins (one thread) until *counter >= target; false if timeout_ticks (gpu_wall_ticks; 0: no
+// limit) passed first.
+__device__ __forceinline__ bool spin_until(const unsigned* counter, unsigned target, uint64_t timeout_ticks) {
+  if (load_acquire(counter) >= target) return true;
+  const uint64_t t0 = gpu_wall_ticks();
+  while (load_acquire(counter) < target) {
+    backoff();
+    if (timeout_ticks != 0 && gpu_wall_ticks() - t0 > timeout_ticks) return false;
+  }
+  return true;
 }
 
 // Every thread of the workgroup calls it; returns once counter >= target.

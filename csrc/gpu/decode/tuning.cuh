@@ -23,6 +23,11 @@ constexpr int kLinearRowsPerWarp = 2;
 // 16-byte weight vectors each lane loads into registers before it waits on the previous op:
 // the weight stream of the next op is in flight while the current op finishes elsewhere.
 constexpr int kPrefetchVecs = 4;
+// 16-byte weight vectors a lane loads before their math in the GEMV's main loop (bytes in
+// flight: x 16 x kThreads per workgroup): batch 1 streams 8 (32 KiB per workgroup); batches of
+// 2-8 stream 2, their 8 rows of x taking the registers (4 would spill in the GEMV on sm_90a).
+constexpr int kLinearUnrollBatch1 = 8;
+constexpr int kLinearUnroll = 2;
 
 // Device code only: KOG_WARP_SIZE is a property of the device pass.
 constexpr int kWarps = kThreads / KOG_WARP_SIZE;

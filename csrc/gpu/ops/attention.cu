@@ -36,15 +36,17 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) attention_partial_kernel(PagedAttentionParams p, float* partials,
                                                                      int max_parts) {
   __shared__ float smem[decode::kAttnPartialSmemFloats];
-  const int64_t item = blockIdx.x;  // (token, head, part)
+  const int64_t item = blockIdx.x;  // (token, kv head, part): the kv head's GQA group
   const int part = int(item % max_parts);
-  const int64_t h = item / max_parts % p.n_q_heads, i = item / (int64_t(max_parts) * p.n_q_heads);
+  const int64_t g = item / max_parts % p.n_kv_heads, i = item / (int64_t(max_parts) * p.n_kv_heads);
   int64_t seq, kv_len;
   locate(p, i, seq, kv_len);
   const AttnShape s{int(p.n_q_heads), int(p.n_kv_heads), int(p.head_dim), int(p.block_size), p.scale};
-  decode::attn_partial_item<T>(static_cast<const T*>(p.q) + i * p.q_stride + h * p.head_dim,
-                               static_cast<const T*>(p.kv_cache), p.block_tables + seq * p.block_tables_stride, kv_len,
-                               int(h / (p.n_q_heads / p.n_kv_heads)), partials + item * (p.head_dim + 2), s, part, smem);
+  // partials [n_tokens, n_q_heads, max_parts, hd + 2]: this item's part of head 0 of token i
+  float* dst = partials + (i * p.n_q_heads * max_parts + part) * (p.head_dim + 2);
+  decode::attn_partial_item<T>(static_cast<const T*>(p.q) + i * p.q_stride, static_cast<const T*>(p.kv_cache),
+                               p.block_tables + seq * p.block_tables_stride, kv_len, int(g), dst,
+                               int64_t(max_parts) * (p.head_dim + 2), s, part, smem);
 }
 
 template <typename T>
@@ -64,9 +66,15 @@ void paged_attention(const PagedAttentionParams& p, float* partials, void* strea
   KOG_CHECK(p.head_dim <= decode::kMaxHeadDim, "paged_attention: head_dim ", p.head_dim, " > ", decode::kMaxHeadDim);
   if (p.n_tokens == 0) return;
   if (gpu_prefill_uses_flash(p.query_start_loc == nullptr, p.max_q_len, kernel)) return prefill_attention(p, stream);
+  // The split kernel reads q, K and V in 16-byte vectors (decode/attention_item.cuh).
+  const int64_t elem = dtype_size(p.dtype);
+  KOG_CHECK(decode::attn_vectorizable(p.head_dim, elem), "paged_attention: head_dim ", p.head_dim,
+            " must be a multiple of 16 bytes for the split kernel");
+  KOG_CHECK(aligned_to(p.q, 16) && aligned_to(p.kv_cache, 16) && (p.q_stride * elem) % 16 == 0,
+            "paged_attention: q, its token stride and the KV cache must be 16-byte aligned");
   KOG_CHECK(partials != nullptr, "paged_attention: the split kernel needs a partials scratch buffer");
   const int max_parts = decode::attn_parts(p.max_seq_len);
-  const int64_t partial_items = p.n_tokens * p.n_q_heads * max_parts, heads = p.n_tokens * p.n_q_heads;
+  const int64_t partial_items = p.n_tokens * p.n_kv_heads * max_parts, heads = p.n_tokens * p.n_q_heads;
   KOG_CHECK(partial_items < (int64_t(1) << 31), "paged_attention: too many work items for one launch");
   dispatch_float(p.dtype, [&](auto tag) {
     using T = decltype(tag);

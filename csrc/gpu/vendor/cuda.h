@@ -37,6 +37,20 @@ constexpr gpuError_t gpuSuccess = cudaSuccess;
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
 #define gpuFuncSetAttribute cudaFuncSetAttribute
 #define gpuFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
+#define gpuHostAlloc cudaHostAlloc
+#define gpuHostAllocMapped cudaHostAllocMapped
+#define gpuFreeHost cudaFreeHost
+
+// Ticks of gpu_wall_ticks per millisecond on `device`: %globaltimer counts nanoseconds.
+inline int64_t gpu_wall_ticks_per_ms(int /*device*/) { return 1000000; }
+
+// The device's wall clock (for bounded spin waits), and a trap that kills the launch.
+__device__ __forceinline__ uint64_t gpu_wall_ticks() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void gpu_trap() { __trap(); }
 
 // Runtime the module was compiled against, e.g. "CUDA 13.0".
 inline std::string gpu_runtime_version() {

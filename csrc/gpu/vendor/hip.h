@@ -43,6 +43,25 @@ constexpr gpuError_t gpuSuccess = hipSuccess;
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
 #define gpuFuncSetAttribute hipFuncSetAttribute
 #define gpuFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
+#define gpuHostAlloc hipHostMalloc
+#define gpuHostAllocMapped hipHostMallocMapped
+#define gpuFreeHost hipHostFree
+
+// Ticks of gpu_wall_ticks per millisecond on `device`: s_memrealtime runs at the device's
+// constant wall-clock rate (100 MHz on CDNA2/3), reported in kHz.
+inline int64_t gpu_wall_ticks_per_ms(int device) {
+  int khz = 0;
+#if HIP_VERSION >= 50300000  // the attribute is newer than ROCm 5.2 (the CI's compile check)
+  if (hipDeviceGetAttribute(&khz, hipDeviceAttributeWallClockRate, device) != hipSuccess) khz = 0;
+#else
+  (void)device;
+#endif
+  return khz > 0 ? khz : 100000;
+}
+
+// The device's wall clock (for bounded spin waits), and a trap that kills the launch.
+__device__ __forceinline__ uint64_t gpu_wall_ticks() { return __builtin_amdgcn_s_memrealtime(); }
+__device__ __forceinline__ void gpu_trap() { __builtin_trap(); }
 
 // Runtime the module was compiled against, e.g. "HIP 6.2".
 inline std::string gpu_runtime_version() {

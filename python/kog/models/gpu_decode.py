@@ -10,6 +10,8 @@ synchronized here.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -89,6 +91,18 @@ class GpuDecoder:
                                               self._inv_freq.data_ptr(), ops)
         self._weights = weights  # the executor points into them
         self.block_size = block_size
+        timeout = os.environ.get("KOG_GPU_WAIT_TIMEOUT_MS")
+        if timeout is not None:
+            try:
+                self._executor.set_wait_timeout_ms(float(timeout))
+            except ValueError as e:
+                raise InvalidRequest(f"KOG_GPU_WAIT_TIMEOUT_MS={timeout!r}: {e}") from None
+
+    def wait_timeout(self) -> dict | None:
+        """Where the kernel's watchdog fired, if it did: {block, step, op, count, target} of the
+        first dependency wait that outlived its bound (KOG_GPU_WAIT_TIMEOUT_MS, default 2000 ms;
+        the launch then trapped and the GPU context is lost). None otherwise."""
+        return self._executor.wait_timeout()
 
     @property
     def grid_size(self) -> int:

@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""ISA check of the GPU kernels' memory accesses, from their disassembly (no GPU needed).
+
+    cuobjdump -sass _C.so | python3 .ci/gpu_isa_check.py sass
+    llvm-objdump -d --mcpu=gfx90a CODE_OBJECT | python3 .ci/gpu_isa_check.py amdgcn
+
+Rules (issue 16), checked on the standalone kernels that run the persistent kernel's work items
+(the persistent kernel inlines every op into one function, so its loads cannot be told apart):
+- the GEMV (linear_kernel, gpu/decode/linear_item.cuh) streams its weights and reads x in
+  16-byte loads only; one narrower load is allowed (the bias element of a row);
+- neither spills to local memory (STL/LDL; scratch on CDNA): the hot loops stay in registers
+  (the persistent kernel spills a few outer-loop values, counted by the resource report);
+- attention (attention_partial_kernel, gpu/decode/attention_item.cuh) reads q, K and V in
+  16-byte loads: its 16-bit instantiations issue no 2-byte load at all (its 4-byte loads are
+  the block table and lengths, so the fp32 instantiation cannot be told apart and is not
+  checked for narrow loads).
+Exits 1, naming the kernel and the counts, when a rule fails or no checked kernel is found.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+
+# Global loads by width, per dialect, matched on mnemonics: "wide" is 16 bytes, "narrow" any
+# narrower width, "16bit" the 2-byte ones.
+LOADS = {
+    "sass": {"wide": re.compile(r"^LDG\.E\.128\b"),
+             "narrow": re.compile(r"^LDG\.E(\.(U8|S8|U16|S16|64))?(\.[A-Z]+)*$"),
+             "16bit": re.compile(r"^LDG\.E\.(U16|S16)(\.[A-Z]+)*$"),
+             "local": re.compile(r"^(STL|LDL)\b")},
+    "amdgcn": {"wide": re.compile(r"^global_load_dwordx4$"),
+               "narrow": re.compile(r"^global_load_(ubyte|sbyte|ushort|sshort|short_d16\w*|ubyte_d16\w*|dword|dwordx2|dwordx3)$"),
+               "16bit": re.compile(r"^global_load_(ushort|sshort|short_d16\w*)$"),
+               "local": re.compile(r"^(scratch|buffer)_(load|store)_")},
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    kernel: re.Pattern[str]  # mangled-name pattern of the kernels it applies to
+    min_wide: int            # at least this many 16-byte loads
+    max_narrow: int          # at most this many loads of the `narrow` class
+    narrow: str = "narrow"   # which loads count as narrow: "narrow" (any < 16 B) or "16bit"
+    max_local: int = 0       # local-memory (spill) loads and stores allowed
+
+
+RULES = (Rule(re.compile(r"linear_kernel"), min_wide=4, max_narrow=1),
+         Rule(re.compile(r"attention_partial_kernelI\w*(bfloat16|half)E"), min_wide=3, max_narrow=0, narrow="16bit"))
+
+
+def functions(text: str, dialect: str) -> dict[str, list[str]]:
+    """{function name: its instruction mnemonics (predicates stripped)} of a disassembly."""
+    out: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if dialect == "sass":
+            m = re.search(r"Function : (\S+)", line)
+            if m:
+                current = out.setdefault(m.group(1), [])
+                continue
+            m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+            if m and current is not None:
+                words = m.group(1).split()
+                if words and words[0].startswith("@"):
+                    words = words[1:]
+                if words:
+                    current.append(words[0])
+        else:
+            m = re.match(r"^[0-9a-f]+ <(\S+)>:$", line)
+            if m:
+                current = out.setdefault(m.group(1), [])
+                continue
+            words = line.split()
+            if current is not None and words and re.match(r"^[a-z_][a-z0-9_]*$", words[0]):
+                current.append(words[0])
+    return out
+
+
+def check(text: str, dialect: str) -> list[str]:
+    """The failures (empty: every rule holds); prints one line per checked kernel."""
+    fns = functions(text, dialect)
+    failures = []
+    for rule in RULES:
+        matched = {name: ins for name, ins in fns.items() if rule.kernel.search(name)}
+        if not matched:
+            failures.append(f"no kernel matches {rule.kernel.pattern!r}")
+        for name, ins in sorted(matched.items()):
+            wide = sum(bool(LOADS[dialect]["wide"].match(i)) for i in ins)
+            narrow = sum(bool(LOADS[dialect][rule.narrow].match(i)) for i in ins)
+            local = sum(bool(LOADS[dialect]["local"].match(i)) for i in ins)
+            ok = wide >= rule.min_wide and narrow <= rule.max_narrow and local <= rule.max_local
+            what = "narrower" if rule.narrow == "narrow" else "2-byte"
+            print(f"isa {dialect}: {'ok  ' if ok else 'FAIL'} {name}: {wide} 16-byte loads (>= {rule.min_wide}), "
+                  f"{narrow} {what} (<= {rule.max_narrow}), {local} local-memory accesses (<= {rule.max_local})")
+            if not ok:
+                failures.append(f"{name}: {wide} 16-byte and {narrow} {what} global loads, {local} local accesses")
+    return failures
+
+
+def main() -> int:
+    if len(sys.argv) != 2 or sys.argv[1] not in LOADS:
+        print(__doc__, file=sys.stderr)
+        return 2
+    failures = check(sys.stdin.read(), sys.argv[1])
+    for f in failures:
+        print(f"gpu_isa_check: FAIL: {f}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
