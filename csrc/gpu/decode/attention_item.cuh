@@ -1,6 +1,7 @@
 // Paged attention as two kinds of work items (FlashDecoding split over the context):
 //   partial (query, g, part): the G = n_q / n_kv query heads of KV head g (the GQA group) over
-//       cached tokens [part * kAttnPartition, min(kv_len, (part + 1) * kAttnPartition)) ->
+//       cached tokens [part * P, min(kv_len, (part + 1) * P)) (P, the partition, is
+//       kAttnPartition or, in the persistent kernel, smaller for short contexts) ->
 //       per head an unnormalized accumulator, running max and exp-sum:
 //       partials[query, h, part, :hd + 2] for h in [g * G, (g + 1) * G);
 //   combine (query, h): merges the partitions by log-sum-exp and stores the head's output.
@@ -34,8 +35,8 @@ constexpr int kAttnHeadsPerPass = 4;
 // Shared memory the partial item needs, in floats: per warp and head of a pass (acc[hd], m, l).
 constexpr int kAttnPartialSmemFloats = kWarps * kAttnHeadsPerPass * (kMaxHeadDim + 2);
 
-__host__ __device__ __forceinline__ int attn_parts(int64_t kv_len) {
-  return int((kv_len + kAttnPartition - 1) / kAttnPartition);
+__host__ __device__ __forceinline__ int attn_parts(int64_t kv_len, int64_t partition) {
+  return int((kv_len + partition - 1) / partition);
 }
 
 // Whether head_dim suits the 16-byte K/V loads of attn_partial_item.
@@ -50,13 +51,15 @@ constexpr int attn_max_vecs_per_lane() {
   return row_vecs > KOG_WARP_SIZE ? row_vecs / KOG_WARP_SIZE : 1;
 }
 
-// The GQA group of KV head kvh of one query over keys [part * P, min(kv_len, (part + 1) * P))
+// The GQA group of KV head kvh of one query over keys [part * P, min(kv_len, (part + 1) * P)),
+// P = partition
 // of a sequence whose block table row is `table` -> dst[h * dst_head_stride .. + hd + 2] =
 // (acc..., max, sum) for each head h of the group; an empty range stores sum 0 (the combine
 // skips it). q: the query's [n_q, hd] row.
 template <typename T>
 __device__ void attn_partial_item(const T* q, const T* kv_layer, const int32_t* table, int64_t kv_len, int kvh,
-                                  float* dst, int64_t dst_head_stride, const AttnShape& s, int part, float* smem) {
+                                  float* dst, int64_t dst_head_stride, const AttnShape& s, int part, int partition,
+                                  float* smem) {
   constexpr int kV = kVec16<T>;
   constexpr int kMaxVpl = attn_max_vecs_per_lane<T>();
   constexpr int kE = kMaxVpl * kV;  // K/V elements per lane at most
@@ -69,8 +72,8 @@ __device__ void attn_partial_item(const T* q, const T* kv_layer, const int32_t* 
   const int vpl = (row_vecs + L - 1) / L;  // <= kMaxVpl
   const int slot_lane = lane % L, slots_per_warp = KOG_WARP_SIZE / L;
   const int n_slots = kWarps * slots_per_warp;
-  const int64_t t0 = int64_t(part) * kAttnPartition;
-  const int64_t t1 = kv_len < t0 + kAttnPartition ? kv_len : t0 + kAttnPartition;
+  const int64_t t0 = int64_t(part) * partition;
+  const int64_t t1 = kv_len < t0 + partition ? kv_len : t0 + partition;
   const int64_t head_elems = int64_t(s.block_size) * hd;  // one (block, K or V, kv head) slab
 
   for (int h0 = 0; h0 < group; h0 += kAttnHeadsPerPass) {

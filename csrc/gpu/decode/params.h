@@ -41,6 +41,7 @@ struct PersistentDecodeParams {
   float* logits_out;           // [B, vocab] f32: SAMPLE copies its LOGITS row here
   float* attn_partials;        // [B, n_q_heads, max_parts, head_dim + 2] f32 (acc..., max, sum)
   int32_t max_parts;           // context partitions per sequence, sized for the last step
+  int32_t attn_partition;      // cached tokens per attention item this launch (power of two)
 
   // KV cache: [n_layers, num_blocks, 2, n_kv_heads, block_size, head_dim] dtype
   void* kv_base;

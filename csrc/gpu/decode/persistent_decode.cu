@@ -91,12 +91,13 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
       // partials [B, n_q_heads, max_parts, hd + 2]: this item's part of head 0 of sequence sb
       float* dst = p.attn_partials + (int64_t(sb) * p.dims.n_q_heads * p.max_parts + part) * (p.dims.head_dim + 2);
       attn_partial_item<T>(buf(op.in) + sb * qkv_w, kv_layer, p.block_tables + int64_t(sb) * p.max_blocks,
-                           p.seq_lens[sb], g, dst, int64_t(p.max_parts) * (p.dims.head_dim + 2), as, part, smem);
+                           p.seq_lens[sb], g, dst, int64_t(p.max_parts) * (p.dims.head_dim + 2), as, part,
+                           p.attn_partition, smem);
       break;
     }
     case kOpAttnCombine: {  // item = (b, h)
       const int sb = int(item / p.dims.n_q_heads), h = int(item % p.dims.n_q_heads);
-      attn_combine_item<T>(p.attn_partials + item * p.max_parts * (p.dims.head_dim + 2), attn_parts(p.seq_lens[sb]),
+      attn_combine_item<T>(p.attn_partials + item * p.max_parts * (p.dims.head_dim + 2), attn_parts(p.seq_lens[sb], p.attn_partition),
                            buf(op.out) + sb * int64_t(p.dims.n_q_heads) * p.dims.head_dim + int64_t(h) * p.dims.head_dim, p.dims.head_dim);
       break;
     }
@@ -315,7 +316,12 @@ void GpuDecodeExecutor::run(const GpuDecodeStep& s, void* stream) {
   KOG_CHECK(s.tokens && s.positions && s.seq_lens && s.slots && s.block_tables && s.sampling && s.out_tokens &&
                 s.finished && s.logits && (s.n_stop_ids == 0 || s.stop_ids),
             "gpu decode: null step pointer");
-  const int32_t max_parts = (s.max_seq_len + kAttnPartition - 1) / kAttnPartition;
+  // Tokens per attention item: halved (down to kMinAttnPartition) until the partial phase has two
+  // items per workgroup, so a short context still spreads its K/V reads over the device.
+  int32_t partition = kAttnPartition;
+  auto attn_items = [&](int32_t part) { return int64_t(s.batch) * d_.n_kv_heads * attn_parts(s.max_seq_len, part); };
+  while (partition > kMinAttnPartition && attn_items(partition) < 2 * int64_t(grid_)) partition /= 2;
+  const int32_t max_parts = attn_parts(s.max_seq_len, partition);
   ensure_partials(max_parts);
 
   PersistentDecodeParams p{};
@@ -333,6 +339,7 @@ void GpuDecodeExecutor::run(const GpuDecodeStep& s, void* stream) {
   p.logits_out = s.logits;
   p.attn_partials = partials_;
   p.max_parts = max_parts;
+  p.attn_partition = partition;
   p.kv_base = kv_.base, p.num_blocks = kv_.num_blocks, p.block_size = int32_t(kv_.block_size);
   p.positions = s.positions, p.seq_lens = s.seq_lens, p.slots = s.slots;
   p.block_tables = s.block_tables, p.max_blocks = s.max_blocks;

@@ -17,6 +17,9 @@ constexpr int kMaxBatch = 8;          // sequences in one step
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxGroup = 16;         // query heads per KV head (GQA group)
 constexpr int kAttnPartition = int(kGpuAttentionPartitionTokens);  // cached tokens per attention item
+// The persistent kernel halves the partition down to this for short contexts, until the
+// attention has two items per workgroup (a 1k context at batch 1 would leave most idle).
+constexpr int kMinAttnPartition = 16;
 // Output rows of one LINEAR work item per warp: more rows, fewer dependency checks; fewer rows,
 // more work items to spread over the multiprocessors (the LM head has 49k-128k rows).
 constexpr int kLinearRowsPerWarp = 2;

@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kThreads) attention_partial_kernel(PagedAttent
   float* dst = partials + (i * p.n_q_heads * max_parts + part) * (p.head_dim + 2);
   decode::attn_partial_item<T>(static_cast<const T*>(p.q) + i * p.q_stride, static_cast<const T*>(p.kv_cache),
                                p.block_tables + seq * p.block_tables_stride, kv_len, int(g), dst,
-                               int64_t(max_parts) * (p.head_dim + 2), s, part, smem);
+                               int64_t(max_parts) * (p.head_dim + 2), s, part, decode::kAttnPartition, smem);
 }
 
 template <typename T>
@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kThreads) attention_combine_kernel(PagedAttent
   const int64_t h = item % p.n_q_heads, i = item / p.n_q_heads;
   int64_t seq, kv_len;
   locate(p, i, seq, kv_len);
-  decode::attn_combine_item<T>(partials + item * max_parts * (p.head_dim + 2), decode::attn_parts(kv_len),
+  decode::attn_combine_item<T>(partials + item * max_parts * (p.head_dim + 2), decode::attn_parts(kv_len, decode::kAttnPartition),
                                static_cast<T*>(p.out) + i * p.out_stride + h * p.head_dim, int(p.head_dim));
 }
 
@@ -73,7 +73,7 @@ void paged_attention(const PagedAttentionParams& p, float* partials, void* strea
   KOG_CHECK(aligned_to(p.q, 16) && aligned_to(p.kv_cache, 16) && (p.q_stride * elem) % 16 == 0,
             "paged_attention: q, its token stride and the KV cache must be 16-byte aligned");
   KOG_CHECK(partials != nullptr, "paged_attention: the split kernel needs a partials scratch buffer");
-  const int max_parts = decode::attn_parts(p.max_seq_len);
+  const int max_parts = decode::attn_parts(p.max_seq_len, decode::kAttnPartition);
   const int64_t partial_items = p.n_tokens * p.n_kv_heads * max_parts, heads = p.n_tokens * p.n_q_heads;
   KOG_CHECK(partial_items < (int64_t(1) << 31), "paged_attention: too many work items for one launch");
   dispatch_float(p.dtype, [&](auto tag) {
