@@ -17,10 +17,42 @@ void add_dep(Op& o, int32_t d) {
   std::sort(o.deps, o.deps + o.n_deps);
 }
 
+bool reads(const Op& o, int32_t b) { return b >= 0 && (o.in == b || o.residual == b); }
+bool writes(const Op& o, int32_t b) {
+  return b >= 0 && (o.out == b || (o.residual == b && Opcode(o.op) == Opcode::kRmsNorm));
+}
+bool touches(const Op& o, int32_t b) { return reads(o, b) || writes(o, b); }
+
 }  // namespace
 
-std::vector<Op> expand_gpu_program(const std::vector<Op>& ops, const ModelDims& dims) {
-  validate_program(ops, dims);
+void fuse_residual_adds(std::vector<Op>& ops) {
+  const int n = int(ops.size());
+  for (int i = 0; i < n; ++i) {
+    Op& norm = ops[size_t(i)];
+    if (Opcode(norm.op) != Opcode::kRmsNorm || norm.residual < 0) continue;
+    const int32_t x = norm.in, r = norm.residual;
+    int j = i - 1;  // the last op before the norm that touches x or r: must be x's producer
+    while (j >= 0 && !touches(ops[size_t(j)], x) && !touches(ops[size_t(j)], r)) --j;
+    if (j < 0) continue;
+    Op& lin = ops[size_t(j)];
+    if (Opcode(lin.op) != Opcode::kLinear || lin.out != x || lin.residual >= 0 || reads(lin, r)) continue;
+    int k = i + 1;  // x must not be read after the norm before it is written again
+    while (k < n && !touches(ops[size_t(k)], x)) ++k;
+    if (k < n && reads(ops[size_t(k)], x)) continue;
+    int prev = j - 1;  // WAR/WAW on r: the LINEAR now writes it
+    while (prev >= 0 && !touches(ops[size_t(prev)], r)) --prev;
+    if (prev >= 0) add_dep(lin, prev);
+    lin.out = r;
+    lin.residual = r;
+    norm.in = r;
+    norm.residual = -1;
+  }
+}
+
+std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDims& dims) {
+  validate_program(ops_in, dims);
+  std::vector<Op> ops = ops_in;
+  fuse_residual_adds(ops);
   // produced[i]: the expanded index whose completion means op i's output is complete.
   std::vector<int32_t> produced(ops.size());
   std::vector<Op> out;

@@ -13,7 +13,8 @@ namespace kog::schedule {
 // context partitions. Program opcodes keep their values.
 constexpr int32_t kOpAttnCombine = 100;
 
-// Validates the program (validate_program) and inserts a combine after every ATTN_DECODE:
+// Validates the program (validate_program), moves residual adds into their producers
+// (fuse_residual_adds) and inserts a combine after every ATTN_DECODE:
 //   - the combine depends on its partial phase (it reads the partials the partial phase wrote);
 //   - every op that depended on an ATTN_DECODE depends on its combine (which writes ATTN);
 //   - every partial phase after the first also depends on the previous combine: both use the
@@ -21,6 +22,15 @@ constexpr int32_t kOpAttnCombine = 100;
 // Deps are renumbered to the expanded indices. Throws kog::Error(kInvalidArgument) naming the
 // first bad op of the input program.
 std::vector<Op> expand_gpu_program(const std::vector<Op>& ops, const ModelDims& dims);
+
+// The residual add of an RMS_NORM(x, residual) moves into the epilogue of the LINEAR that wrote
+// x, when x has no other reader: that LINEAR gets out = residual = the residual buffer
+// (residual[b, r] = T(T(x.w + bias) + residual[b, r]): the rounding of the unfused pair) and
+// the RMS_NORM reads the residual buffer and adds nothing. Each element is then read-modified-
+// written by the one work item that computes it, so the norm itself splits into many items
+// (the kernel's rows are no longer written while another item reads them). The LINEAR gains a
+// dep on the last op before it that touched the residual buffer. Ops in place; same count.
+void fuse_residual_adds(std::vector<Op>& ops);
 
 // Ops of an expanded program that no later op depends on. Every op is one of them or an
 // ancestor of one, so a new step that waits on these counters waits for the whole previous step.

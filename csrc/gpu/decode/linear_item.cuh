@@ -64,7 +64,7 @@ __device__ __forceinline__ void fma_chunk(WVec<T> wv, const T* __restrict__ x, i
 template <typename T, int kB, int kUnroll, typename OutT>
 __device__ __forceinline__ void linear_row(const WVec<T>* __restrict__ wr, const T* __restrict__ x, int64_t x_stride,
                                            OutT* out, int64_t out_stride, int batch, int64_t chunks, int64_t row,
-                                           float bv, const WeightPrefetch<T>& pf, bool use_pf) {
+                                           float bv, const WeightPrefetch<T>& pf, bool use_pf, bool accumulate) {
   const int lane = threadIdx.x % KOG_WARP_SIZE;
   float acc[kB];
 #pragma unroll
@@ -87,16 +87,27 @@ __device__ __forceinline__ void linear_row(const WVec<T>* __restrict__ wr, const
   for (int b = 0; b < kB; ++b) {
     if (b < batch) {
       const float s = warp_reduce_sum(acc[b]);
-      if (lane == 0) store_f32(out + b * out_stride + row, s + bv);
+      if (lane == 0) {
+        OutT* o = out + b * out_stride + row;
+        if (accumulate) {  // o += the product rounded to OutT, as the unfused add (x stored, then added)
+          OutT t;
+          store_f32(&t, s + bv);
+          store_f32(o, load_f32(&t) + load_f32(o));
+        } else {
+          store_f32(o, s + bv);
+        }
+      }
     }
   }
 }
 
 // pf: what linear_prefetch loaded for this item, used when use_pf. OutT: T or float (logits).
+// accumulate: out += x . w (+ bias), the product rounded to OutT first (a residual add fused
+// into its producer, schedule::fuse_residual_adds).
 template <typename T, typename OutT>
 __device__ __forceinline__ void linear_item(const T* __restrict__ w, const T* __restrict__ bias, const T* x, int64_t x_stride,
                             OutT* out, int64_t out_stride, int batch, int64_t n, int64_t k, int64_t item,
-                            const WeightPrefetch<T>& pf, bool use_pf) {
+                            const WeightPrefetch<T>& pf, bool use_pf, bool accumulate = false) {
   const int warp = threadIdx.x / KOG_WARP_SIZE;
   const int64_t chunks = k / kVec16<T>;
   for (int rr = 0; rr < kLinearRowsPerWarp; ++rr) {
@@ -106,9 +117,11 @@ __device__ __forceinline__ void linear_item(const T* __restrict__ w, const T* __
     const float bv = bias != nullptr ? gpu_to_float(bias[row]) : 0.f;
     const bool pf_row = rr == 0 && use_pf;
     if (batch == 1)  // uniform over the grid
-      linear_row<T, 1, kLinearUnrollBatch1>(wr, x, x_stride, out, out_stride, batch, chunks, row, bv, pf, pf_row);
+      linear_row<T, 1, kLinearUnrollBatch1>(wr, x, x_stride, out, out_stride, batch, chunks, row, bv, pf, pf_row,
+                                            accumulate);
     else
-      linear_row<T, kMaxBatch, kLinearUnroll>(wr, x, x_stride, out, out_stride, batch, chunks, row, bv, pf, pf_row);
+      linear_row<T, kMaxBatch, kLinearUnroll>(wr, x, x_stride, out, out_stride, batch, chunks, row, bv, pf, pf_row,
+                                              accumulate);
   }
 }
 

@@ -40,12 +40,26 @@ __host__ __device__ __forceinline__ int64_t buffer_width(const PersistentDecodeP
   return schedule::buffer_width(p.dims, b);
 }
 
+// Items of a small op per batch row (small_items.cuh); item = b * parts + part.
+__device__ inline int64_t parts_per_row(const PersistentDecodeParams& p, const Op& op) {
+  auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  switch (op.op) {
+    case int32_t(Opcode::kEmbed): return ceil_div(p.dims.hidden, kRowChunk);
+    case int32_t(Opcode::kRmsNorm): return op.residual >= 0 ? 1 : ceil_div(buffer_width(p, op.out), kRowChunk);
+    case int32_t(Opcode::kQkNorm): return ceil_div(p.dims.n_q_heads + p.dims.n_kv_heads, kThreads / KOG_WARP_SIZE);
+    case int32_t(Opcode::kRope): return ceil_div(p.dims.n_q_heads + p.dims.n_kv_heads, kRopeHeads);
+    case int32_t(Opcode::kKvAppend): return p.dims.n_kv_heads;
+    case int32_t(Opcode::kSiluMul): return ceil_div(p.dims.intermediate, kRowChunk);
+    default: return 1;  // SAMPLE: one item per sequence
+  }
+}
+
 __device__ inline int64_t items_of(const PersistentDecodeParams& p, const Op& op) {
   switch (op.op) {
     case int32_t(Opcode::kLinear): return linear_items(buffer_width(p, op.out));
     case int32_t(Opcode::kAttnDecode): return int64_t(p.batch) * p.dims.n_kv_heads * p.max_parts;
     case kOpAttnCombine: return int64_t(p.batch) * p.dims.n_q_heads;
-    default: return p.batch;  // one item per sequence
+    default: return int64_t(p.batch) * parts_per_row(p, op);
   }
 }
 
@@ -53,7 +67,8 @@ template <typename T>
 __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const Op& op, int64_t item, int step,
                          const WeightPrefetch<T>& pf, bool use_pf, float* smem) {
   auto buf = [&](int32_t b) { return reinterpret_cast<T*>(p.buffers[b]); };
-  const int b = int(item);  // per-sequence ops
+  const int64_t parts = parts_per_row(p, op);
+  const int b = int(item / parts), part = int(item % parts);  // small ops: (batch row, part)
   const int64_t qkv_w = buffer_width(p, int32_t(Buffer::kQkv));
   const int64_t layer_elems = p.num_blocks * 2 * p.dims.n_kv_heads * p.block_size * int64_t(p.dims.head_dim);
   T* kv_layer = static_cast<T*>(p.kv_base) + (op.layer < 0 ? 0 : op.layer) * layer_elems;
@@ -61,29 +76,34 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
   switch (op.op) {
     case int32_t(Opcode::kEmbed):
       embed_item<T>(static_cast<const T*>(op.w0), reinterpret_cast<const int32_t*>(p.buffers[op.in]), buf(op.out),
-                    p.dims.hidden, b);
+                    p.dims.hidden, b, part);
       break;
     case int32_t(Opcode::kRmsNorm):
-      rmsnorm_item<T>(buf(op.in), op.residual >= 0 ? buf(op.residual) : nullptr, static_cast<const T*>(op.w0),
-                      buf(op.out), buffer_width(p, op.out), p.dims.rms_eps, b, smem);
+      if (op.residual >= 0)
+        rmsnorm_item<T>(buf(op.in), buf(op.residual), static_cast<const T*>(op.w0), buf(op.out),
+                        buffer_width(p, op.out), p.dims.rms_eps, b, smem);
+      else
+        rmsnorm_chunk_item<T>(buf(op.in), static_cast<const T*>(op.w0), buf(op.out), buffer_width(p, op.out),
+                              p.dims.rms_eps, b, part, smem);
       break;
     case int32_t(Opcode::kLinear): {
       const int64_t n = buffer_width(p, op.out), k = buffer_width(p, op.in);
+      // residual >= 0: out is the residual stream, added into (fuse_residual_adds)
       linear_item<T, T>(static_cast<const T*>(op.w0), static_cast<const T*>(op.w1), buf(op.in), k, buf(op.out), n,
-                        p.batch, n, k, item, pf, use_pf);
+                        p.batch, n, k, item, pf, use_pf, op.residual >= 0);
       break;
     }
     case int32_t(Opcode::kQkNorm):
       qk_norm_item<T>(buf(op.in), qkv_w, static_cast<const T*>(op.w0), static_cast<const T*>(op.w1), p.dims.n_q_heads,
-                      p.dims.n_kv_heads, p.dims.head_dim, p.dims.rms_eps, b);
+                      p.dims.n_kv_heads, p.dims.head_dim, p.dims.rms_eps, b, part);
       break;
     case int32_t(Opcode::kRope):
       rope_item<T>(buf(op.in), qkv_w, p.inv_freq, p.positions[b], p.dims.n_q_heads + p.dims.n_kv_heads, p.dims.head_dim,
-                   p.dims.rotary_dim, p.dims.rope_neox, b);
+                   p.dims.rotary_dim, p.dims.rope_neox, b, part);
       break;
     case int32_t(Opcode::kKvAppend):
       kv_append_item<T>(buf(op.in), qkv_w, kv_layer, p.slots[b], p.dims.n_q_heads, p.dims.n_kv_heads, p.dims.head_dim,
-                        p.block_size, b);
+                        p.block_size, b, part);
       break;
     case int32_t(Opcode::kAttnDecode): {  // item = (b, kv head g, part): the GQA group of g
       const int part = int(item % p.max_parts), g = int(item / p.max_parts % p.dims.n_kv_heads);
@@ -102,7 +122,7 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
       break;
     }
     case int32_t(Opcode::kSiluMul):
-      silu_mul_item<T>(buf(op.in), buf(op.out), p.dims.intermediate, b);
+      silu_mul_item<T>(buf(op.in), buf(op.out), p.dims.intermediate, b, part);
       break;
     case int32_t(Opcode::kSample): {
       // LOGITS is the run dtype (as on the CPU); the f32 copy is the step's logits output and

@@ -26,6 +26,11 @@ constexpr int kLinearRowsPerWarp = 2;
 // 16-byte weight vectors each lane loads into registers before it waits on the previous op:
 // the weight stream of the next op is in flight while the current op finishes elsewhere.
 constexpr int kPrefetchVecs = 4;
+// Small ops split a batch row into items (small_items.cuh): kRowChunk elements of EMBED,
+// RMS_NORM and SILU_MUL (hidden 2048: 4 items per row, intermediate 8192: 16), kRopeHeads heads
+// of ROPE, one KV head of KV_APPEND, kWarps heads of QK_NORM.
+constexpr int kRowChunk = 512;
+constexpr int kRopeHeads = 4;
 // 16-byte weight vectors a lane loads before their math in the GEMV's main loop (bytes in
 // flight: x 16 x kThreads per workgroup): batch 1 streams 8 (32 KiB per workgroup); batches of
 // 2-8 stream 2, their 8 rows of x taking the registers (4 would spill in the GEMV on sm_90a).
