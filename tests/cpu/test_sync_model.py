@@ -69,6 +69,7 @@ def test_items_and_accesses_follow_run_item():
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_random_interleavings_read_only_completed_data_and_never_deadlock(arch, batch, n_steps):
     p = protocol(arch, batch)
+    assert max(GRIDS) <= max(o.n_items for o in p.ops)  # no itemless workgroup (the finding below)
     for grid in GRIDS:
         blocked = sum(run_launches(p, Launch(grid, n_steps, batch), seed).blocked_ticks for seed in SEEDS)
         # Workgroups did get ahead of what they wait for (a lockstep schedule would prove nothing);
