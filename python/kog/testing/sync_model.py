@@ -1,0 +1,259 @@
+"""A discrete-event model of the persistent decode kernel's synchronization protocol
+(csrc/gpu/decode/persistent_decode.cu, sync.cuh), run under seeded random interleavings.
+
+    protocol = Protocol(tuple(sync_ops(expanded, dims, batch)), tuple(_C.program_sinks(expanded)))
+    stats = run_launches(protocol, Launch(grid=7, n_steps=3, batch=batch), seed=0)
+
+Each workgroup is a generator that yields before every action: a wait (it stays blocked until
+the counter reaches the target), an item (its reads and writes happen at once, then its data
+counts as complete), a signal (counter += 1), the flag check at the top of a step > 0, the exit
+increment, and the counter zeroing by the last workgroup out. A seeded scheduler with skewed,
+changing per-workgroup speeds picks the next workgroup among the runnable ones. It raises:
+  Hazard       an item touched a resource while a program-earlier conflicting access (RAW, WAR
+               or WAW, at whole-resource granularity) was not complete;
+  Deadlock     no workgroup can move and some have not exited;
+  CounterReuse a counter was read after the zeroing, or a launch ended with counters not zero.
+Memory ordering is assumed correct (release before each count, acquire after each wait): the
+model checks the order the counters impose, not the fences that make it visible.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping
+
+from kog.testing.sync_program import FINISHED, FLAG_CHECK, SyncOp
+
+RECENT_ACTIONS = 16  # how much of the interleaving a report shows
+EXIT = -2  # where a workgroup is once it left the step loop
+
+
+class SyncViolation(AssertionError):
+    """The protocol let something happen that the kernel must never do."""
+
+
+class Hazard(SyncViolation):
+    pass
+
+
+class Deadlock(SyncViolation):
+    pass
+
+
+class CounterReuse(SyncViolation):
+    pass
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """What the kernel is told to do; tests break a field to show the model notices."""
+
+    ops: tuple[SyncOp, ...]            # the expanded program, in the order every workgroup walks it
+    sinks: tuple[int, ...]             # ops a step > 0 waits for in the previous step (program_sinks)
+    target_bonus: Mapping[int, int] = field(default_factory=dict)  # op -> added to its wait target
+    zero_at_exit: int | None = None    # exit count whose workgroup zeroes (None: the last, = grid)
+
+
+@dataclass(frozen=True)
+class Launch:
+    grid: int                          # workgroups launched
+    n_steps: int
+    batch: int
+    resident: int | None = None        # workgroups that ever run (None: all; cooperative launch)
+    slow: tuple[int, ...] = ()         # workgroups that crawl throughout (e.g. preempted)
+
+
+@dataclass
+class Stats:
+    actions: int = 0
+    blocked_ticks: int = 0  # scheduler choices made while some workgroup was held by a wait
+    split_exits: int = 0    # launches whose workgroups left the step loop after different steps
+
+
+def run_launches(protocol: Protocol, launch: Launch, seed: int, n_launches: int = 2,
+                 check_flag_reads: bool = True) -> Stats:
+    """Runs n_launches launches back to back (stream order: each starts after the last exited)
+    on one counter array.
+
+    Args:
+        check_flag_reads: whether the step's flag check is hazard-checked like an op; without it
+            the check still reads the flags' current values and breaks on them, so a stale or
+            early read shows up only through its consequences (a deadlock, counters left set).
+    Raises:
+        SyncViolation: a Hazard, Deadlock or CounterReuse, the first one met.
+    """
+    rng = random.Random(seed)
+    n_ops = len(protocol.ops)
+    counters = [0] * (launch.n_steps * n_ops + 1)  # the last one is exit_count, as in the kernel
+    stats = Stats()
+    for k in range(n_launches):
+        # A row stops at a random step (or never); finished flags start clear.
+        stop_at = [rng.randrange(launch.n_steps + 1) for _ in range(launch.batch)]
+        _Run(protocol, launch, counters, stop_at, rng, stats, k, check_flag_reads).run()
+        if any(counters):
+            raise CounterReuse(f"launch {k} left counters not zero: "
+                               f"{[(i, c) for i, c in enumerate(counters) if c][:8]}")
+    return stats
+
+
+class _Run:
+    """One launch: workgroup generators, counters and the ground truth of completed items."""
+
+    def __init__(self, protocol: Protocol, launch: Launch, counters: list[int], stop_at: list[int],
+                 rng: random.Random, stats: Stats, index: int, check_flag_reads: bool) -> None:
+        self.p, self.l, self.counters, self.stop_at, self.rng = protocol, launch, counters, stop_at, rng
+        self.stats, self.index = stats, index
+        self.n_ops = len(protocol.ops)
+        self.width = self.n_ops + 1  # instance (step, op) -> step * width + op + 1; op -1 = flag check
+        self.done = [0] * (launch.n_steps * self.width)
+        self.finished = [False] * launch.batch
+        self.zeroed = False
+        self.where: dict[int, tuple[int, int]] = {}
+        self.left_at: set[int] = set()  # how many steps each workgroup ran before leaving
+        self.recent: deque = deque(maxlen=RECENT_ACTIONS)
+        self.conflicts = _conflicts(protocol.ops, check_flag_reads)
+
+    # -- the scheduler ------------------------------------------------------------------------
+    def run(self) -> None:
+        resident = self.l.grid if self.l.resident is None else self.l.resident
+        gens = {w: self._workgroup(w) for w in range(resident)}
+        guards = {w: next(gens[w]) for w in gens}
+        speed = {w: self._speed(w) for w in gens}
+        while gens:
+            runnable = [w for w in gens if self._can_pass(w, guards[w])]
+            if not runnable:
+                raise Deadlock(self._deadlock_report(guards, resident))
+            self.stats.blocked_ticks += len(runnable) < len(gens)
+            w = self.rng.choices(runnable, weights=[speed[v] for v in runnable])[0]
+            if self.rng.random() < 1 / 32:
+                speed[w] = self._speed(w)
+            self.stats.actions += 1
+            try:
+                guards[w] = next(gens[w])
+            except StopIteration:
+                del gens[w], guards[w]
+        self.stats.split_exits += len(self.left_at) > 1
+
+    def _speed(self, w: int) -> float:
+        if w in self.l.slow:
+            return 1e-6
+        # Heavy-tailed: some workgroups crawl for a while, so others run far ahead of them.
+        return self.rng.random() ** 4 + 1e-4
+
+    def _can_pass(self, w: int, guard: tuple[int, int] | None) -> bool:
+        if guard is None:
+            return True
+        if self.zeroed:
+            s, d = divmod(guard[0], self.n_ops)
+            raise CounterReuse(f"launch {self.index}: workgroup {w} reads the counter of step {s} {self._name(d)} "
+                               f"after the last workgroup out zeroed the counters" + self._trace())
+        return self.counters[guard[0]] >= guard[1]
+
+    # -- one workgroup, as persistent_decode_kernel walks the program ---------------------------
+    def _workgroup(self, w: int) -> Iterator[tuple[int, int] | None]:
+        ops, grid = self.p.ops, self.l.grid
+        steps_run = self.l.n_steps
+        for step in range(self.l.n_steps):
+            if step > 0:
+                self.where[w] = (step, FLAG_CHECK)
+                for d in self.p.sinks:
+                    yield self._wait(step - 1, d)
+                yield None
+                if self._flag_check(w, step):
+                    steps_run = step
+                    break  # every sequence finished
+            for j, op in enumerate(ops):
+                self.where[w] = (step, j)
+                ready = not op.deps  # deps are ops of this step: the step's start waited for the last
+                for item in range(w, op.n_items, grid):
+                    if not ready:
+                        for d in op.deps:
+                            yield self._wait(step, d)
+                        ready = True
+                    yield None
+                    self._run_item(w, step, j, item)
+                    yield None
+                    self.counters[step * self.n_ops + j] += 1
+        self.left_at.add(steps_run)
+        self.where[w] = (self.l.n_steps, EXIT)
+        yield None
+        self.counters[-1] += 1
+        zero_at = self.l.grid if self.p.zero_at_exit is None else self.p.zero_at_exit
+        if self.counters[-1] == zero_at:  # the last workgroup out
+            yield None
+            self.counters[:] = [0] * len(self.counters)
+            self.zeroed = True
+
+    def _wait(self, step: int, d: int) -> tuple[int, int]:
+        if not 0 <= d < self.n_ops:
+            raise ValueError(f"dep {d} is not an op of the program")
+        return step * self.n_ops + d, self.p.ops[d].n_items + self.p.target_bonus.get(d, 0)
+
+    def _flag_check(self, w: int, step: int) -> bool:
+        self._access(w, step, FLAG_CHECK, w)
+        return all(self.finished)
+
+    def _run_item(self, w: int, step: int, j: int, item: int) -> None:
+        self._access(w, step, j, item)
+        if j == self.n_ops - 1 and self.stop_at[item % self.l.batch] == step:
+            self.finished[item % self.l.batch] = True  # SAMPLE (the last op) sampled a stop id
+
+    # -- hazards -----------------------------------------------------------------------------
+    def _n_items(self, step: int, k: int) -> int:
+        if k == FLAG_CHECK:
+            return 0 if step == 0 else self.l.grid
+        return self.p.ops[k].n_items
+
+    def _access(self, w: int, step: int, k: int, item: int) -> None:
+        self.recent.append((w, step, k, item))
+        for k2, resource, kind in self.conflicts[k]:
+            for s2 in range(step + 1):
+                if (s2, k2) >= (step, k):
+                    break
+                got = self.done[s2 * self.width + k2 + 1]
+                if got < self._n_items(s2, k2):
+                    raise Hazard(f"launch {self.index}: {kind} on {resource}: step {step} {self._name(k)} item "
+                                 f"{item} ran on workgroup {w} while step {s2} {self._name(k2)} had "
+                                 f"{got}/{self._n_items(s2, k2)} items done" + self._trace())
+        self.done[step * self.width + k + 1] += 1
+
+    # -- reports -----------------------------------------------------------------------------
+    def _name(self, k: int) -> str:
+        if k == EXIT:
+            return "exit"
+        return "flag check" if k == FLAG_CHECK else f"op {k} ({self.p.ops[k].name})"
+
+    def _trace(self) -> str:
+        lines = [f"  wg {w} step {s} {self._name(k)} item {i}" for w, s, k, i in self.recent]
+        return "\nlast items and flag checks, oldest first:\n" + "\n".join(lines)
+
+    def _deadlock_report(self, guards: dict, resident: int) -> str:
+        lines = []
+        for w, guard in sorted(guards.items()):
+            step, j = self.where[w]
+            c, target = guard
+            ws, wd = divmod(c, self.n_ops)
+            lines.append(f"  wg {w} at step {step} {self._name(j)} waits for step {ws} "
+                         f"{self._name(wd)}: counter {self.counters[c]} < {target}")
+        never = f"; workgroups {resident}..{self.l.grid - 1} never started" if resident < self.l.grid else ""
+        return f"launch {self.index}: deadlock{never}\n" + "\n".join(lines)
+
+
+def _conflicts(ops: tuple[SyncOp, ...], check_flag_reads: bool) -> dict[int, list[tuple[int, str, str]]]:
+    """op k -> (k2, resource, kind) for every op k2 whose access to resource conflicts with k's
+    (at least one writes). The flag check (FLAG_CHECK) reads `finished`, or nothing when its
+    reads are not checked."""
+    access = {FLAG_CHECK: (frozenset({FINISHED} if check_flag_reads else ()), frozenset())}
+    access |= {k: (o.reads, o.writes) for k, o in enumerate(ops)}
+    out: dict[int, list[tuple[int, str, str]]] = {k: [] for k in access}
+    for k, (reads, writes) in access.items():
+        for k2, (reads2, writes2) in access.items():
+            for r in sorted(reads & writes2):
+                out[k].append((k2, r, "RAW"))
+            for r in sorted(writes & reads2):
+                out[k].append((k2, r, "WAR"))
+            for r in sorted(writes & writes2):
+                out[k].append((k2, r, "WAW"))
+    return out

@@ -1,0 +1,126 @@
+"""The GPU persistent kernel's program as the synchronization model sees it: per op, its work
+item count and the resources its items read and write (kog.testing.sync_model runs it).
+
+    ops = sync_ops(_C.expand_gpu_program(lowered, dims), dims, batch=3, max_parts=2)
+
+What an op touches is read off run_item in csrc/gpu/decode/persistent_decode.cu, not off the
+op's buffer fields alone: the partial phase of attention writes the partials scratch (not its
+`out`, ATTN), the combine reads that scratch (not its `in_`, QKV), and SAMPLE in loop mode
+writes the token, the stop flags and the next step's position, seq_len and slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from kog import _C
+from kog.program.opcodes import Buffer, Opcode
+
+ATTN_COMBINE = _C.GPU_OP_ATTN_COMBINE
+
+# Per-sequence state outside the activation arena (PersistentDecodeParams fields).
+POSITIONS, SEQ_LENS, SLOTS = "positions", "seq_lens", "slots"
+FINISHED, OUT_TOKENS, LOGITS_OUT = "finished", "out_tokens", "logits_out"
+PARTIALS = "attn_partials"  # the one scratch every layer's attention shares
+
+# Op index of the step's flag check (every workgroup reads `finished` at the top of a step > 0),
+# modelled as an op before op 0 with one item per workgroup.
+FLAG_CHECK = -1
+
+
+@dataclass(frozen=True)
+class SyncOp:
+    """One op of the expanded program, reduced to what the protocol and its hazards need."""
+
+    name: str                  # e.g. "LINEAR L0 NORMED->QKV", for reports
+    n_items: int               # items_of(op): the counter target a wait compares against
+    deps: tuple[int, ...]      # indices of ops of the same step it waits for
+    reads: frozenset[str]
+    writes: frozenset[str]
+
+
+def buffer(b: int) -> str:
+    return f"buf.{Buffer(b).name}"
+
+
+def kv_cache(layer: int) -> str:
+    return f"kv.{layer}"
+
+
+def items_of(op: _C.Op, dims: _C.ModelDims, batch: int, max_parts: int, rows_per_item: int) -> int:
+    """Mirrors items_of in persistent_decode.cu (rows_per_item: linear_rows_per_item())."""
+    if op.opcode == Opcode.LINEAR:
+        return -(-dims.buffer_width(op.out) // rows_per_item)
+    if op.opcode == Opcode.ATTN_DECODE:
+        return batch * dims.n_q_heads * max_parts
+    if op.opcode == ATTN_COMBINE:
+        return batch * dims.n_q_heads
+    return batch  # one item per sequence
+
+
+def accesses(op: _C.Op) -> tuple[set[str], set[str]]:
+    """(reads, writes) of one item of op, as run_item performs them. Read-only inputs (weights,
+    block tables, sampling rows, stop ids) are left out: nothing writes them during a launch."""
+    code, i, o = op.opcode, buffer(op.in_) if op.in_ >= 0 else None, buffer(op.out) if op.out >= 0 else None
+    if code in (Opcode.EMBED, Opcode.LINEAR, Opcode.SILU_MUL):
+        return {i}, {o}
+    if code == Opcode.RMS_NORM:  # with a residual: residual += in, out = norm(residual)
+        res = {buffer(op.residual)} if op.residual >= 0 else set()
+        return {i} | res, {o} | res
+    if code == Opcode.QK_NORM:
+        return {i}, {i}
+    if code == Opcode.ROPE:
+        return {i, POSITIONS}, {i}
+    if code == Opcode.KV_APPEND:
+        return {i, SLOTS}, {kv_cache(op.layer)}
+    if code == Opcode.ATTN_DECODE:  # the partial phase: q from `in`, keys and values of its layer
+        return {i, kv_cache(op.layer), SEQ_LENS}, {PARTIALS}
+    if code == ATTN_COMBINE:
+        return {PARTIALS, SEQ_LENS}, {o}
+    if code == Opcode.SAMPLE:
+        # NOTE: the position/seq_len/slot advance happens only when another step follows; the
+        # model counts it as written every step, which only adds hazards to look for.
+        return {i, FINISHED, POSITIONS}, {o, FINISHED, POSITIONS, SEQ_LENS, SLOTS, OUT_TOKENS, LOGITS_OUT}
+    raise ValueError(f"sync model: no access rule for opcode {code}")
+
+
+def op_name(op: _C.Op) -> str:
+    code = "ATTN_COMBINE" if op.opcode == ATTN_COMBINE else Opcode(op.opcode).name
+    layer = f" L{op.layer}" if op.layer >= 0 else ""
+    src = Buffer(op.in_).name if op.in_ >= 0 else "-"
+    dst = Buffer(op.out).name if op.out >= 0 else f"kv.{op.layer}"
+    return f"{code}{layer} {src}->{dst}"
+
+
+def sync_ops(expanded: Sequence[_C.Op], dims: _C.ModelDims, batch: int, max_parts: int = 1,
+             rows_per_item: int = 16) -> list[SyncOp]:
+    """The model's view of an expanded GPU program (kog._C.expand_gpu_program).
+
+    Args:
+        expanded: the program as the kernel runs it.
+        dims: the model's shape (buffer widths size the LINEAR items).
+        batch: sequences in the launch.
+        max_parts: attention context partitions of the longest sequence.
+        rows_per_item: output rows per LINEAR item (16 on CUDA: 8 warps x 2 rows; 8 on CDNA).
+    Returns:
+        One SyncOp per op, same indices and deps.
+    """
+    out = []
+    for op in expanded:
+        reads, writes = accesses(op)
+        out.append(SyncOp(op_name(op), items_of(op, dims, batch, max_parts, rows_per_item), tuple(op.deps),
+                          frozenset(reads), frozenset(writes)))
+    return out
+
+
+def without_dep(ops: Sequence[SyncOp], j: int, dep: int) -> list[SyncOp]:
+    """ops with op j's dependency on op dep removed (for tests that break the protocol)."""
+    if dep not in ops[j].deps:
+        raise ValueError(f"op {j} ({ops[j].name}) does not depend on op {dep}")
+    return [replace(o, deps=tuple(d for d in o.deps if d != dep)) if k == j else o for k, o in enumerate(ops)]
+
+
+def with_dep(ops: Sequence[SyncOp], j: int, dep: int) -> list[SyncOp]:
+    """ops with op j also waiting for op dep (any index: a later one breaks the protocol)."""
+    return [replace(o, deps=o.deps + (dep,)) if k == j else o for k, o in enumerate(ops)]
