@@ -267,7 +267,8 @@ def _op_name(code: int, weights: tuple[str, ...]) -> str:
         w = weights[0]
         return "LINEAR " + ("lm_head" if "lm_head" in w or "embed" in w else w.split(".")[-2])
     if code == Opcode.RMS_NORM:
-        return "RMS_NORM " + ("final" if weights[0] == "model.norm.weight" else weights[0].split(".")[-2])
+        norm = weights[0].split(".")[-2]
+        return "RMS_NORM " + {"input_layernorm": "attn", "post_attention_layernorm": "mlp"}.get(norm, "final")
     return Opcode(code).name
 
 
