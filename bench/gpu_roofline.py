@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kog import _C
+from kog.testing.sync_program import items_of
 from kog.config import ModelConfig
 from kog.loader.weights import expected_shapes
 from kog.models.decode import lower_program, model_dims
@@ -95,9 +96,11 @@ ASSUMPTIONS = [
     "would cost less: conservative). Weights: the prepared tensors the op names, read once per step. "
     "The embedding row gather is activation bytes (it depends on the token, it cannot be prefetched).",
     "KV: attention reads each sequence's K and V once per KV head (GQA group shares it); KV_APPEND writes one row.",
-    "Items: LINEAR ceil(out_rows / (warps * 2)); attention partial per (sequence, KV head, 256-token "
-    "partition) as issue 16's design asks (the kernel at this commit runs one per query head); "
-    "combine per (sequence, q head); other ops one per sequence, SAMPLE included (one workgroup per row).",
+    "Items as the kernel splits them (kog.testing.sync_program.items_of mirrors items_of): LINEAR "
+    "ceil(out_rows / (warps * 2)); attention partial per (sequence, KV head, partition), the partition "
+    "halved from 256 tokens (down to 16) until there are two items per workgroup; combine per "
+    "(sequence, q head); small ops split rows into 512-element chunks / 4 RoPE heads / a KV head; "
+    "residual adds fused into o_proj and down_proj; SAMPLE one workgroup per row.",
     "Per item: latency + item_bytes / (16 KiB in flight per workgroup / latency) (Little's law, "
     "256 threads x 4 x 16-byte loads, kPrefetchVecs); blocks = 2 per SM/CU.",
     "Sync: --sync-us per op that waits (its last dep; counters already complete cost nothing extra); "
@@ -155,21 +158,25 @@ def op_costs(config: ModelConfig, device: Device, batch: int, context: int) -> l
     dims, shapes = model_dims(config, torch.bfloat16), weight_shapes(config)
     width = dims.buffer_width
     h, hd, nq, nkv = config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads
-    parts = math.ceil(context / PARTITION_TOKENS)
+    partition = PARTITION_TOKENS  # halved as GpuDecodeExecutor::run does
+    while partition > 16 and batch * config.num_key_value_heads * math.ceil(context / partition) < 2 * device.blocks:
+        partition //= 2
+    parts = math.ceil(context / partition)
     partials = batch * nq * parts * (hd + 2) * 4  # f32 scratch [B, nq, parts, hd + 2]
     costs = []
     for op, names in gpu_program(config):
         code = op.opcode
         # EMBED gathers one row per token: activation bytes (below), not a weight stream.
         wbytes = 0 if code == Opcode.EMBED else sum(math.prod(shapes[n]) * ELEM for n in names)
-        act, kv_r, kv_w, items = 0, 0, 0, batch
+        act, kv_r, kv_w = 0, 0, 0
+        items = items_of(op, dims, batch, parts, device.rows_per_item, THREADS // device.warp_size)
         if code == Opcode.EMBED:  # token ids in, the embedding rows read, RESIDUAL written
             act = batch * (4 + 2 * h * ELEM)
-        elif code == Opcode.RMS_NORM:
-            act = batch * h * ELEM * (4 if op.residual >= 0 else 2)
-        elif code == Opcode.LINEAR:
+        elif code == Opcode.RMS_NORM:  # each chunk item reads the whole row (its scale), writes its chunk
+            act = h * ELEM * (items + batch) if op.residual < 0 else batch * h * ELEM * 4
+        elif code == Opcode.LINEAR:  # a fused residual add reads and writes the residual rows
             n, k = width(op.out), width(op.in_)
-            act, items = batch * (n + k) * ELEM, math.ceil(n / device.rows_per_item)
+            act = batch * (n * (2 if op.residual >= 0 else 1) + k) * ELEM
         elif code in (Opcode.QK_NORM, Opcode.ROPE):
             act = 2 * batch * (nq + nkv) * hd * ELEM
         elif code == Opcode.KV_APPEND:

@@ -55,11 +55,16 @@ def test_items_and_accesses_follow_run_item():
     by_name = {o.name: o for o in p.ops}
     assert by_name["LINEAR L0 NORMED->QKV"].n_items == 128 // 16  # (4 + 2 + 2) heads x 16 rows / 16
     attn, combine = by_name["ATTN_DECODE L1 QKV->ATTN"], by_name["ATTN_COMBINE L1 QKV->ATTN"]
-    assert (attn.n_items, combine.n_items) == (3 * 4 * 2, 3 * 4)
+    assert (attn.n_items, combine.n_items) == (3 * 2 * 2, 3 * 4)  # (batch, KV head, part); (batch, head)
     assert attn.writes == {PARTIALS} and kv_cache(1) in attn.reads  # the partial phase never writes ATTN
     assert combine.reads == {PARTIALS, "seq_lens"} and combine.writes == {"buf.ATTN"}
     assert by_name["KV_APPEND L1 QKV->kv.1"].writes == {kv_cache(1)}
-    assert by_name["RMS_NORM L1 HIDDEN->NORMED"].writes == {"buf.NORMED", "buf.RESIDUAL"}
+    # residual adds fused into the LINEARs that produced their input (schedule::fuse_residual_adds)
+    assert by_name["RMS_NORM L1 RESIDUAL->NORMED"].writes == {"buf.NORMED"}
+    assert by_name["RMS_NORM L1 RESIDUAL->NORMED"].n_items == 3 * 1  # hidden 64: one 512-element chunk
+    o_proj = by_name["LINEAR L1 ATTN->RESIDUAL"]
+    assert o_proj.reads == {"buf.ATTN", "buf.RESIDUAL"} and o_proj.writes == {"buf.RESIDUAL"}
+    assert by_name["ROPE L1 QKV->QKV"].n_items == 3 * 2  # (4 + 2) heads, 4 per item
     assert {"buf.TOKENS", "positions", "finished"} <= p.ops[-1].writes and p.ops[-1].name.startswith("SAMPLE")
     assert p.sinks == (len(p.ops) - 1,)
 
@@ -79,7 +84,7 @@ def test_random_interleavings_read_only_completed_data_and_never_deadlock(arch, 
 
 def test_dropping_the_o_proj_wait_on_the_combine_is_a_hazard():
     p = protocol("llama", batch=1)
-    o_proj = index_of(p, "LINEAR L0 ATTN->HIDDEN")
+    o_proj = index_of(p, "LINEAR L0 ATTN->RESIDUAL")  # adds into RESIDUAL (fused)
     combine = index_of(p, "ATTN_COMBINE L0 QKV->ATTN")
     broken = Protocol(tuple(without_dep(p.ops, o_proj, combine)), p.sinks)
     found = violations(broken, Launch(grid=3, n_steps=1, batch=1))
@@ -142,8 +147,9 @@ def test_a_grid_that_is_not_co_resident_deadlocks(grid):
 
 def test_zeroing_before_the_last_workgroup_leaves_is_caught():
     p = protocol("llama", batch=3)
-    found = violations(Protocol(p.ops, p.sinks, zero_at_exit=1), Launch(3, 2, 3), seeds=range(4))
-    assert len(found) == 4 and all(isinstance(e, CounterReuse) for e in found)
+    # Caught unless the schedule happens to let the first workgroup out leave last (1 seed in 8).
+    found = violations(Protocol(p.ops, p.sinks, zero_at_exit=1), Launch(3, 2, 3), seeds=range(8))
+    assert len(found) >= 6 and all(isinstance(e, CounterReuse) for e in found)
     never = violations(Protocol(p.ops, p.sinks, zero_at_exit=4), Launch(3, 2, 3), seeds=range(2))
     assert len(never) == 2 and all("left counters not zero" in str(e) for e in never)
 

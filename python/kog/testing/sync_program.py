@@ -3,6 +3,10 @@ item count and the resources its items read and write (kog.testing.sync_model ru
 
     ops = sync_ops(_C.expand_gpu_program(lowered, dims), dims, batch=3, max_parts=2)
 
+Hazards are per whole resource: the items of one op are assumed not to conflict with each
+other (each writes its own rows or chunk; an RMS_NORM that still read-modify-writes its residual
+runs as one item per row).
+
 What an op touches is read off run_item in csrc/gpu/decode/persistent_decode.cu, not off the
 op's buffer fields alone: the partial phase of attention writes the partials scratch (not its
 `out`, ATTN), the combine reads that scratch (not its `in_`, QKV), and SAMPLE in loop mode
@@ -48,21 +52,39 @@ def kv_cache(layer: int) -> str:
     return f"kv.{layer}"
 
 
-def items_of(op: _C.Op, dims: _C.ModelDims, batch: int, max_parts: int, rows_per_item: int) -> int:
-    """Mirrors items_of in persistent_decode.cu (rows_per_item: linear_rows_per_item())."""
-    if op.opcode == Opcode.LINEAR:
-        return -(-dims.buffer_width(op.out) // rows_per_item)
-    if op.opcode == Opcode.ATTN_DECODE:
-        return batch * dims.n_q_heads * max_parts
-    if op.opcode == ATTN_COMBINE:
+ROW_CHUNK, ROPE_HEADS = 512, 4  # kRowChunk, kRopeHeads (csrc/gpu/decode/tuning.cuh)
+
+
+def items_of(op: _C.Op, dims: _C.ModelDims, batch: int, max_parts: int, rows_per_item: int, warps: int = 8) -> int:
+    """Mirrors items_of and parts_per_row in persistent_decode.cu (rows_per_item:
+    linear_rows_per_item(); warps: workgroup threads / warp size)."""
+    def ceil(a, b):
+        return -(-a // b)
+
+    code = op.opcode
+    if code == Opcode.LINEAR:
+        return ceil(dims.buffer_width(op.out), rows_per_item)
+    if code == Opcode.ATTN_DECODE:  # (sequence, KV head, partition): the head's GQA group
+        return batch * dims.n_kv_heads * max_parts
+    if code == ATTN_COMBINE:
         return batch * dims.n_q_heads
-    return batch  # one item per sequence
+    if code == Opcode.RMS_NORM:
+        parts = 1 if op.residual >= 0 else ceil(dims.buffer_width(op.out), ROW_CHUNK)
+    else:
+        parts = {Opcode.EMBED: ceil(dims.hidden, ROW_CHUNK),
+                 Opcode.QK_NORM: ceil(dims.n_q_heads + dims.n_kv_heads, warps),
+                 Opcode.ROPE: ceil(dims.n_q_heads + dims.n_kv_heads, ROPE_HEADS),
+                 Opcode.KV_APPEND: dims.n_kv_heads,
+                 Opcode.SILU_MUL: ceil(dims.intermediate, ROW_CHUNK)}.get(Opcode(code), 1)
+    return batch * parts
 
 
 def accesses(op: _C.Op) -> tuple[set[str], set[str]]:
     """(reads, writes) of one item of op, as run_item performs them. Read-only inputs (weights,
     block tables, sampling rows, stop ids) are left out: nothing writes them during a launch."""
     code, i, o = op.opcode, buffer(op.in_) if op.in_ >= 0 else None, buffer(op.out) if op.out >= 0 else None
+    if code == Opcode.LINEAR and op.residual >= 0:  # a fused residual add: out (the residual) += x . w
+        return {i, o}, {o}
     if code in (Opcode.EMBED, Opcode.LINEAR, Opcode.SILU_MUL):
         return {i}, {o}
     if code == Opcode.RMS_NORM:  # with a residual: residual += in, out = norm(residual)
