@@ -134,15 +134,10 @@ void KVCacheAllocator::name_tokens(SeqId id, int64_t start, const int32_t* ids, 
   }
   for (int64_t p = s.named; p < start + n; ++p) stored(p) = ids[p - start];
   s.named = std::max(s.named, start + n);
-  // Register the full blocks now named, in chain order; a block whose parent is not registered
-  // breaks the chain (nothing past it is cacheable).
+  // Register the full blocks now named, in chain order, up to a broken chain.
   for (int64_t i = start / bs_; i < s.named / bs_; ++i) {
     const BlockId b(s.table[i]);
-    if (pool_.hashed(b)) continue;
-    const BlockId p = i > 0 ? BlockId(s.table[i - 1]) : BlockId();
-    if (p.valid() && !pool_.hashed(p)) break;
-    const BlockHash ph = p.valid() ? pool_.hash(p) : seed_;
-    pool_.seal(b, chain_hash(ph, pool_.tokens(b), bs_), ph);
+    if (!pool_.hashed(b) && !seal(b, i > 0 ? BlockId(s.table[i - 1]) : BlockId())) break;
   }
   refresh_known(s);
 }
@@ -327,13 +322,14 @@ void KVCacheAllocator::prepare_tail_write(Sequence& s, Moves& mv) {
 }
 
 void KVCacheAllocator::seal_tail(Sequence& s) {
-  const BlockId p = pool_.parent(s.tail);
-  if (p.valid() && !pool_.hashed(p)) {  // the chain is broken: nothing past here is cacheable
-    s.tokens_known = false;
-    return;
-  }
-  const BlockHash ph = p.valid() ? pool_.hash(p) : seed_;
-  pool_.seal(s.tail, chain_hash(ph, pool_.tokens(s.tail), bs_), ph);
+  if (!seal(s.tail, pool_.parent(s.tail))) s.tokens_known = false;
+}
+
+bool KVCacheAllocator::seal(BlockId b, BlockId parent) {
+  if (parent.valid() && !pool_.hashed(parent)) return false;
+  const BlockHash ph = parent.valid() ? pool_.hash(parent) : seed_;
+  pool_.seal(b, chain_hash(ph, pool_.tokens(b), bs_), ph);
+  return true;
 }
 
 void KVCacheAllocator::refresh_known(Sequence& s) {

@@ -154,6 +154,9 @@ class KVCacheAllocator {
   void do_append(Sequence& s, int64_t n, const int32_t* tokens, Moves& mv);
   void prepare_tail_write(Sequence& s, Moves& mv);
   void seal_tail(Sequence& s);
+  // Registers full block b under its parent (invalid: the first block); false, changing nothing,
+  // when the parent is not registered (the chain is broken: nothing past it is cacheable).
+  bool seal(BlockId b, BlockId parent);
   // tokens_known from named and the last full block (after a truncate or a naming).
   void refresh_known(Sequence& s);
   std::vector<BlockId> match(const int32_t* tokens, int64_t n) const;

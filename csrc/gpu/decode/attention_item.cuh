@@ -51,9 +51,9 @@ constexpr int attn_max_vecs_per_lane() {
   return row_vecs > KOG_WARP_SIZE ? row_vecs / KOG_WARP_SIZE : 1;
 }
 
-// The GQA group of KV head kvh of one query over keys [part * P, min(kv_len, (part + 1) * P)),
-// P = partition
-// of a sequence whose block table row is `table` -> dst[h * dst_head_stride .. + hd + 2] =
+// The GQA group of KV head kvh of one query over keys [part * P, min(kv_len, (part + 1) * P))
+// (P = partition) of a sequence whose block table row is `table` -> dst[h * dst_head_stride ..
+// + hd + 2] =
 // (acc..., max, sum) for each head h of the group; an empty range stores sum 0 (the combine
 // skips it). q: the query's [n_q, hd] row.
 template <typename T>

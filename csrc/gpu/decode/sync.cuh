@@ -52,14 +52,6 @@ __device__ __forceinline__ bool spin_until(const unsigned* counter, unsigned tar
   return true;
 }
 
-// Every thread of the workgroup calls it; returns once counter >= target.
-__device__ __forceinline__ void wait_for(const unsigned* counter, unsigned target) {
-  if (threadIdx.x == 0)
-    while (load_acquire(counter) < target) backoff();
-  __syncthreads();
-  fence_acquire();
-}
-
 // Every thread calls it after its stores of one work item.
 __device__ __forceinline__ void signal_done(unsigned* counter) {
   __syncthreads();

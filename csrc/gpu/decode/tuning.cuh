@@ -15,7 +15,6 @@ constexpr int kThreads = 256;
 constexpr int kBlocksPerMultiprocessor = 2;
 constexpr int kMaxBatch = 8;          // sequences in one step
 constexpr int kMaxHeadDim = 256;
-constexpr int kMaxGroup = 16;         // query heads per KV head (GQA group)
 constexpr int kAttnPartition = int(kGpuAttentionPartitionTokens);  // cached tokens per attention item
 // The persistent kernel halves the partition down to this for short contexts, until the
 // attention has two items per workgroup (a 1k context at batch 1 would leave most idle).
