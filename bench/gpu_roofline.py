@@ -100,7 +100,8 @@ ASSUMPTIONS = [
     "ceil(out_rows / (warps * 2)); attention partial per (sequence, KV head, partition), the partition "
     "halved from 256 tokens (down to 16) until there are two items per workgroup; combine per "
     "(sequence, q head); small ops split rows into 512-element chunks / 4 RoPE heads / a KV head; "
-    "residual adds fused into o_proj and down_proj; SAMPLE one workgroup per row.",
+    "residual adds fused into o_proj and down_proj; SAMPLE a partial per (sequence, 4096-logit chunk), "
+    "then one item per sequence over the chunk summaries (the full-row fallback is not modelled).",
     "Per item: latency + item_bytes / (16 KiB in flight per workgroup / latency) (Little's law, "
     "256 threads x 4 x 16-byte loads, kPrefetchVecs); blocks = 2 per SM/CU.",
     "Sync: --sync-us per op that waits (its last dep; counters already complete cost nothing extra); "
@@ -142,14 +143,16 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def gpu_program(config: ModelConfig) -> list[tuple[_C.Op, tuple[str, ...]]]:
-    """The expanded GPU program: (op, weight names) per op; a combine carries no weights."""
+    """The expanded GPU program: (op, weight names) per op; the GPU-only phases (attention
+    combine, sample partial) carry no weights."""
     program = program_for(config)
     # expand_gpu_program validates but never dereferences weight addresses: placeholders do.
     fake = {n: _Address(16 * (i + 1)) for i, n in enumerate(weight_shapes(config))}
     ops = _C.expand_gpu_program(lower_program(program, fake), model_dims(config, torch.bfloat16))
     out, it = [], iter(program)
     for op in ops:
-        out.append((op, () if op.opcode == _C.GPU_OP_ATTN_COMBINE else next(it).weights))
+        gpu_only = op.opcode in (_C.GPU_OP_ATTN_COMBINE, _C.GPU_OP_SAMPLE_PARTIAL)
+        out.append((op, () if gpu_only else next(it).weights))
     return out
 
 
@@ -163,6 +166,8 @@ def op_costs(config: ModelConfig, device: Device, batch: int, context: int) -> l
         partition //= 2
     parts = math.ceil(context / partition)
     partials = batch * nq * parts * (hd + 2) * 4  # f32 scratch [B, nq, parts, hd + 2]
+    # per sequence: a 24-byte summary and 128 (value, id) candidate slots per vocabulary chunk
+    summaries = math.ceil(config.vocab_size / _C.SAMPLE_CHUNK) * (24 + 128 * 8)
     costs = []
     for op, names in gpu_program(config):
         code = op.opcode
@@ -187,8 +192,10 @@ def op_costs(config: ModelConfig, device: Device, batch: int, context: int) -> l
             act, items = partials + batch * nq * hd * ELEM, batch * nq
         elif code == Opcode.SILU_MUL:
             act = batch * 3 * config.intermediate_size * ELEM
-        elif code == Opcode.SAMPLE:  # bf16 logits in, f32 copy out, one argmax pass over it
-            act = batch * (config.vocab_size * (ELEM + 8) + 4)
+        elif code == _C.GPU_OP_SAMPLE_PARTIAL:  # bf16 logits in, f32 copy and chunk summaries out
+            act = batch * (config.vocab_size * (ELEM + 4) + summaries)
+        elif code == Opcode.SAMPLE:  # the summaries (candidate slots included) in, the token out
+            act = batch * (summaries + 4)
         edges = len(op.deps) if code != Opcode.EMBED else 1  # EMBED waits on the previous step
         costs.append(OpCost(_op_name(code, names), op.layer, wbytes, act, kv_r, kv_w, items, edges))
     return costs
@@ -268,6 +275,8 @@ def _work_us(nbytes: float, items: int, device: Device) -> float:
 def _op_name(code: int, weights: tuple[str, ...]) -> str:
     if code == _C.GPU_OP_ATTN_COMBINE:
         return "ATTN_COMBINE"
+    if code == _C.GPU_OP_SAMPLE_PARTIAL:
+        return "SAMPLE_PARTIAL"
     if code == Opcode.ATTN_DECODE:
         return "ATTN_PARTIAL"
     if code == Opcode.LINEAR:

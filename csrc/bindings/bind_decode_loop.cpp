@@ -12,6 +12,7 @@
 #include "common/errors.h"
 #include "cpu/kernels.h"
 #include "engine/decode_loop.h"
+#include "ops/sample_chunks.h"
 
 namespace py = pybind11;
 using kog::engine::DecodeExecutor;
@@ -53,6 +54,23 @@ int32_t sample_row(py::array_t<float, py::array::c_style | py::array::forcecast>
   return token;
 }
 
+// The GPU's chunked sampler (ops/sample_chunks.h) on the host: chunk summaries, then the draw
+// from them; kog::kSampleFallback where the summaries do not decide.
+int32_t sample_row_chunked(py::array_t<float, py::array::c_style | py::array::forcecast> logits, float temperature,
+                           int32_t top_k, float top_p, float min_p, uint64_t seed, uint64_t counter) {
+  KOG_CHECK(logits.ndim() == 1 && logits.size() > 0 && logits.size() < INT32_MAX,
+            "sample_row_chunked: logits must be a non-empty [vocab] array");
+  const int64_t vocab = logits.size(), n_chunks = kog::sample_chunks(vocab);
+  std::vector<kog::SampleChunk> chunks(size_t(n_chunks), kog::SampleChunk{});
+  std::vector<float> values(size_t(n_chunks) * kog::kSampleCandidateSlots);
+  std::vector<int32_t> indices(values.size());
+  for (int64_t c = 0; c < n_chunks; ++c)
+    chunks[size_t(c)] = kog::summarize_chunk(logits.data(), vocab, c, temperature, &values[size_t(c) * kog::kSampleCandidateSlots],
+                                             &indices[size_t(c) * kog::kSampleCandidateSlots]);
+  return kog::sample_from_chunks(kog::SerialTeam{}, chunks.data(), int(n_chunks), values.data(), indices.data(),
+                                 logits.data(), vocab, temperature, top_k, top_p, min_p, seed, counter);
+}
+
 }  // namespace
 
 void bind_decode_loop(py::module_& m) {
@@ -61,6 +79,13 @@ void bind_decode_loop(py::module_& m) {
         arg("counter"), "The sampler's draw in [0, 1): a function of (seed, counter) only, as on the GPU.");
   m.def("sample_row", &sample_row, arg("logits"), arg("temperature"), arg("top_k"), arg("top_p"), arg("min_p"),
         arg("seed"), arg("counter"));
+  m.def("sample_row_chunked", &sample_row_chunked, arg("logits"), arg("temperature"), arg("top_k"), arg("top_p"),
+        arg("min_p"), arg("seed"), arg("counter"),
+        "The decode kernel's chunked sampler on the host: the token, or SAMPLE_FALLBACK where the chunk summaries do "
+        "not decide (the kernel then runs the full-row sampler).");
+  m.attr("SAMPLE_FALLBACK") = kog::kSampleFallback;
+  m.attr("SAMPLE_CHUNK") = kog::kSampleChunk;
+  m.attr("SAMPLE_CANDIDATES") = kog::kSampleCandidates;
 
   py::class_<SequenceSampling>(m, "SequenceSampling")
       .def(py::init(&make_sampling), arg("vocab"), arg("prompt"), arg("temperature"), arg("top_k"), arg("top_p"),

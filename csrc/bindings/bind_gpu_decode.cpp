@@ -70,6 +70,7 @@ void bind_gpu_decode(py::module_& m) {
   m.def("program_sinks", &kog::schedule::program_sinks, arg("ops"),
         "Ops no later op depends on (a new GPU step waits on these).");
   m.attr("GPU_OP_ATTN_COMBINE") = kog::schedule::kOpAttnCombine;
+  m.attr("GPU_OP_SAMPLE_PARTIAL") = kog::schedule::kOpSamplePartial;
 #ifdef KOG_WITH_GPU
   py::class_<GpuDecodeExecutor>(m, "GpuDecodeExecutor")
       .def(py::init(&make_executor), arg("dims"), arg("kv_base"), arg("num_blocks"), arg("block_size"),

@@ -25,6 +25,9 @@
 
 namespace kog {
 
+// Most halvings of a threshold bisection (step 4), on every path that bisects.
+constexpr int kSampleMaxHalvings = 40;
+
 // Uniform [0, 1) from (seed, counter): splitmix64 finalizer over both, top 24 bits. The one
 // definition of the draw: the CPU sampler and the GPU kernel (gpu/decode/sample_item.cuh) call it.
 // static: every translation unit (each CPU ISA build included) keeps its own copy.

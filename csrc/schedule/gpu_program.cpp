@@ -56,7 +56,7 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
   // produced[i]: the expanded index whose completion means op i's output is complete.
   std::vector<int32_t> produced(ops.size());
   std::vector<Op> out;
-  out.reserve(ops.size() + size_t(dims.n_layers));
+  out.reserve(ops.size() + size_t(dims.n_layers) + 1);
   int32_t last_combine = -1;
   for (size_t i = 0; i < ops.size(); ++i) {
     Op o = ops[i];
@@ -64,6 +64,12 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
     for (int k = 0; k < ops[i].n_deps; ++k) add_dep(o, produced[size_t(ops[i].deps[k])]);
     const bool attn = Opcode(o.op) == Opcode::kAttnDecode;
     if (attn && last_combine >= 0) add_dep(o, last_combine);
+    if (Opcode(o.op) == Opcode::kSample) {
+      Op partial = o;
+      partial.op = kOpSamplePartial;
+      out.push_back(partial);
+      add_dep(o, int32_t(out.size()) - 1);
+    }
     out.push_back(o);
     produced[i] = int32_t(out.size()) - 1;
     if (attn) {

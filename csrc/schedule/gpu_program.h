@@ -1,6 +1,6 @@
 // The program as the GPU persistent kernel runs it: the validated program (program.h) with the
-// second phase of every ATTN_DECODE inserted after it. Plain C++ (built in every backend,
-// tested on the CPU).
+// second phase of every ATTN_DECODE inserted after it and the first phase of SAMPLE before it.
+// Plain C++ (built in every backend, tested on the CPU).
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -12,13 +12,18 @@ namespace kog::schedule {
 // GPU-only opcode: the second phase of Opcode::kAttnDecode, the log-sum-exp merge of the
 // context partitions. Program opcodes keep their values.
 constexpr int32_t kOpAttnCombine = 100;
+// GPU-only opcode: the first phase of Opcode::kSample, per (sequence, chunk of the vocabulary):
+// the f32 logits output and the chunk summaries the draw reads (ops/sample_chunks.h).
+constexpr int32_t kOpSamplePartial = 101;
 
 // Validates the program (validate_program), moves residual adds into their producers
-// (fuse_residual_adds) and inserts a combine after every ATTN_DECODE:
+// (fuse_residual_adds), inserts a combine after every ATTN_DECODE:
 //   - the combine depends on its partial phase (it reads the partials the partial phase wrote);
 //   - every op that depended on an ATTN_DECODE depends on its combine (which writes ATTN);
 //   - every partial phase after the first also depends on the previous combine: both use the
-//     one partials scratch (a WAR hazard the Python program does not name).
+//     one partials scratch (a WAR hazard the Python program does not name);
+// and a sample partial before SAMPLE, with SAMPLE's deps (it reads LOGITS); SAMPLE keeps its
+// deps and gains the partial (it reads the f32 logits and summaries the partial wrote).
 // Deps are renumbered to the expanded indices. Throws kog::Error(kInvalidArgument) naming the
 // first bad op of the input program.
 std::vector<Op> expand_gpu_program(const std::vector<Op>& ops, const ModelDims& dims);

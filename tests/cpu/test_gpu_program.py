@@ -37,9 +37,15 @@ def fused_fields(op) -> tuple:
 def test_attention_gets_a_combine_phase_and_deps_follow_it(arch):
     ops, dims, _ = lowered(arch)
     out = _C.expand_gpu_program(ops, dims)
-    assert len(out) == len(ops) + dims.n_layers
+    assert len(out) == len(ops) + dims.n_layers + 1
     new_index, produced, j = [], [], 0
     for op in ops:  # the same ops in the same order (residual adds fused), a combine after each attention
+        if op.opcode == Opcode.SAMPLE:  # its first phase before it: reads LOGITS, after SAMPLE's deps
+            partial = out[j]
+            assert partial.opcode == _C.GPU_OP_SAMPLE_PARTIAL and partial.in_ == Buffer.LOGITS
+            assert set(partial.deps) == {produced[d] for d in op.deps}
+            assert j in out[j + 1].deps
+            j += 1
         assert fields(out[j]) == fused_fields(op)
         new_index.append(j)
         produced.append(j)
@@ -59,6 +65,8 @@ def test_attention_gets_a_combine_phase_and_deps_follow_it(arch):
         if op.opcode == Opcode.ATTN_DECODE and earlier:  # the partials scratch: after the previous combine
             want.add(earlier[-1])
         got = set(out[new_index[i]].deps)
+        if op.opcode == Opcode.SAMPLE:
+            got.discard(new_index[i] - 1)  # the partial, checked above
         if fused_fields(op) != fields(op) and op.opcode == Opcode.LINEAR:  # it now writes RESIDUAL too
             extra = got - want
             assert len(extra) <= 1 and all(Buffer.RESIDUAL in (out[d].in_, out[d].out) for d in extra), (i, op)
@@ -73,11 +81,13 @@ def run_program(program, dims, weights: dict, tokens, order) -> dict:
     LINEAR, RMS_NORM (with or without a residual), EMBED, SILU_MUL and SAMPLE are exact; the
     attention-side ops are deterministic stand-ins over the same buffers (QK_NORM/ROPE rescale
     QKV in place, KV_APPEND copies it to the layer's cache, ATTN_DECODE reads QKV and that cache
-    and writes ATTN, the combine passes), so what is checked is who reads and writes what."""
+    and writes ATTN, the combine passes); the sample partial copies LOGITS to "logits_out",
+    which SAMPLE reads. What is checked is who reads and writes what."""
     import numpy as np
 
     w = {t.data_ptr(): t.double().numpy() for t in weights.values()}
     bufs, kv = {int(Buffer.TOKENS): np.asarray(tokens)}, {}
+    split_sample = any(o.opcode == _C.GPU_OP_SAMPLE_PARTIAL for o in program)
     for i in order:
         o = program[i]
         x = bufs.get(o.in_)
@@ -101,8 +111,10 @@ def run_program(program, dims, weights: dict, tokens, order) -> dict:
         elif o.opcode == Opcode.SILU_MUL:
             g, u = np.split(x, 2, axis=-1)
             bufs[o.out] = g / (1 + np.exp(-g)) * u
+        elif o.opcode == _C.GPU_OP_SAMPLE_PARTIAL:
+            bufs["logits_out"] = x.copy()
         elif o.opcode == Opcode.SAMPLE:
-            bufs[o.out] = x.argmax(-1)
+            bufs[o.out] = (bufs["logits_out"] if split_sample else x).argmax(-1)
     return bufs
 
 

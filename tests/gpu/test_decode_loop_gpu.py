@@ -20,8 +20,8 @@ pytestmark = gpu_test_marks()
 BS = 16
 
 
-def model(seed: int = 13) -> LoadedModel:
-    c = tiny_config("llama", max_position_embeddings=1024)
+def model(seed: int = 13, vocab_size: int | None = None) -> LoadedModel:
+    c = tiny_config("llama", vocab_size=vocab_size, max_position_embeddings=1024)
     return LoadedModel(path=None, config=c, weights=random_weights(c, seed=seed), dtype=torch.float32,
                        tokenizer=tiny_tokenizer(), chat_template=None, stop_token_ids=(2,))
 
@@ -31,11 +31,13 @@ FILTERS = [  # (temperature, top_k, top_p, min_p)
 ]
 
 
+@pytest.mark.parametrize("vocab_size", [None, 3 * _C.SAMPLE_CHUNK + 1000])
 @pytest.mark.parametrize("filters", FILTERS)
-def test_device_sampler_agrees_with_the_cpu_sampler(device, filters):
+def test_device_sampler_agrees_with_the_cpu_sampler(device, filters, vocab_size):
     """Same (logits, params, seed, counter) -> same token, except where float rounding of the
-    masses (float sums on the device, double here) moves a draw across a boundary: rare."""
-    m = model()
+    masses (float sums on the device, double here) moves a draw across a boundary: rare. The
+    second vocabulary spans four chunks of the kernel's sample partial, the last one short."""
+    m = model(vocab_size=vocab_size)
     r = ModelRunner(m, 64)
     prompt = list(range(3, 60))
     table = np.arange(8, dtype=np.int32)

@@ -12,7 +12,6 @@
 namespace kog::cpu::KOG_ISA_NS {
 namespace {
 
-constexpr int kMaxHalvings = 40;  // sample_item.cuh: bisect_threshold
 constexpr float kNegInf = -__builtin_inff();
 
 void adjust(float* x, int64_t vocab, const SampleRowParams& r) {
@@ -54,7 +53,7 @@ float bisect_threshold(const float* x, int64_t vocab, float lo, float hi, double
     if (x[v] >= hi) above += measure(x[v], mass, best, inv_temp);
     else if (x[v] >= lo) cand[n++] = x[v];
   }
-  for (int it = 0; it < kMaxHalvings && hi > lo; ++it) {
+  for (int it = 0; it < kSampleMaxHalvings && hi > lo; ++it) {
     const float mid = 0.5f * (lo + hi);
     if (mid <= lo || mid >= hi) break;
     double m = above;

@@ -32,7 +32,7 @@ struct GpuDecodeStep {
   int32_t n_stop_ids;
   int32_t* out_tokens;           // [n_steps, B]
   int32_t* finished;             // [B] in/out
-  float* logits;                 // [B, vocab] f32: the last step's logits (SAMPLE's copy of LOGITS)
+  float* logits;                 // [B, vocab] f32: the last step's logits (the sample partial's copy of LOGITS)
 };
 
 class GpuDecodeExecutor {
@@ -81,6 +81,10 @@ class GpuDecodeExecutor {
   char* buffers_[int(schedule::Buffer::kNumBuffers)] = {};
   unsigned* counters_ = nullptr;    // device [kMaxLoopSteps * n_ops + 1]
   float* partials_ = nullptr;       // device
+  char* sample_scratch_ = nullptr;  // device: the sample partial's summaries and candidate slots
+  SampleChunk* sample_summaries_ = nullptr;
+  float* sample_values_ = nullptr;
+  int32_t* sample_indices_ = nullptr;
   int32_t partials_parts_ = 0;
   int grid_ = 0;
   WaitTimeout* timeout_host_ = nullptr;    // host-mapped (gpuHostAllocMapped)

@@ -5,11 +5,13 @@
 
 #include "common/dtype.h"
 #include "schedule/gpu_program.h"
+#include "ops/sample_chunks.h"
 #include "schedule/sampling_row.h"
 
 namespace kog::gpu::decode {
 
 using schedule::kOpAttnCombine;
+using schedule::kOpSamplePartial;
 using schedule::ModelDims;
 using schedule::Op;
 using schedule::SamplingRow;
@@ -38,7 +40,11 @@ struct PersistentDecodeParams {
 
   // activations: buffers[b] is [B, buffer_width(b)] in dtype (LOGITS too); TOKENS is int32 [B]
   char* buffers[int(schedule::Buffer::kNumBuffers)];
-  float* logits_out;           // [B, vocab] f32: SAMPLE copies its LOGITS row here
+  float* logits_out;           // [B, vocab] f32: the sample partial converts LOGITS rows into it
+  // the sample partial's output, SAMPLE's input (ops/sample_chunks.h); chunks = sample_chunks(vocab)
+  SampleChunk* sample_summaries;  // [B, chunks]
+  float* sample_values;        // [B, chunks, kSampleCandidateSlots] candidate logits, row order
+  int32_t* sample_indices;     // [B, chunks, kSampleCandidateSlots] their ids
   float* attn_partials;        // [B, n_q_heads, max_parts, head_dim + 2] f32 (acc..., max, sum)
   int32_t max_parts;           // context partitions per sequence, sized for the last step
   int32_t attn_partition;      // cached tokens per attention item this launch (power of two)

@@ -33,8 +33,8 @@ static_assert(GpuDecodeExecutor::kMaxBatch == kMaxBatch, "one batch limit");
 
 namespace {
 
-constexpr int kSmemFloats = kAttnPartialSmemFloats > kSampleSmemFloats ? kAttnPartialSmemFloats
-                                                                               : kSampleSmemFloats;
+constexpr int kMaxOf(int a, int b) { return a > b ? a : b; }
+constexpr int kSmemFloats = kMaxOf(kAttnPartialSmemFloats, kMaxOf(kSampleSmemFloats, kSampleChunkSmemFloats));
 
 __host__ __device__ __forceinline__ int64_t buffer_width(const PersistentDecodeParams& p, int32_t b) {
   return schedule::buffer_width(p.dims, b);
@@ -59,6 +59,7 @@ __device__ inline int64_t items_of(const PersistentDecodeParams& p, const Op& op
     case int32_t(Opcode::kLinear): return linear_items(buffer_width(p, op.out));
     case int32_t(Opcode::kAttnDecode): return int64_t(p.batch) * p.dims.n_kv_heads * p.max_parts;
     case kOpAttnCombine: return int64_t(p.batch) * p.dims.n_q_heads;
+    case kOpSamplePartial: return int64_t(p.batch) * sample_chunks(p.dims.vocab);
     default: return int64_t(p.batch) * parts_per_row(p, op);
   }
 }
@@ -124,14 +125,23 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
     case int32_t(Opcode::kSiluMul):
       silu_mul_item<T>(buf(op.in), buf(op.out), p.dims.intermediate, b, part);
       break;
-    case int32_t(Opcode::kSample): {
-      // LOGITS is the run dtype (as on the CPU); the f32 copy is the step's logits output and
-      // what is sampled from.
-      const T* row = buf(op.in) + int64_t(b) * p.dims.vocab;
-      float* logits = p.logits_out + int64_t(b) * p.dims.vocab;
-      for (int64_t v = threadIdx.x; v < p.dims.vocab; v += blockDim.x) logits[v] = gpu_to_float(row[v]);
-      __syncthreads();
-      const int token = sample_row(logits, p.dims.vocab, p.sampling[b], p.rng_step + uint64_t(step), smem);
+    case kOpSamplePartial: {  // item = (b, chunk): LOGITS (run dtype, as on the CPU) -> f32 + summary
+      const int64_t n_chunks = sample_chunks(p.dims.vocab);
+      const int sb = int(item / n_chunks);
+      const int64_t chunk = item % n_chunks;
+      sample_chunk_item<T>(buf(op.in) + int64_t(sb) * p.dims.vocab, p.logits_out + int64_t(sb) * p.dims.vocab,
+                           p.dims.vocab, chunk, p.sampling[sb].temperature, p.sample_summaries + item,
+                           p.sample_values + item * kSampleCandidateSlots,
+                           p.sample_indices + item * kSampleCandidateSlots, smem);
+      break;
+    }
+    case int32_t(Opcode::kSample): {  // item = b: the draw from the partial's summaries
+      const int64_t n_chunks = sample_chunks(p.dims.vocab), first = int64_t(b) * n_chunks;
+      const int token = sample_from_summaries(p.sample_summaries + first, int(n_chunks),
+                                              p.sample_values + first * kSampleCandidateSlots,
+                                              p.sample_indices + first * kSampleCandidateSlots,
+                                              p.logits_out + int64_t(b) * p.dims.vocab, int(p.dims.vocab),
+                                              p.sampling[b], p.rng_step + uint64_t(step), smem);
       if (threadIdx.x == 0) {
         const bool was_done = p.finished[b] != 0;
         p.out_tokens[step * p.batch + b] = was_done ? -1 : token;
@@ -273,6 +283,15 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
   n_sinks_ = int32_t(sinks.size());
   KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&sinks_), sinks.size() * sizeof(int32_t)));
   KOG_GPU_CHECK(gpuMemcpyAsync(sinks_, sinks.data(), sinks.size() * sizeof(int32_t), gpuMemcpyHostToDevice, nullptr));
+  // The sample partial's summaries and candidate slots: [kMaxBatch, chunks] and
+  // [kMaxBatch, chunks, kSampleCandidateSlots] floats and ints, in one allocation.
+  const size_t chunks = size_t(kMaxBatch) * size_t(sample_chunks(dims.vocab));
+  const size_t summary_bytes = (chunks * sizeof(SampleChunk) + 255) / 256 * 256;
+  const size_t slot_bytes = chunks * kSampleCandidateSlots * sizeof(float);
+  KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&sample_scratch_), summary_bytes + 2 * slot_bytes));
+  sample_summaries_ = reinterpret_cast<SampleChunk*>(sample_scratch_);
+  sample_values_ = reinterpret_cast<float*>(sample_scratch_ + summary_bytes);
+  sample_indices_ = reinterpret_cast<int32_t*>(sample_scratch_ + summary_bytes + slot_bytes);
   const size_t counter_bytes = (size_t(kMaxLoopSteps) * ops.size() + 1) * sizeof(unsigned);
   KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&counters_), counter_bytes));
   KOG_GPU_CHECK(gpuMemsetAsync(counters_, 0, counter_bytes, nullptr));
@@ -307,6 +326,7 @@ GpuDecodeExecutor::~GpuDecodeExecutor() {
   // Frees cannot throw out of a destructor: errors here are dropped.
   (void)gpuFreeHost(timeout_host_);
   (void)gpuFree(partials_);
+  (void)gpuFree(sample_scratch_);
   (void)gpuFree(counters_);
   (void)gpuFree(sinks_);
   (void)gpuFree(program_);
@@ -358,6 +378,7 @@ void GpuDecodeExecutor::run(const GpuDecodeStep& s, void* stream) {
   p.buffers[int(Buffer::kTokens)] = reinterpret_cast<char*>(s.tokens);
   p.logits_out = s.logits;
   p.attn_partials = partials_;
+  p.sample_summaries = sample_summaries_, p.sample_values = sample_values_, p.sample_indices = sample_indices_;
   p.max_parts = max_parts;
   p.attn_partition = partition;
   p.kv_base = kv_.base, p.num_blocks = kv_.num_blocks, p.block_size = int32_t(kv_.block_size);

@@ -14,6 +14,7 @@
 #include "gpu/decode/sync.cuh"
 #include "gpu/decode/tuning.cuh"
 #include "ops/sample.h"  // uniform01: the draw, shared with the CPU sampler
+#include "ops/sample_chunks.h"
 
 namespace kog::gpu::decode {
 
@@ -32,7 +33,7 @@ __device__ __forceinline__ float mass_above(const float* x, int vocab, float t, 
 // Largest threshold in [lo, hi] with mass_above(t) >= target (bisection on the logit).
 __device__ inline float bisect_threshold(const float* x, int vocab, float lo, float hi, float target, float x_max,
                                   float inv_temp, bool mass, float* scratch) {
-  for (int it = 0; it < 40 && hi > lo; ++it) {
+  for (int it = 0; it < kSampleMaxHalvings && hi > lo; ++it) {
     const float mid = 0.5f * (lo + hi);
     if (mid <= lo || mid >= hi) break;
     if (mass_above(x, vocab, mid, x_max, inv_temp, mass, scratch) >= target) lo = mid;
@@ -101,6 +102,143 @@ __device__ inline int sample_row(const float* x, int vocab, const SamplingRow& s
   const int token = iscratch[kThreads];
   __syncthreads();
   return token;
+}
+
+// ---- the chunked sampler (ops/sample_chunks.h) ---------------------------------------------
+// SAMPLE is two ops in the decode kernel: kOpSamplePartial, one item per (row, chunk of
+// kSampleChunk logits), converts the chunk to the f32 logits output and summarizes it; SAMPLE,
+// one item per row, draws from the summaries (sample_from_chunks), or, where they do not decide,
+// runs sample_row over the f32 row.
+
+constexpr int kSampleRadixBins = 256;  // 8-bit digits of the radix select, one bin per thread
+static_assert(kThreads == kSampleRadixBins && kSampleChunk % kThreads == 0, "sample_chunk_item's thread layout");
+// Shared floats of sample_chunk_item: the chunk (f32), the histogram, two reduction scratches,
+// the selected digit and rank.
+constexpr int kSampleChunkSmemFloats = kSampleChunk + kSampleRadixBins + 2 * (kWarps + 1) + 2;
+
+// Order-preserving map of a float onto uint32 (x < y <=> key(x) < key(y) for non-NaN x, y).
+__device__ __forceinline__ unsigned order_key(float x) {
+  const unsigned u = __float_as_uint(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_value(unsigned k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// The key of the rank-th largest (1-based, rank <= n) of the chunk's values, x[i] being value
+// threadIdx.x + i * kThreads when that is < n: a radix select, 8 bits per pass from the top.
+template <int kPer>
+__device__ inline unsigned select_key(const float (&x)[kPer], int n, int rank, unsigned* hist, int* iscratch,
+                                      int* sel) {
+  unsigned prefix = 0, mask = 0;
+  int remaining = rank;  // rank among the values matching prefix
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    hist[threadIdx.x] = 0;
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int v = int(threadIdx.x) + i * kThreads;
+      const unsigned k = order_key(x[i]);
+      if (v < n && (k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 0xFFu], 1u);
+    }
+    __syncthreads();
+    const int digit = kSampleRadixBins - 1 - int(threadIdx.x);  // digits from high to low
+    const int c = int(hist[digit]);
+    int before = 0, total = 0;
+    const int upto = block_scan(c, iscratch, &before, &total);  // values with a higher digit, then these
+    if (before < remaining && upto >= remaining) sel[0] = digit, sel[1] = remaining - before;
+    __syncthreads();
+    prefix |= unsigned(sel[0]) << shift;
+    mask |= 0xFFu << shift;
+    remaining = sel[1];
+  }
+  return prefix;
+}
+
+// One (row, chunk) item of kOpSamplePartial: logits_out[v] = row[v] as f32 for the chunk's v,
+// *summary and the chunk's candidate slots values / indices [kSampleCandidateSlots] as
+// summarize_chunk (ops/sample_chunks.h) computes them. smem: kSampleChunkSmemFloats floats.
+template <typename T>
+__device__ inline void sample_chunk_item(const T* __restrict__ row, float* __restrict__ logits_out, int64_t vocab,
+                                         int64_t chunk, float temperature, SampleChunk* summary, float* values,
+                                         int32_t* indices, float* smem) {
+  constexpr int kPer = kSampleChunk / kThreads;
+  float* stage = smem;  // [kSampleChunk] the chunk, f32
+  unsigned* hist = reinterpret_cast<unsigned*>(smem + kSampleChunk);
+  float* scratch = smem + kSampleChunk + kSampleRadixBins;
+  int* iscratch = reinterpret_cast<int*>(scratch + kWarps + 1);
+  int* sel = iscratch + kWarps + 1;
+  const int64_t begin = chunk * kSampleChunk;
+  const int n = int(vocab - begin < kSampleChunk ? vocab - begin : kSampleChunk);
+
+  float x[kPer];  // value threadIdx.x + i * kThreads: coalesced loads and stores
+  float best = -FLT_MAX, lowest = FLT_MAX;
+  int arg = int(begin);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int v = int(threadIdx.x) + i * kThreads;
+    x[i] = -FLT_MAX;
+    if (v < n) {
+      x[i] = gpu_to_float(row[begin + v]);
+      logits_out[begin + v] = x[i];
+      stage[v] = x[i];
+      if (x[i] > best) best = x[i], arg = int(begin + v);
+      lowest = fminf(lowest, x[i]);
+    }
+  }
+  block_argmax(best, arg, scratch, iscratch);  // its syncs also publish stage
+  lowest = -block_max(-lowest, scratch);
+  SampleChunk s{best, int32_t(arg), lowest, 0.f, best, 0};
+  if (temperature > 0.f) {
+    const float inv_temp = 1.f / temperature;
+    float m = 0.f;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+      if (int(threadIdx.x) + i * kThreads < n) m += expf((x[i] - best) * inv_temp);
+    s.mass = block_sum(m, scratch);
+    s.cutoff = n <= kSampleCandidates ? lowest : key_value(select_key(x, n, kSampleCandidates, hist, iscratch, sel));
+    // The candidates in row order: each thread takes kPer consecutive values of the chunk.
+    const int r0 = int(threadIdx.x) * kPer, r1 = r0 + kPer < n ? r0 + kPer : n;
+    int mine = 0, at = 0, total = 0;
+    for (int v = r0; v < r1; ++v) mine += stage[v] >= s.cutoff;
+    block_scan(mine, iscratch, &at, &total);
+    if (total > kSampleCandidateSlots) {
+      s.n_cand = -1;  // ties at the cutoff: the draw falls back to the full row
+    } else {
+      s.n_cand = total;
+      for (int v = r0; v < r1; ++v)
+        if (stage[v] >= s.cutoff) values[at] = stage[v], indices[at] = int32_t(begin + v), ++at;
+    }
+  }
+  if (threadIdx.x == 0) *summary = s;
+}
+
+// A workgroup as the team of sample_from_chunks.
+struct WorkgroupTeam {
+  using Acc = float;
+  float* scratch;  // kWarps + 1 floats of shared memory
+  int* iscratch;   // as many ints
+  __device__ int rank() const { return int(threadIdx.x); }
+  __device__ int size() const { return int(blockDim.x); }
+  __device__ float sum(float v) const { return block_sum(v, scratch); }
+  __device__ float exclusive_prefix(float mine, float& total) const {
+    float before = 0.f;
+    block_scan(mine, scratch, &before, &total);
+    return before;
+  }
+  __device__ int32_t min(int32_t v) const { return block_min(v, iscratch); }
+};
+
+// One row of SAMPLE: the token from the row's chunk summaries, else sample_row over logits
+// [vocab] f32. Every thread gets it. smem: kSampleSmemFloats floats.
+__device__ inline int sample_from_summaries(const SampleChunk* chunks, int n_chunks, const float* values,
+                                            const int32_t* indices, const float* logits, int vocab,
+                                            const SamplingRow& sp, uint64_t counter, float* smem) {
+  const WorkgroupTeam team{smem, reinterpret_cast<int*>(smem + kWarps + 1)};
+  const int32_t token = sample_from_chunks(team, chunks, n_chunks, values, indices, logits, vocab, sp.temperature,
+                                           sp.top_k, sp.top_p, sp.min_p, sp.seed, counter);
+  if (token != kSampleFallback) return token;
+  return sample_row(logits, vocab, sp, counter, smem);
 }
 
 }  // namespace kog::gpu::decode

@@ -105,4 +105,44 @@ __device__ __forceinline__ void block_argmax(float& v, int& idx, float* fscratch
     if (fscratch[w] > v || (fscratch[w] == v && iscratch[w] < idx)) v = fscratch[w], idx = iscratch[w];
 }
 
+// Prefix sums over the workgroup in thread order: returns the inclusive sum; *exclusive gets
+// the previous thread's inclusive sum exactly (0 for thread 0), so [exclusive, inclusive) ranges
+// tile without gaps; *total the sum of all (every thread). scratch: kMaxBlockThreads /
+// KOG_WARP_SIZE values of shared memory.
+template <typename V>
+__device__ __forceinline__ V block_scan(V v, V* scratch, V* exclusive, V* total) {
+  const int lane = threadIdx.x % KOG_WARP_SIZE, warp = threadIdx.x / KOG_WARP_SIZE;
+  const int n_warps = blockDim.x / KOG_WARP_SIZE;
+#pragma unroll
+  for (int d = 1; d < KOG_WARP_SIZE; d <<= 1) {
+    const V o = gpu_shfl_up(v, d);
+    if (lane >= d) v += o;
+  }
+  const V prev = gpu_shfl_up(v, 1);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == KOG_WARP_SIZE - 1) scratch[warp] = v;
+  __syncthreads();
+  V before = V(0), all = V(0);
+  for (int w = 0; w < n_warps; ++w) {
+    if (w < warp) before += scratch[w];
+    all += scratch[w];
+  }
+  *exclusive = lane == 0 ? before : prev + before;
+  *total = all;
+  return v + before;
+}
+
+__device__ __forceinline__ int block_min(int v, int* scratch) {
+  const int lane = threadIdx.x % KOG_WARP_SIZE, warp = threadIdx.x / KOG_WARP_SIZE;
+  const int n_warps = blockDim.x / KOG_WARP_SIZE;
+#pragma unroll
+  for (int m = KOG_WARP_SIZE / 2; m > 0; m >>= 1) v = min(v, gpu_shfl_xor(v, m));
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  int r = scratch[0];
+  for (int w = 1; w < n_warps; ++w) r = min(r, scratch[w]);
+  return r;
+}
+
 }  // namespace kog::gpu::decode

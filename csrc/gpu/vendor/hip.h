@@ -96,3 +96,6 @@ __device__ __forceinline__ float gpu_shfl_xor(float v, int lane_mask) {
   return __shfl_xor(v, lane_mask);
 }
 __device__ __forceinline__ int gpu_shfl_xor(int v, int lane_mask) { return __shfl_xor(v, lane_mask); }
+// Lane l gets lane l - delta's value (its own below delta).
+__device__ __forceinline__ float gpu_shfl_up(float v, int delta) { return __shfl_up(v, unsigned(delta)); }
+__device__ __forceinline__ int gpu_shfl_up(int v, int delta) { return __shfl_up(v, unsigned(delta)); }

@@ -9,7 +9,8 @@ runs as one item per row).
 
 What an op touches is read off run_item in csrc/gpu/decode/persistent_decode.cu, not off the
 op's buffer fields alone: the partial phase of attention writes the partials scratch (not its
-`out`, ATTN), the combine reads that scratch (not its `in_`, QKV), and SAMPLE in loop mode
+`out`, ATTN), the combine reads that scratch (not its `in_`, QKV), the sample partial writes the
+f32 logits and the chunk summaries that SAMPLE reads (not LOGITS), and SAMPLE in loop mode
 writes the token, the stop flags and the next step's position, seq_len and slot.
 """
 
@@ -22,11 +23,13 @@ from kog import _C
 from kog.program.opcodes import Buffer, Opcode
 
 ATTN_COMBINE = _C.GPU_OP_ATTN_COMBINE
+SAMPLE_PARTIAL = _C.GPU_OP_SAMPLE_PARTIAL
 
 # Per-sequence state outside the activation arena (PersistentDecodeParams fields).
 POSITIONS, SEQ_LENS, SLOTS = "positions", "seq_lens", "slots"
 FINISHED, OUT_TOKENS, LOGITS_OUT = "finished", "out_tokens", "logits_out"
 PARTIALS = "attn_partials"  # the one scratch every layer's attention shares
+SAMPLE_SUMMARIES = "sample_summaries"  # the sample partial's chunk summaries and candidates
 
 # Op index of the step's flag check (every workgroup reads `finished` at the top of a step > 0),
 # modelled as an op before op 0 with one item per workgroup.
@@ -68,6 +71,8 @@ def items_of(op: _C.Op, dims: _C.ModelDims, batch: int, max_parts: int, rows_per
         return batch * dims.n_kv_heads * max_parts
     if code == ATTN_COMBINE:
         return batch * dims.n_q_heads
+    if code == SAMPLE_PARTIAL:  # (sequence, chunk of the vocabulary)
+        return batch * ceil(dims.vocab, _C.SAMPLE_CHUNK)
     if code == Opcode.RMS_NORM:
         parts = 1 if op.residual >= 0 else ceil(dims.buffer_width(op.out), ROW_CHUNK)
     else:
@@ -100,15 +105,17 @@ def accesses(op: _C.Op) -> tuple[set[str], set[str]]:
         return {i, kv_cache(op.layer), SEQ_LENS}, {PARTIALS}
     if code == ATTN_COMBINE:
         return {PARTIALS, SEQ_LENS}, {o}
+    if code == SAMPLE_PARTIAL:
+        return {i}, {LOGITS_OUT, SAMPLE_SUMMARIES}
     if code == Opcode.SAMPLE:
         # NOTE: the position/seq_len/slot advance happens only when another step follows; the
         # model counts it as written every step, which only adds hazards to look for.
-        return {i, FINISHED, POSITIONS}, {o, FINISHED, POSITIONS, SEQ_LENS, SLOTS, OUT_TOKENS, LOGITS_OUT}
+        return {LOGITS_OUT, SAMPLE_SUMMARIES, FINISHED, POSITIONS}, {o, FINISHED, POSITIONS, SEQ_LENS, SLOTS, OUT_TOKENS}
     raise ValueError(f"sync model: no access rule for opcode {code}")
 
 
 def op_name(op: _C.Op) -> str:
-    code = "ATTN_COMBINE" if op.opcode == ATTN_COMBINE else Opcode(op.opcode).name
+    code = {ATTN_COMBINE: "ATTN_COMBINE", SAMPLE_PARTIAL: "SAMPLE_PARTIAL"}.get(op.opcode) or Opcode(op.opcode).name
     layer = f" L{op.layer}" if op.layer >= 0 else ""
     src = Buffer(op.in_).name if op.in_ >= 0 else "-"
     dst = Buffer(op.out).name if op.out >= 0 else f"kv.{op.layer}"
