@@ -13,7 +13,10 @@ Rules (issue 16), checked on the standalone kernels that run the persistent kern
 - attention (attention_partial_kernel, gpu/decode/attention_item.cuh) reads q, K and V in
   16-byte loads: its 16-bit instantiations issue no 2-byte load at all (its 4-byte loads are
   the block table and lengths, so the fp32 instantiation cannot be told apart and is not
-  checked for narrow loads).
+  checked for narrow loads);
+- NVIDIA: the persistent decode kernel stages weights with asynchronous 16-byte copies into
+  shared memory (cp.async: LDGSTS.E.BYPASS.128, gpu/decode/weight_stage.cuh), at least one
+  stage's worth (2 rows x 8 vectors) of them (AMD stages in registers: nothing to check).
 Exits 1, naming the kernel and the counts, when a rule fails or no checked kernel is found.
 """
 
@@ -29,7 +32,8 @@ LOADS = {
     "sass": {"wide": re.compile(r"^LDG\.E\.128\b"),
              "narrow": re.compile(r"^LDG\.E(\.(U8|S8|U16|S16|64))?(\.[A-Z]+)*$"),
              "16bit": re.compile(r"^LDG\.E\.(U16|S16)(\.[A-Z]+)*$"),
-             "local": re.compile(r"^(STL|LDL)\b")},
+             "local": re.compile(r"^(STL|LDL)\b"),
+             "async": re.compile(r"^LDGSTS\.E(\.[A-Z]+)*\.128$")},
     "amdgcn": {"wide": re.compile(r"^global_load_dwordx4$"),
                "narrow": re.compile(r"^global_load_(ubyte|sbyte|ushort|sshort|short_d16\w*|ubyte_d16\w*|dword|dwordx2|dwordx3)$"),
                "16bit": re.compile(r"^global_load_(ushort|sshort|short_d16\w*)$"),
@@ -44,10 +48,14 @@ class Rule:
     max_narrow: int          # at most this many loads of the `narrow` class
     narrow: str = "narrow"   # which loads count as narrow: "narrow" (any < 16 B) or "16bit"
     max_local: int = 0       # local-memory (spill) loads and stores allowed
+    min_async: int = 0       # at least this many asynchronous 16-byte copies to shared memory
+    dialects: tuple[str, ...] = ("sass", "amdgcn")
 
 
 RULES = (Rule(re.compile(r"linear_kernel"), min_wide=4, max_narrow=1),
-         Rule(re.compile(r"attention_partial_kernelI\w*(bfloat16|half)E"), min_wide=3, max_narrow=0, narrow="16bit"))
+         Rule(re.compile(r"attention_partial_kernelI\w*(bfloat16|half)E"), min_wide=3, max_narrow=0, narrow="16bit"),
+         Rule(re.compile(r"persistent_decode_kernel"), min_wide=0, max_narrow=1 << 30, max_local=1 << 30, min_async=16,
+              dialects=("sass",)))
 
 
 def functions(text: str, dialect: str) -> dict[str, list[str]]:
@@ -83,6 +91,8 @@ def check(text: str, dialect: str) -> list[str]:
     fns = functions(text, dialect)
     failures = []
     for rule in RULES:
+        if dialect not in rule.dialects:
+            continue
         matched = {name: ins for name, ins in fns.items() if rule.kernel.search(name)}
         if not matched:
             failures.append(f"no kernel matches {rule.kernel.pattern!r}")
@@ -90,12 +100,19 @@ def check(text: str, dialect: str) -> list[str]:
             wide = sum(bool(LOADS[dialect]["wide"].match(i)) for i in ins)
             narrow = sum(bool(LOADS[dialect][rule.narrow].match(i)) for i in ins)
             local = sum(bool(LOADS[dialect]["local"].match(i)) for i in ins)
-            ok = wide >= rule.min_wide and narrow <= rule.max_narrow and local <= rule.max_local
+            copies = sum(bool(LOADS[dialect]["async"].match(i)) for i in ins) if rule.min_async else 0
+            ok = (wide >= rule.min_wide and narrow <= rule.max_narrow and local <= rule.max_local
+                  and copies >= rule.min_async)
             what = "narrower" if rule.narrow == "narrow" else "2-byte"
-            print(f"isa {dialect}: {'ok  ' if ok else 'FAIL'} {name}: {wide} 16-byte loads (>= {rule.min_wide}), "
-                  f"{narrow} {what} (<= {rule.max_narrow}), {local} local-memory accesses (<= {rule.max_local})")
+            if rule.min_async:
+                print(f"isa {dialect}: {'ok  ' if ok else 'FAIL'} {name}: {copies} async 16-byte copies to shared "
+                      f"memory (>= {rule.min_async})")
+            else:
+                print(f"isa {dialect}: {'ok  ' if ok else 'FAIL'} {name}: {wide} 16-byte loads (>= {rule.min_wide}), "
+                      f"{narrow} {what} (<= {rule.max_narrow}), {local} local-memory accesses (<= {rule.max_local})")
             if not ok:
-                failures.append(f"{name}: {wide} 16-byte and {narrow} {what} global loads, {local} local accesses")
+                failures.append(f"{name}: {wide} 16-byte and {narrow} {what} global loads, {local} local accesses, "
+                                f"{copies} async copies")
     return failures
 
 

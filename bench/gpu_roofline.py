@@ -36,9 +36,8 @@ HEADER = "GPU decode roofline -- MODEL, not a measurement (design target; no GPU
 
 # Mirrors of the kernel's constants (csrc/gpu/decode/tuning.cuh, csrc/ops/attention.h).
 THREADS = 256                  # kThreads
-BLOCKS_PER_MP = 2              # kBlocksPerMultiprocessor
 LINEAR_ROWS_PER_WARP = 2       # kLinearRowsPerWarp
-PREFETCH_VECS = 4              # kPrefetchVecs: 16-byte loads per lane in flight
+IN_FLIGHT_VECS = 8             # kLinearUnrollBatch1: 16-byte weight loads per lane in flight in an item
 PARTITION_TOKENS = 256         # kGpuAttentionPartitionTokens
 ELEM = 2                       # bf16
 
@@ -57,36 +56,39 @@ class Device:
     achievable_gbps: float   # the ceiling the model uses (a copy's rate)
     multiprocessors: int     # SMs / CUs
     warp_size: int
-    shared_kib: int          # shared memory (LDS) per multiprocessor: the weight ring's room
+    blocks_per_mp: int       # persistent workgroups per SM / CU (registers decide: tuning.cuh, GPU.md)
+    stage_kib: int           # weight bytes a workgroup stages ahead of its next LINEAR item (weight_stage.cuh)
     latency_us: float        # one memory round trip: per-item floor and Little's law per block
     source: str
 
     @property
     def blocks(self) -> int:
-        return self.multiprocessors * BLOCKS_PER_MP
+        return self.multiprocessors * self.blocks_per_mp
 
     @property
     def rows_per_item(self) -> int:  # linear_rows_per_item() = kWarps * kLinearRowsPerWarp
         return THREADS // self.warp_size * LINEAR_ROWS_PER_WARP
 
     @property
-    def ring_bytes(self) -> int:  # all shared memory but 16 KiB per MP (attention / sample scratch)
-        return (self.shared_kib - 16) * 1024 * self.multiprocessors
+    def ring_bytes(self) -> int:  # weight bytes the device holds staged ahead of use
+        return self.stage_kib * 1024 * self.blocks
 
 
 DEVICES = {
     # 4.8 TB/s: NVIDIA's H200 datasheet; 4.3 TB/s: a device-to-device copy measured on this
     # workplace's nvidia-h200 (device notes KINDS.md, 2026-10-28 and 2026-11-04; 4186 GB/s in
-    # docs/PERFORMANCE.md's first GPU run): 0.90 of spec. 132 SMs, 228 KiB shared memory per SM
-    # (H200.md, HOPPER.md, tuning.cuh). Latency ~0.5 µs: ~600 cycles of HBM latency on Hopper at
-    # ~1.7-2 GHz (lead, not measured here).
-    "h200": Device("H200", 4800, 4300, 132, 32, 228, 0.5,
+    # docs/PERFORMANCE.md's first GPU run): 0.90 of spec. 132 SMs (H200.md, HOPPER.md); one
+    # workgroup per SM (the sm_90a build uses 238-255 registers a thread), staging two 64 KiB
+    # stages ahead in shared memory (cp.async; the third is the item in use). Latency ~0.5 µs:
+    # ~600 cycles of HBM latency on Hopper at ~1.7-2 GHz (lead, not measured here).
+    "h200": Device("H200", 4800, 4300, 132, 32, 1, 128, 0.5,
                    "spec 4.8 TB/s (datasheet); ceiling 4.3 TB/s = copy measured here (KINDS.md)"),
     # 5.3 TB/s, 304 CUs, 256 MB Infinity Cache, 64-wide wavefronts, 64 KiB LDS per CU: AMD's
     # MI300X specifications (chipsandcheese.com/p/testing-amds-giant-mi300x). No copy of ours was
-    # measured on it: the ceiling ASSUMES 0.90 of spec. Latency 0.8 µs: assumed (HBM behind the
-    # Infinity Fabric and Infinity Cache is slower to reach than on Hopper).
-    "mi300x": Device("MI300X", 5300, 0.90 * 5300, 304, 64, 64, 0.8,
+    # measured on it: the ceiling ASSUMES 0.90 of spec. Two workgroups per CU (<= 256 VGPRs),
+    # each staging 16 KiB in registers (4 vectors a lane). Latency 0.8 µs: assumed (HBM behind
+    # the Infinity Fabric and Infinity Cache is slower to reach than on Hopper).
+    "mi300x": Device("MI300X", 5300, 0.90 * 5300, 304, 64, 2, 16, 0.8,
                      "spec 5.3 TB/s (AMD); ceiling ASSUMED 0.90 x spec (not measured)"),
 }
 
@@ -100,15 +102,18 @@ ASSUMPTIONS = [
     "ceil(out_rows / (warps * 2)); attention partial per (sequence, KV head, partition), the partition "
     "halved from 256 tokens (down to 16) until there are two items per workgroup; combine per "
     "(sequence, q head); small ops split rows into 512-element chunks / 4 RoPE heads / a KV head; "
-    "residual adds fused into o_proj and down_proj; SAMPLE a partial per (sequence, 4096-logit chunk), "
+    "residual adds fused into o_proj and down_proj, SiLU-mul into gate/up (one output row a warp); SAMPLE a partial per (sequence, 4096-logit chunk), "
     "then one item per sequence over the chunk summaries (the full-row fallback is not modelled).",
-    "Per item: latency + item_bytes / (16 KiB in flight per workgroup / latency) (Little's law, "
-    "256 threads x 4 x 16-byte loads, kPrefetchVecs); blocks = 2 per SM/CU.",
+    "Per item: latency + item_bytes / (32 KiB in flight per workgroup / latency) (Little's law, "
+    "256 threads x 8 x 16-byte loads, kLinearUnrollBatch1); workgroups: 1 per SM on H200 (registers), "
+    "2 per CU on MI300X.",
     "Sync: --sync-us per op that waits (its last dep; counters already complete cost nothing extra); "
     "the step-start wait on the previous step's SAMPLE counts as EMBED's. Default 0.9 µs: issue 16's "
     "figure for a grid-wide dependency through sentinel polling (others' measurement, not ours).",
-    "Overlapped: the loader streams coming ops' weights during waits and idle bandwidth into a ring of "
-    "(shared memory - 16 KiB) per SM/CU; nothing else is overlapped (no two activation ops at once).",
+    "Overlapped: each workgroup stages the first weights of its next LINEAR item ahead of use "
+    "(weight_stage.cuh: two 64 KiB stages in shared memory by cp.async on H200, 16 KiB of registers "
+    "on MI300X), filled during waits and idle bandwidth; nothing else is overlapped (no two "
+    "activation ops at once).",
 ]
 
 
@@ -153,6 +158,8 @@ def gpu_program(config: ModelConfig) -> list[tuple[_C.Op, tuple[str, ...]]]:
     for op in ops:
         gpu_only = op.opcode in (_C.GPU_OP_ATTN_COMBINE, _C.GPU_OP_SAMPLE_PARTIAL)
         out.append((op, () if gpu_only else next(it).weights))
+        if op.opcode == _C.GPU_OP_LINEAR_SILU_MUL:
+            next(it)  # the SILU_MUL it absorbed
     return out
 
 
@@ -182,6 +189,8 @@ def op_costs(config: ModelConfig, device: Device, batch: int, context: int) -> l
         elif code == Opcode.LINEAR:  # a fused residual add reads and writes the residual rows
             n, k = width(op.out), width(op.in_)
             act = batch * (n * (2 if op.residual >= 0 else 1) + k) * ELEM
+        elif code == _C.GPU_OP_LINEAR_SILU_MUL:  # x in, silu(gate) * up out
+            act = batch * (width(op.in_) + config.intermediate_size) * ELEM
         elif code in (Opcode.QK_NORM, Opcode.ROPE):
             act = 2 * batch * (nq + nkv) * hd * ELEM
         elif code == Opcode.KV_APPEND:
@@ -266,7 +275,7 @@ def _schedule(costs: list[OpCost], device: Device, sync_us: float, ahead: float)
 
 
 def _work_us(nbytes: float, items: int, device: Device) -> float:
-    block_bw = THREADS * 16 * PREFETCH_VECS / device.latency_us  # bytes per µs a workgroup keeps in flight
+    block_bw = THREADS * 16 * IN_FLIGHT_VECS / device.latency_us  # bytes per µs a workgroup keeps in flight
     waves = math.ceil(items / device.blocks)
     item_us = device.latency_us + nbytes / items / block_bw
     return max(nbytes / (device.achievable_gbps * 1e3), waves * item_us)
@@ -277,6 +286,8 @@ def _op_name(code: int, weights: tuple[str, ...]) -> str:
         return "ATTN_COMBINE"
     if code == _C.GPU_OP_SAMPLE_PARTIAL:
         return "SAMPLE_PARTIAL"
+    if code == _C.GPU_OP_LINEAR_SILU_MUL:
+        return "LINEAR gate_up+silu_mul"
     if code == Opcode.ATTN_DECODE:
         return "ATTN_PARTIAL"
     if code == Opcode.LINEAR:

@@ -71,6 +71,7 @@ void bind_gpu_decode(py::module_& m) {
         "Ops no later op depends on (a new GPU step waits on these).");
   m.attr("GPU_OP_ATTN_COMBINE") = kog::schedule::kOpAttnCombine;
   m.attr("GPU_OP_SAMPLE_PARTIAL") = kog::schedule::kOpSamplePartial;
+  m.attr("GPU_OP_LINEAR_SILU_MUL") = kog::schedule::kOpLinearSiluMul;
 #ifdef KOG_WITH_GPU
   py::class_<GpuDecodeExecutor>(m, "GpuDecodeExecutor")
       .def(py::init(&make_executor), arg("dims"), arg("kv_base"), arg("num_blocks"), arg("block_size"),

@@ -49,16 +49,53 @@ void fuse_residual_adds(std::vector<Op>& ops) {
   }
 }
 
+// fused_into[i] = j when SILU_MUL op i folds into LINEAR op j (-1 otherwise): j writes i's input,
+// nothing else touches that buffer in between or reads it after i, and nothing in between touches
+// i's output (which j now writes earlier).
+std::vector<int32_t> silu_mul_fusions(const std::vector<Op>& ops) {
+  const int n = int(ops.size());
+  std::vector<int32_t> fused_into(ops.size(), -1);
+  for (int i = 0; i < n; ++i) {
+    const Op& s = ops[size_t(i)];
+    if (Opcode(s.op) != Opcode::kSiluMul) continue;
+    int j = i - 1;
+    while (j >= 0 && !touches(ops[size_t(j)], s.in) && !touches(ops[size_t(j)], s.out)) --j;
+    if (j < 0) continue;
+    const Op& l = ops[size_t(j)];
+    if (Opcode(l.op) != Opcode::kLinear || l.out != s.in || l.residual >= 0 || reads(l, s.out)) continue;
+    int k = i + 1;  // the gate/up values exist only in registers once fused: no later reader
+    while (k < n && !touches(ops[size_t(k)], s.in)) ++k;
+    if (k < n && reads(ops[size_t(k)], s.in)) continue;
+    bool ordered = true;  // the fused op runs at j: every dep of the SILU_MUL must precede j
+    for (int d = 0; d < s.n_deps; ++d) ordered &= s.deps[d] <= j;
+    if (ordered) fused_into[size_t(i)] = j;
+  }
+  return fused_into;
+}
+
 std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDims& dims) {
   validate_program(ops_in, dims);
   std::vector<Op> ops = ops_in;
   fuse_residual_adds(ops);
+  const std::vector<int32_t> fused_into = silu_mul_fusions(ops);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (fused_into[i] < 0) continue;
+    Op& l = ops[size_t(fused_into[i])];
+    l.op = kOpLinearSiluMul;
+    l.out = ops[i].out;
+    for (int k = 0; k < ops[i].n_deps; ++k)  // WAR on the output it now writes, and the rest
+      if (ops[i].deps[k] != fused_into[i]) add_dep(l, ops[i].deps[k]);
+  }
   // produced[i]: the expanded index whose completion means op i's output is complete.
   std::vector<int32_t> produced(ops.size());
   std::vector<Op> out;
   out.reserve(ops.size() + size_t(dims.n_layers) + 1);
   int32_t last_combine = -1;
   for (size_t i = 0; i < ops.size(); ++i) {
+    if (fused_into[i] >= 0) {  // folded into an earlier LINEAR: its dependents wait for that one
+      produced[i] = produced[size_t(fused_into[i])];
+      continue;
+    }
     Op o = ops[i];
     o.n_deps = 0;
     for (int k = 0; k < ops[i].n_deps; ++k) add_dep(o, produced[size_t(ops[i].deps[k])]);

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/host_device.h"
 #include "schedule/program.h"
 
 namespace kog::schedule {
@@ -15,9 +16,18 @@ constexpr int32_t kOpAttnCombine = 100;
 // GPU-only opcode: the first phase of Opcode::kSample, per (sequence, chunk of the vocabulary):
 // the f32 logits output and the chunk summaries the draw reads (ops/sample_chunks.h).
 constexpr int32_t kOpSamplePartial = 101;
+// GPU-only opcode: a LINEAR into GATE_UP fused with the SILU_MUL that reads it: out (ACT)[b, g] =
+// T(silu(T(x . w_g)) * T(x . w_{inter + g})), the rounding of the unfused pair; w0 the gate/up
+// weight [2 * intermediate, hidden].
+constexpr int32_t kOpLinearSiluMul = 102;
+
+// Whether the GPU kernel runs op o as a GEMV over o.w0 (LINEAR and the fused LINEAR + SILU_MUL).
+KOG_HOST_DEVICE inline bool is_gemv(const Op& o) { return Opcode(o.op) == Opcode::kLinear || o.op == kOpLinearSiluMul; }
 
 // Validates the program (validate_program), moves residual adds into their producers
-// (fuse_residual_adds), inserts a combine after every ATTN_DECODE:
+// (fuse_residual_adds), fuses each SILU_MUL into the LINEAR that feeds it (kOpLinearSiluMul:
+// the fused op keeps the LINEAR's place, takes the SILU_MUL's output and deps, and ops that
+// depended on the SILU_MUL depend on it), inserts a combine after every ATTN_DECODE:
 //   - the combine depends on its partial phase (it reads the partials the partial phase wrote);
 //   - every op that depended on an ATTN_DECODE depends on its combine (which writes ATTN);
 //   - every partial phase after the first also depends on the previous combine: both use the

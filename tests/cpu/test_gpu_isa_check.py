@@ -31,15 +31,21 @@ def amd(name, loads):
 GEMV = "_ZN3kog3gpu13linear_kernelI13__nv_bfloat16EEvNS_12LinearParamsEl"
 ATTN = "_ZN3kog3gpu24attention_partial_kernelI13__nv_bfloat16EEvNS_20PagedAttentionParamsEPfi"
 ATTN_F32 = "_ZN3kog3gpu24attention_partial_kernelIfEEvNS_20PagedAttentionParamsEPfi"
+PERSISTENT = "_ZN3kog3gpu6decode24persistent_decode_kernelI13__nv_bfloat16EEvNS1_22PersistentDecodeParamsE"
+STAGE_COPY = "LDGSTS.E.BYPASS.128"
 WORD = {"sass": "LDG.E", "amdgcn": "global_load_dword"}  # a 4-byte load: block table, lengths
 
 
-def module(make, dialect, wide, narrow, gemv=None, attn=None):
-    """A module as the CI sees it: the GEMV, the bf16 attention and the fp32 attention (whose
-    4-byte K/V loads are not told apart from its table loads)."""
+def module(make, dialect, wide, narrow, gemv=None, attn=None, persistent=None):
+    """A module as the CI sees it: the GEMV, the bf16 attention, the fp32 attention (whose
+    4-byte K/V loads are not told apart from its table loads) and the persistent kernel (its
+    weight staging copies on NVIDIA)."""
     gemv = [wide] * 4 + [narrow] if gemv is None else gemv
     attn = [wide] * 3 + [WORD[dialect]] * 2 if attn is None else attn
-    return "\n".join([make(GEMV, gemv), make(ATTN, attn), make(ATTN_F32, [WORD[dialect]] * 9)])
+    if persistent is None:
+        persistent = [STAGE_COPY] * 16 + [narrow] if dialect == "sass" else [narrow]
+    return "\n".join([make(GEMV, gemv), make(ATTN, attn), make(ATTN_F32, [WORD[dialect]] * 9),
+                      make(PERSISTENT, persistent)])
 
 
 CASES = [("sass", sass, "LDG.E.128.CONSTANT", "LDG.E.U16.CONSTANT", "STL"),
@@ -55,6 +61,15 @@ def test_wide_loads_pass_and_narrow_ones_fail(dialect, make, wide, narrow, spill
     assert isa.check(module(make, dialect, wide, narrow, attn=[wide] * 3 + [narrow]), dialect)  # a 2-byte K load
     assert isa.check(module(make, dialect, wide, narrow, attn=[WORD[dialect]] * 6), dialect)  # scalar K/V
     assert isa.check(make(GEMV, [wide] * 4), dialect)  # the attention kernels are missing
+
+
+def test_the_persistent_kernel_must_stage_weights_asynchronously_on_nvidia():
+    ok = module(sass, "sass", "LDG.E.128", "LDG.E.U16")
+    assert isa.check(ok, "sass") == []
+    assert isa.check(module(sass, "sass", "LDG.E.128", "LDG.E.U16", persistent=[STAGE_COPY] * 15), "sass")
+    assert isa.check(module(sass, "sass", "LDG.E.128", "LDG.E.U16", persistent=["LDG.E.128"] * 32), "sass")
+    # AMD stages in registers: the rule does not apply, and a module without its kernel passes
+    assert isa.check(module(amd, "amdgcn", "global_load_dwordx4", "global_load_ushort", persistent=[]), "amdgcn") == []
 
 
 def test_sass_predicates_and_other_functions_are_parsed():

@@ -23,11 +23,14 @@ def fields(op) -> tuple:
 
 
 def fused_fields(op) -> tuple:
-    """op's fields after fuse_residual_adds, for the Llama-family programs: the LINEARs writing
-    HIDDEN add into RESIDUAL, the RMS_NORMs read RESIDUAL and add nothing."""
+    """op's fields after fuse_residual_adds and the SILU_MUL fusion, for the Llama-family
+    programs: the LINEARs writing HIDDEN add into RESIDUAL, the RMS_NORMs read RESIDUAL and add
+    nothing, the gate/up LINEAR writes ACT through its SiLU-mul epilogue."""
     f = list(fields(op))
     if op.opcode == Opcode.LINEAR and op.out == Buffer.HIDDEN:
         f[3] = f[4] = int(Buffer.RESIDUAL)
+    if op.opcode == Opcode.LINEAR and op.out == Buffer.GATE_UP:
+        f[0], f[4] = _C.GPU_OP_LINEAR_SILU_MUL, int(Buffer.ACT)
     if op.opcode == Opcode.RMS_NORM and op.residual >= 0:
         f[2], f[3] = int(Buffer.RESIDUAL), -1
     return tuple(f)
@@ -37,9 +40,14 @@ def fused_fields(op) -> tuple:
 def test_attention_gets_a_combine_phase_and_deps_follow_it(arch):
     ops, dims, _ = lowered(arch)
     out = _C.expand_gpu_program(ops, dims)
-    assert len(out) == len(ops) + dims.n_layers + 1
+    assert len(out) == len(ops) + 1  # + a combine per layer + the sample partial - a SILU_MUL per layer
     new_index, produced, j = [], [], 0
-    for op in ops:  # the same ops in the same order (residual adds fused), a combine after each attention
+    for i, op in enumerate(ops):  # the same order (residual adds, SILU_MULs fused), a combine after each attention
+        if op.opcode == Opcode.SILU_MUL:  # folded into the gate/up LINEAR just before it
+            assert out[j - 1].opcode == _C.GPU_OP_LINEAR_SILU_MUL and ops[i - 1].out == op.in_ == Buffer.GATE_UP
+            new_index.append(j - 1)
+            produced.append(j - 1)
+            continue
         if op.opcode == Opcode.SAMPLE:  # its first phase before it: reads LOGITS, after SAMPLE's deps
             partial = out[j]
             assert partial.opcode == _C.GPU_OP_SAMPLE_PARTIAL and partial.in_ == Buffer.LOGITS
@@ -60,14 +68,18 @@ def test_attention_gets_a_combine_phase_and_deps_follow_it(arch):
         j += 1
     combines = [k for k, o in enumerate(out) if o.opcode == _C.GPU_OP_ATTN_COMBINE]
     for i, op in enumerate(ops):
+        if op.opcode == Opcode.SILU_MUL:
+            continue  # its deps are the fused op's, checked with the LINEAR
         want = {produced[d] for d in op.deps}
+        if i + 1 < len(ops) and ops[i + 1].opcode == Opcode.SILU_MUL:
+            want |= {produced[d] for d in ops[i + 1].deps if d != i}
         earlier = [c for c in combines if c < new_index[i]]
         if op.opcode == Opcode.ATTN_DECODE and earlier:  # the partials scratch: after the previous combine
             want.add(earlier[-1])
         got = set(out[new_index[i]].deps)
         if op.opcode == Opcode.SAMPLE:
             got.discard(new_index[i] - 1)  # the partial, checked above
-        if fused_fields(op) != fields(op) and op.opcode == Opcode.LINEAR:  # it now writes RESIDUAL too
+        if fused_fields(op)[3] != fields(op)[3] and op.opcode == Opcode.LINEAR:  # it now writes RESIDUAL too
             extra = got - want
             assert len(extra) <= 1 and all(Buffer.RESIDUAL in (out[d].in_, out[d].out) for d in extra), (i, op)
             got -= extra
@@ -101,6 +113,9 @@ def run_program(program, dims, weights: dict, tokens, order) -> dict:
         elif o.opcode == Opcode.LINEAR:
             y = x @ w[o.w0].T + (w[o.w1] if o.w1 else 0.0)
             bufs[o.out] = bufs[o.out] + y if o.residual >= 0 else y
+        elif o.opcode == _C.GPU_OP_LINEAR_SILU_MUL:  # the LINEAR into GATE_UP, then SILU_MUL, in one
+            g, u = np.split(x @ w[o.w0].T + (w[o.w1] if o.w1 else 0.0), 2, axis=-1)
+            bufs[o.out] = g / (1 + np.exp(-g)) * u
         elif o.opcode in (Opcode.QK_NORM, Opcode.ROPE):
             bufs[o.in_] = x * 0.75 + 0.125 * o.opcode
         elif o.opcode == Opcode.KV_APPEND:

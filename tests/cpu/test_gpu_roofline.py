@@ -83,8 +83,8 @@ def test_attention_items_are_kv_heads_times_partitions():
     costs = roofline.op_costs(c, roofline.DEVICES["h200"], batch=2, context=1000)
     attn = [x for x in costs if x.name == "ATTN_PARTIAL"]
     assert len(attn) == c.num_hidden_layers
-    # partitions halved until 2 items per workgroup (2 x 264 workgroups on H200): 256 -> 16 tokens
-    assert {x.items for x in attn} == {2 * c.num_key_value_heads * 63}  # ceil(1000 / 16)
+    # partitions halved until 2 items per workgroup (2 x 132 workgroups on H200, one per SM): 256 -> 32
+    assert {x.items for x in attn} == {2 * c.num_key_value_heads * 32}  # ceil(1000 / 32)
     long = roofline.op_costs(c, roofline.DEVICES["h200"], batch=2, context=100_000)
     assert {x.items for x in long if x.name == "ATTN_PARTIAL"} == {2 * c.num_key_value_heads * 391}  # 256-token
     combines = [x for x in costs if x.name == "ATTN_COMBINE"]

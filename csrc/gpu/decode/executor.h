@@ -81,6 +81,7 @@ class GpuDecodeExecutor {
   char* buffers_[int(schedule::Buffer::kNumBuffers)] = {};
   unsigned* counters_ = nullptr;    // device [kMaxLoopSteps * n_ops + 1]
   float* partials_ = nullptr;       // device
+  int32_t* next_linear_ = nullptr;  // device [n_ops]
   char* sample_scratch_ = nullptr;  // device: the sample partial's summaries and candidate slots
   SampleChunk* sample_summaries_ = nullptr;
   float* sample_values_ = nullptr;

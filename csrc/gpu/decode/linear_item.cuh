@@ -7,36 +7,12 @@
 // warp reduction per output. Requires k % kVec16<T> == 0 and 16-byte aligned rows of w and x.
 // Every weight and x access is one 16-byte load (load16; the CI's ISA check reads the machine
 // code for it), kLinearUnrollBatch1 (batch 1) or kLinearUnroll weight vectors in flight per lane.
+// The first kStaged vectors of each of a lane's rows come from a stage (weight_stage.cuh) that
+// was filled ahead of the item (the persistent kernel); the standalone GEMV stages nothing.
 #pragma once
-#include "gpu/decode/tuning.cuh"
+#include "gpu/decode/weight_stage.cuh"
 
 namespace kog::gpu::decode {
-
-template <typename T>
-using WVec = Vec<T, kVec16<T>>;
-
-__device__ __forceinline__ int linear_rows_per_item() { return kWarps * kLinearRowsPerWarp; }
-
-// The first kPrefetchVecs vectors this lane will read of its warp's first row in item `item`.
-template <typename T>
-struct WeightPrefetch {
-  WVec<T> v[kPrefetchVecs];
-};
-
-template <typename T>
-__device__ __forceinline__ void linear_prefetch(const T* __restrict__ w, int64_t n, int64_t k, int64_t item,
-                                                WeightPrefetch<T>& pf) {
-  const int lane = threadIdx.x % KOG_WARP_SIZE, warp = threadIdx.x / KOG_WARP_SIZE;
-  const int64_t row = item * linear_rows_per_item() + int64_t(warp) * kLinearRowsPerWarp;
-  const int64_t chunks = k / kVec16<T>;
-  if (row >= n) return;
-  const WVec<T>* wr = reinterpret_cast<const WVec<T>*>(w + row * k);
-#pragma unroll
-  for (int i = 0; i < kPrefetchVecs; ++i) {
-    const int64_t c = lane + int64_t(i) * KOG_WARP_SIZE;
-    if (c < chunks) pf.v[i] = load16(wr + c);
-  }
-}
 
 // acc[b] += w . x[b] over one 16-byte chunk c, for the first `batch` (<= kB) rows of x.
 template <typename T, int kB>
@@ -61,20 +37,25 @@ __device__ __forceinline__ void fma_chunk(WVec<T> wv, const T* __restrict__ x, i
 // One output row for the first `batch` (<= kB) rows of x: kUnroll weight vectors in flight per
 // lane, then their math. Instantiated per batch class, so that batch 1 (decode of one agent)
 // keeps deep weight streams without the registers of 8 rows of x.
-template <typename T, int kB, int kUnroll, typename OutT>
+// What a GEMV item does with its products (+ bias): store them; add them into out (a residual
+// add fused into its producer, schedule::fuse_residual_adds), each rounded to OutT first as the
+// unfused pair did; or (kSiluMul, schedule::kOpLinearSiluMul) out[g] = silu(gate) * up, gate and
+// up rounded to T first, as the unfused LINEAR stored them and SILU_MUL read them.
+enum class GemvEpilogue { kStore, kAccumulate, kSiluMul };
+
+template <typename T, int kB, int kUnroll, int kStaged, typename OutT, typename Stages>
 __device__ __forceinline__ void linear_row(const WVec<T>* __restrict__ wr, const T* __restrict__ x, int64_t x_stride,
-                                           OutT* out, int64_t out_stride, int batch, int64_t chunks, int64_t row,
-                                           float bv, const WeightPrefetch<T>& pf, bool use_pf, bool accumulate) {
+                                           OutT* out, int64_t out_stride, int batch, int64_t chunks,
+                                           int64_t out_col, float bv, const Stages& st, int stage, int rr,
+                                           GemvEpilogue ep, float (&gate)[kB]) {
   const int lane = threadIdx.x % KOG_WARP_SIZE;
   float acc[kB];
 #pragma unroll
   for (int b = 0; b < kB; ++b) acc[b] = 0.f;
   int64_t c = lane;
-  if (use_pf) {
 #pragma unroll
-    for (int i = 0; i < kPrefetchVecs; ++i, c += KOG_WARP_SIZE)
-      if (c < chunks) fma_chunk<T, kB>(pf.v[i], x, x_stride, c, batch, acc);
-  }
+  for (int v = 0; v < kStaged; ++v, c += KOG_WARP_SIZE)
+    if (c < chunks) fma_chunk<T, kB>(st.get(stage, rr, v), x, x_stride, c, batch, acc);
   for (; c + (kUnroll - 1) * KOG_WARP_SIZE < chunks; c += kUnroll * KOG_WARP_SIZE) {
     WVec<T> wv[kUnroll];
 #pragma unroll
@@ -88,45 +69,67 @@ __device__ __forceinline__ void linear_row(const WVec<T>* __restrict__ wr, const
     if (b < batch) {
       const float s = warp_reduce_sum(acc[b]);
       if (lane == 0) {
-        OutT* o = out + b * out_stride + row;
-        if (accumulate) {  // o += the product rounded to OutT, as the unfused add (x stored, then added)
-          OutT t;
+        if (ep == GemvEpilogue::kSiluMul) {
+          T t;  // the product as GATE_UP held it
           store_f32(&t, s + bv);
-          store_f32(o, load_f32(&t) + load_f32(o));
+          if (rr == 0) {
+            gate[b] = load_f32(&t);
+          } else {  // the up row: out = silu(gate) * up, rounded once (SILU_MUL's math)
+            const float g = gate[b];
+            store_f32(out + b * out_stride + out_col, g / (1.f + expf(-g)) * load_f32(&t));
+          }
         } else {
-          store_f32(o, s + bv);
+          OutT* o = out + b * out_stride + out_col;
+          if (ep == GemvEpilogue::kAccumulate) {  // o += the product rounded to OutT
+            OutT t;
+            store_f32(&t, s + bv);
+            store_f32(o, load_f32(&t) + load_f32(o));
+          } else {
+            store_f32(o, s + bv);
+          }
         }
       }
     }
   }
 }
 
-// pf: what linear_prefetch loaded for this item, used when use_pf. OutT: T or float (logits).
-// accumulate: out += x . w (+ bias), the product rounded to OutT first (a residual add fused
-// into its producer, schedule::fuse_residual_adds).
-template <typename T, typename OutT>
-__device__ __forceinline__ void linear_item(const T* __restrict__ w, const T* __restrict__ bias, const T* x, int64_t x_stride,
-                            OutT* out, int64_t out_stride, int batch, int64_t n, int64_t k, int64_t item,
-                            const WeightPrefetch<T>& pf, bool use_pf, bool accumulate = false) {
-  const int warp = threadIdx.x / KOG_WARP_SIZE;
+// The rows of one item for one batch class (kB rows of x at most).
+template <typename T, typename OutT, int kStaged, int kB, int kUnroll, typename Stages>
+__device__ __forceinline__ void linear_item_rows(const T* __restrict__ w, const T* __restrict__ bias, const T* x,
+                                                 int64_t x_stride, OutT* out, int64_t out_stride, int batch, int64_t n,
+                                                 int64_t k, int64_t item, const Stages& st, int stage, GemvEpilogue ep) {
+  const bool glu = ep == GemvEpilogue::kSiluMul;
   const int64_t chunks = k / kVec16<T>;
+  float gate[kB] = {};  // kSiluMul: the gate row's products, consumed by the up row (slot 1)
   for (int rr = 0; rr < kLinearRowsPerWarp; ++rr) {
-    const int64_t row = item * linear_rows_per_item() + int64_t(warp) * kLinearRowsPerWarp + rr;
+    const int64_t row = gemv_weight_row(item, rr, n, glu);
     if (row >= n) break;  // uniform over the warp
     const WVec<T>* wr = reinterpret_cast<const WVec<T>*>(w + row * k);
     const float bv = bias != nullptr ? gpu_to_float(bias[row]) : 0.f;
-    const bool pf_row = rr == 0 && use_pf;
-    if (batch == 1)  // uniform over the grid
-      linear_row<T, 1, kLinearUnrollBatch1>(wr, x, x_stride, out, out_stride, batch, chunks, row, bv, pf, pf_row,
-                                            accumulate);
-    else
-      linear_row<T, kMaxBatch, kLinearUnroll>(wr, x, x_stride, out, out_stride, batch, chunks, row, bv, pf, pf_row,
-                                              accumulate);
+    const int64_t out_col = glu ? gemv_weight_row(item, 0, n, true) : row;
+    linear_row<T, kB, kUnroll, kStaged>(wr, x, x_stride, out, out_stride, batch, chunks, out_col, bv, st, stage, rr,
+                                        ep, gate);
   }
 }
 
-__device__ __forceinline__ int64_t linear_items(int64_t n) {
-  return (n + linear_rows_per_item() - 1) / linear_rows_per_item();
+// Item `item` of a GEMV over w [n, k] (rows gemv_weight_row): st / stage hold its first kStaged
+// vectors per row and lane (landed: WeightStages::wait). OutT: T or float (logits). ep: what
+// the products become (GemvEpilogue); kSiluMul writes out [batch, n / 2].
+template <typename T, typename OutT, int kStaged, typename Stages>
+__device__ __forceinline__ void linear_item(const T* __restrict__ w, const T* __restrict__ bias, const T* x, int64_t x_stride,
+                            OutT* out, int64_t out_stride, int batch, int64_t n, int64_t k, int64_t item,
+                            const Stages& st, int stage, GemvEpilogue ep = GemvEpilogue::kStore) {
+  if (batch == 1)  // uniform over the grid
+    linear_item_rows<T, OutT, kStaged, 1, kLinearUnrollBatch1>(w, bias, x, x_stride, out, out_stride, batch, n, k, item,
+                                                               st, stage, ep);
+  else
+    linear_item_rows<T, OutT, kStaged, kMaxBatch, kLinearUnroll>(w, bias, x, x_stride, out, out_stride, batch, n, k,
+                                                                 item, st, stage, ep);
+}
+
+// Items of a GEMV over n weight rows (glu: a fused gate/up, one output row per warp).
+__device__ __forceinline__ int64_t linear_items(int64_t n, bool glu = false) {
+  return glu ? (n / 2 + kWarps - 1) / kWarps : (n + linear_rows_per_item() - 1) / linear_rows_per_item();
 }
 
 }  // namespace kog::gpu::decode

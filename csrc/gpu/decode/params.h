@@ -11,6 +11,7 @@
 namespace kog::gpu::decode {
 
 using schedule::kOpAttnCombine;
+using schedule::kOpLinearSiluMul;
 using schedule::kOpSamplePartial;
 using schedule::ModelDims;
 using schedule::Op;
@@ -32,6 +33,7 @@ struct PersistentDecodeParams {
   int32_t n_ops;
   const int32_t* step_sinks;   // [n_sinks] device: ops nothing later in the step depends on
   int32_t n_sinks;
+  const int32_t* next_linear;  // [n_ops] device: the first LINEAR op at or after each op (n_ops: none)
   int32_t batch;               // B, 1..kMaxBatch
   int32_t n_steps;             // decode steps run in this launch (>= 1): loop mode when > 1
 

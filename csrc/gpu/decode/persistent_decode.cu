@@ -57,6 +57,7 @@ __device__ inline int64_t parts_per_row(const PersistentDecodeParams& p, const O
 __device__ inline int64_t items_of(const PersistentDecodeParams& p, const Op& op) {
   switch (op.op) {
     case int32_t(Opcode::kLinear): return linear_items(buffer_width(p, op.out));
+    case kOpLinearSiluMul: return linear_items(2 * p.dims.intermediate, true);
     case int32_t(Opcode::kAttnDecode): return int64_t(p.batch) * p.dims.n_kv_heads * p.max_parts;
     case kOpAttnCombine: return int64_t(p.batch) * p.dims.n_q_heads;
     case kOpSamplePartial: return int64_t(p.batch) * sample_chunks(p.dims.vocab);
@@ -64,9 +65,10 @@ __device__ inline int64_t items_of(const PersistentDecodeParams& p, const Op& op
   }
 }
 
+// st / stage: for a LINEAR, the stage holding the item's first weight vectors (landed).
 template <typename T>
 __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const Op& op, int64_t item, int step,
-                         const WeightPrefetch<T>& pf, bool use_pf, float* smem) {
+                         const WeightStages<T>& st, int stage, float* smem) {
   auto buf = [&](int32_t b) { return reinterpret_cast<T*>(p.buffers[b]); };
   const int64_t parts = parts_per_row(p, op);
   const int b = int(item / parts), part = int(item % parts);  // small ops: (batch row, part)
@@ -90,8 +92,16 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
     case int32_t(Opcode::kLinear): {
       const int64_t n = buffer_width(p, op.out), k = buffer_width(p, op.in);
       // residual >= 0: out is the residual stream, added into (fuse_residual_adds)
-      linear_item<T, T>(static_cast<const T*>(op.w0), static_cast<const T*>(op.w1), buf(op.in), k, buf(op.out), n,
-                        p.batch, n, k, item, pf, use_pf, op.residual >= 0);
+      linear_item<T, T, kStagedVecs>(static_cast<const T*>(op.w0), static_cast<const T*>(op.w1), buf(op.in), k,
+                                     buf(op.out), n, p.batch, n, k, item, st, stage,
+                                     op.residual >= 0 ? GemvEpilogue::kAccumulate : GemvEpilogue::kStore);
+      break;
+    }
+    case kOpLinearSiluMul: {  // GATE_UP's rows [2 * inter, hidden] -> ACT [B, inter]
+      const int64_t n = 2 * p.dims.intermediate, k = buffer_width(p, op.in);
+      linear_item<T, T, kStagedVecs>(static_cast<const T*>(op.w0), static_cast<const T*>(op.w1), buf(op.in), k,
+                                     buf(op.out), p.dims.intermediate, p.batch, n, k, item, st, stage,
+                                     GemvEpilogue::kSiluMul);
       break;
     }
     case int32_t(Opcode::kQkNorm):
@@ -187,10 +197,63 @@ __device__ __forceinline__ void wait_for_ops(const PersistentDecodeParams& p, co
   fence_acquire();
 }
 
+// Weight rows of a GEMV op (schedule::is_gemv).
+__device__ __forceinline__ int64_t gemv_rows(const PersistentDecodeParams& p, const Op& op) {
+  return op.op == kOpLinearSiluMul ? 2 * p.dims.intermediate : buffer_width(p, op.out);
+}
+
+// The next GEMV item this workgroup will run from op j on: item `cand` of op j if op j is a
+// GEMV, else its first item (blockIdx.x) of a later GEMV that has one; with `wrap`, the next
+// step's ops after this step's (wrapped: the item is the next step's). False when there is none.
+__device__ inline bool next_linear_item(const PersistentDecodeParams& p, int32_t j, int64_t cand, bool wrap,
+                                        int32_t& op, int64_t& item, bool& wrapped) {
+  bool this_step = true;
+  int32_t l = j < p.n_ops ? p.next_linear[j] : p.n_ops;
+  while (true) {
+    if (l >= p.n_ops) {
+      if (!wrap) return false;
+      wrap = this_step = false;
+      l = p.next_linear[0];
+      if (l >= p.n_ops) return false;
+    }
+    const int64_t c = this_step && l == j ? cand : int64_t(blockIdx.x);
+    if (c < items_of(p, p.program[l])) {
+      op = l, item = c, wrapped = !this_step;
+      return true;
+    }
+    l = l + 1 < p.n_ops ? p.next_linear[l + 1] : p.n_ops;
+  }
+}
+
+// Fills the free stages with the next GEMV items from (op j, item cand) on, in the order this
+// workgroup will run them (items already staged are skipped, not reloaded).
+template <typename T>
+__device__ inline void stage_next(const PersistentDecodeParams& p, WeightStages<T>& st, int32_t j, int64_t cand,
+                                  int step) {
+  bool wrap = step + 1 < p.n_steps, wrapped = false;
+  for (int k = 0; k < kStages; ++k) {
+    int32_t o;
+    int64_t i;
+    if (!next_linear_item(p, j, cand, wrap, o, i, wrapped)) return;
+    if (st.find(o, i) < 0) {
+      const int s = st.free_stage();
+      if (s < 0) return;
+      const Op& l = p.program[o];
+      st.issue(s, o, i, static_cast<const T*>(l.w0), gemv_rows(p, l), buffer_width(p, l.in),
+               l.op == kOpLinearSiluMul);
+    }
+    j = o, cand = i + gridDim.x;
+    wrap = wrap && !wrapped;  // one step ahead at most
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(PersistentDecodeParams p) {
   __shared__ float smem[kSmemFloats];
   __shared__ int all_done;
+  extern __shared__ uint4 stage_smem[];  // kStageSmemBytes: the weight stages (NVIDIA)
+  WeightStages<T> st;
+  st.init(stage_smem);
   for (int step = 0; step < p.n_steps; ++step) {
     if (step > 0) {  // every workgroup: the whole previous step completed (its sinks, SAMPLE included)
       wait_for_ops(p, p.step_sinks, p.n_sinks, int64_t(step - 1) * p.n_ops);
@@ -207,25 +270,37 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(Persiste
       const Op& op = p.program[j];
       const int64_t n_items = items_of(p, op);
       bool ready = op.n_deps == 0;  // deps are ops of this step: the step's start waited for the last
-      WeightPrefetch<T> pf;
-      bool have_pf = false;
+      // The next LINEAR item's weights load while this op waits and runs (weights never depend
+      // on activations); a workgroup with no item here runs ahead to its next op.
+      stage_next<T>(p, st, j, blockIdx.x, step);
       for (int64_t item = blockIdx.x; item < n_items; item += gridDim.x) {
         if (!ready) {
-          if (op.op == int32_t(Opcode::kLinear)) {
-            linear_prefetch<T>(static_cast<const T*>(op.w0), buffer_width(p, op.out), buffer_width(p, op.in), item,
-                               pf);
-            have_pf = true;
-          }
           wait_for_ops(p, op.deps, op.n_deps, int64_t(step) * p.n_ops);
           ready = true;
         }
-        run_item<T>(p, op, item, step, pf, have_pf, smem);
-        have_pf = false;
+        int stage = -1;
+        if (schedule::is_gemv(op)) {
+          stage = st.find(j, item);  // staged by stage_next, before this op or during the last item
+          if (stage < 0) {           // not reached (the next item is staged whenever a stage frees)
+            st.reset();
+            stage = 0;
+            st.issue(stage, j, item, static_cast<const T*>(op.w0), gemv_rows(p, op), buffer_width(p, op.in),
+                     op.op == kOpLinearSiluMul);
+          }
+          stage_next<T>(p, st, j, item + gridDim.x, step);  // NVIDIA: the next items load while this runs
+          st.wait(stage);
+        }
+        run_item<T>(p, op, item, step, st, stage, smem);
+        if (stage >= 0) {
+          st.release(stage);
+          stage_next<T>(p, st, j, item + gridDim.x, step);  // into the stage just freed (AMD: the only one)
+        }
         if (g == p.debug_skip_signal_op) continue;  // tests: a lost signal (uniform over the workgroup)
         signal_done(&p.counters[g]);
       }
     }
   }
+  st.reset();  // a look-ahead into the next step may still be in flight
   // The last workgroup out zeroes the counters for the next launch: every other workgroup has
   // passed all of its waits by then.
   __syncthreads();
@@ -265,7 +340,7 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
   KOG_CHECK(dims.hidden % vec == 0 && dims.intermediate % vec == 0 && (dims.n_q_heads * dims.head_dim) % vec == 0,
             "gpu decode: hidden, intermediate and q width must be multiples of ", vec, " elements");
   for (const Op& o : ops)
-    if (o.op == int32_t(Opcode::kLinear))
+    if (schedule::is_gemv(o))
       KOG_CHECK(reinterpret_cast<uintptr_t>(o.w0) % 16 == 0, "gpu decode: LINEAR weights must be 16-byte aligned");
   // TOKENS lives in the caller's tensor; every other buffer (LOGITS too) in the arena.
   int64_t offsets[int(Buffer::kNumBuffers)];
@@ -279,6 +354,15 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
   for (int b = 0; b < int(Buffer::kNumBuffers); ++b) buffers_[b] = arena_ + offsets[b];
   KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&program_), ops.size() * sizeof(Op)));
   KOG_GPU_CHECK(gpuMemcpyAsync(program_, ops.data(), ops.size() * sizeof(Op), gpuMemcpyHostToDevice, nullptr));
+  // next_linear[j]: the first LINEAR op at or after op j (n_ops: none), for weight staging.
+  std::vector<int32_t> next_linear(ops.size());
+  for (int32_t j = n_ops_ - 1, l = n_ops_; j >= 0; --j) {
+    if (schedule::is_gemv(ops[size_t(j)])) l = j;
+    next_linear[size_t(j)] = l;
+  }
+  KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&next_linear_), ops.size() * sizeof(int32_t)));
+  KOG_GPU_CHECK(gpuMemcpyAsync(next_linear_, next_linear.data(), ops.size() * sizeof(int32_t), gpuMemcpyHostToDevice,
+                               nullptr));
   const std::vector<int32_t> sinks = schedule::program_sinks(ops);
   n_sinks_ = int32_t(sinks.size());
   KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&sinks_), sinks.size() * sizeof(int32_t)));
@@ -301,7 +385,11 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
   KOG_GPU_CHECK(gpuGetDevice(&device));
   gpuDeviceProp_t prop;
   KOG_GPU_CHECK(gpuGetDeviceProperties(&prop, device));
-  KOG_GPU_CHECK(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel_for(dims.dtype), kThreads, 0));
+  if (kStageSmemBytes > 0)  // above the default 48 KiB a kernel must ask for its dynamic shared memory
+    KOG_GPU_CHECK(gpuFuncSetAttribute(kernel_for(dims.dtype), gpuFuncAttributeMaxDynamicSharedMemorySize,
+                                      kStageSmemBytes));
+  KOG_GPU_CHECK(
+      gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel_for(dims.dtype), kThreads, kStageSmemBytes));
   KOG_CHECK_KIND(per_sm > 0, kBackend, "gpu decode: the kernel cannot be resident on this device");
   grid_ = prop.multiProcessorCount * std::min(per_sm, kBlocksPerMultiprocessor);
 
@@ -329,6 +417,7 @@ GpuDecodeExecutor::~GpuDecodeExecutor() {
   (void)gpuFree(sample_scratch_);
   (void)gpuFree(counters_);
   (void)gpuFree(sinks_);
+  (void)gpuFree(next_linear_);
   (void)gpuFree(program_);
   (void)gpuFree(arena_);
 }
@@ -370,6 +459,7 @@ void GpuDecodeExecutor::run(const GpuDecodeStep& s, void* stream) {
   p.batch = s.batch;
   p.n_steps = s.n_steps;
   p.step_sinks = sinks_;
+  p.next_linear = next_linear_;
   p.n_sinks = n_sinks_;
   p.dims = d_;
   p.inv_freq = inv_freq_;
@@ -394,8 +484,8 @@ void GpuDecodeExecutor::run(const GpuDecodeStep& s, void* stream) {
   p.debug_skip_signal_op = debug_skip_signal_op_;
 
   void* args[] = {&p};
-  KOG_GPU_CHECK(gpuLaunchCooperativeKernel(kernel_for(d_.dtype), dim3(unsigned(grid_)), dim3(kThreads), args, 0,
-                                           as_stream(stream)));
+  KOG_GPU_CHECK(gpuLaunchCooperativeKernel(kernel_for(d_.dtype), dim3(unsigned(grid_)), dim3(kThreads), args,
+                                           size_t(kStageSmemBytes), as_stream(stream)));
 }
 
 }  // namespace kog::gpu::decode

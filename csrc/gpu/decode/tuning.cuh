@@ -22,9 +22,6 @@ constexpr int kMinAttnPartition = 16;
 // Output rows of one LINEAR work item per warp: more rows, fewer dependency checks; fewer rows,
 // more work items to spread over the multiprocessors (the LM head has 49k-128k rows).
 constexpr int kLinearRowsPerWarp = 2;
-// 16-byte weight vectors each lane loads into registers before it waits on the previous op:
-// the weight stream of the next op is in flight while the current op finishes elsewhere.
-constexpr int kPrefetchVecs = 4;
 // Small ops split a batch row into items (small_items.cuh): kRowChunk elements of EMBED,
 // RMS_NORM and SILU_MUL (hidden 2048: 4 items per row, intermediate 8192: 16), kRopeHeads heads
 // of ROPE, one KV head of KV_APPEND, kWarps heads of QK_NORM.

@@ -15,10 +15,10 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(LinearParams p, int64_
   const int batch = int(p.m - row0 < decode::kMaxBatch ? p.m - row0 : decode::kMaxBatch);
   const T* x = static_cast<const T*>(p.x) + row0 * p.x_stride;
   T* out = static_cast<T*>(p.out) + row0 * p.out_stride;
-  decode::WeightPrefetch<T> none;
+  const decode::NoStages<T> none;
   for (int64_t item = blockIdx.x; item < decode::linear_items(p.n); item += gridDim.x)
-    decode::linear_item<T, T>(static_cast<const T*>(p.weight), static_cast<const T*>(p.bias), x, p.x_stride, out,
-                              p.out_stride, batch, p.n, p.k, item, none, false);
+    decode::linear_item<T, T, 0>(static_cast<const T*>(p.weight), static_cast<const T*>(p.bias), x, p.x_stride, out,
+                                 p.out_stride, batch, p.n, p.k, item, none, 0, decode::GemvEpilogue::kStore);
 }
 
 }  // namespace

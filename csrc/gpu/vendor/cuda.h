@@ -80,6 +80,19 @@ __device__ __forceinline__ float gpu_shfl_xor(float v, int lane_mask) {
 __device__ __forceinline__ int gpu_shfl_xor(int v, int lane_mask) {
   return __shfl_xor_sync(0xffffffffu, v, lane_mask);
 }
+// ---- asynchronous global -> shared copies (sm_80+: cp.async, SASS LDGSTS) ---------------------
+// The copy runs while the thread goes on; copies committed together form a group; wait<N>
+// returns once at most N of this thread's groups are still in flight. dst, src: 16-byte aligned.
+__device__ __forceinline__ void gpu_copy16_async(void* dst_shared, const void* src_global) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src_global) : "memory");
+}
+__device__ __forceinline__ void gpu_copy16_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void gpu_copy16_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Lane l gets lane l - delta's value (its own below delta).
 __device__ __forceinline__ float gpu_shfl_up(float v, int delta) { return __shfl_up_sync(0xffffffffu, v, delta); }
 __device__ __forceinline__ int gpu_shfl_up(int v, int delta) { return __shfl_up_sync(0xffffffffu, v, delta); }
