@@ -1,0 +1,224 @@
+// CPU linear over GGUF-quantized weights. Contract: csrc/ops/linear_quant.h; the integer dot
+// products per ISA: csrc/cpu/ops/quant_dot.h.
+// x is quantized once per call (per 32-element unit: int8, scale, half sums); then each weight row
+// is unpacked block by block, once for up to kCols rows of x, as in csrc/cpu/ops/linear.cpp.
+#include "cpu/kernels.h"
+#include "cpu/ops/quant_dot.h"
+
+namespace kog::cpu::KOG_ISA_NS {
+namespace {
+
+constexpr int kCols = 4;
+// Below this many weight bytes a call runs on the calling thread.
+constexpr int64_t kParallelMinBytes = 1 << 15;
+
+// ---- x quantized per unit (the layout of LinearQuantParams::scratch) ----------------------------
+
+// q = round-to-nearest-even(x / d), d = amax / 127: |x - d q| <= d / 2 elementwise.
+template <typename T>
+void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* s) {
+  for (int64_t u = 0; u < k / 32; ++u) {
+    float xf[32];
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) {
+      xf[i] = to_f32(x[32 * u + i]);
+      const float a = __builtin_fabsf(xf[i]);
+      amax = a > amax ? a : amax;
+    }
+    const float du = amax / 127.f, id = du != 0.f ? 1.f / du : 0.f;
+    int32_t sum[2] = {0, 0};
+    for (int i = 0; i < 32; ++i) {
+      const float r = (xf[i] * id + 12582912.f) - 12582912.f;  // 1.5 * 2^23: rounds to even
+      const int32_t qi = int32_t(r);
+      q[32 * u + i] = int8_t(qi);
+      sum[i / 16] += qi;
+    }
+    d[u] = du;
+    s[2 * u] = du * float(sum[0]);
+    s[2 * u + 1] = du * float(sum[1]);
+  }
+}
+
+struct QuantizedX {
+  int8_t* q;  // [m, k]
+  float* d;   // [m, k / 32]
+  float* s;   // [m, k / 16]
+  int64_t k;
+  QRow row(int64_t c) const { return {q + c * k, d + c * (k / 32), s + c * (k / 16)}; }
+};
+
+QuantizedX quantize_x(const LinearQuantParams& p) {
+  int8_t* q = static_cast<int8_t*>(p.scratch);
+  float* d = reinterpret_cast<float*>(q + p.m * p.k);
+  QuantizedX qx{q, d, d + p.m * (p.k / 32), p.k};
+  for_each_row(p.m, p.m * p.k >= kParallelMinElems, [&](int64_t c) {
+    dispatch_float(p.x_dtype, [&](auto tag) {
+      using T = decltype(tag);
+      quantize_row(static_cast<const T*>(p.x) + c * p.x_stride, p.k, qx.q + c * p.k, qx.d + c * (p.k / 32),
+                   qx.s + c * (p.k / 16));
+    });
+  });
+  return qx;
+}
+
+// ---- one weight row per format: unpack each unit, hand it to the accumulator --------------------
+
+template <class Acc>
+void dot_q8_0(const uint8_t* row, int64_t nb, Acc& acc) {
+  const BlockQ8_0* b = reinterpret_cast<const BlockQ8_0*>(row);
+  int64_t i = 0;
+  for (; i + 2 <= nb; i += 2)
+    acc.pair_s8(load32(b[i].qs), load32(b[i + 1].qs), i, half_to_f32(b[i].d), half_to_f32(b[i + 1].d));
+  if (i < nb) acc.unit_s8(load32(b[i].qs), i, half_to_f32(b[i].d));
+}
+
+template <class Acc>
+void dot_q4_0(const uint8_t* row, int64_t nb, Acc& acc) {
+  const BlockQ4_0* b = reinterpret_cast<const BlockQ4_0*>(row);
+  int64_t i = 0;
+  for (; i + 2 <= nb; i += 2) {
+    const float d0 = half_to_f32(b[i].d), d1 = half_to_f32(b[i + 1].d);
+    acc.pair(nibbles16(b[i].qs), nibbles16(b[i + 1].qs), i, d0, d1, -8.f * d0, -8.f * d1);
+  }
+  if (i < nb) {
+    const float d = half_to_f32(b[i].d);
+    acc.unit(nibbles16(b[i].qs), i, d, -8.f * d);
+  }
+}
+
+template <class Acc>
+void dot_q4_1(const uint8_t* row, int64_t nb, Acc& acc) {
+  const BlockQ4_1* b = reinterpret_cast<const BlockQ4_1*>(row);
+  int64_t i = 0;
+  for (; i + 2 <= nb; i += 2)
+    acc.pair(nibbles16(b[i].qs), nibbles16(b[i + 1].qs), i, half_to_f32(b[i].d), half_to_f32(b[i + 1].d),
+             half_to_f32(b[i].m), half_to_f32(b[i + 1].m));
+  if (i < nb) acc.unit(nibbles16(b[i].qs), i, half_to_f32(b[i].d), half_to_f32(b[i].m));
+}
+
+// Q4_K/Q5_K sub-block scales and mins as floats: a[j] = d * sc[j], b[j] = -dmin * mn[j]
+// (the 6-bit packing: csrc/ops/quant.h).
+static inline void k_scales(const uint8_t* s, float d, float dmin, float* a, float* b) {
+  for (int j = 0; j < 8; ++j) {
+    int sc, mn;
+    if (j < 4) {
+      sc = s[j] & 63;
+      mn = s[j + 4] & 63;
+    } else {
+      sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+      mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+    a[j] = d * float(sc);
+    b[j] = -dmin * float(mn);
+  }
+}
+
+template <class Acc>
+void dot_q4_k(const uint8_t* row, int64_t nb, Acc& acc) {
+  const BlockQ4_K* blocks = reinterpret_cast<const BlockQ4_K*>(row);
+  for (int64_t i = 0; i < nb; ++i) {
+    const BlockQ4_K& b = blocks[i];
+    float a[8], m[8];
+    k_scales(b.scales, half_to_f32(b.d), half_to_f32(b.dmin), a, m);
+    for (int j = 0; j < 4; ++j) {
+      const wvec v = load32(b.qs + 32 * j);
+      acc.pair(nib_lo(v), nib_hi(v), 8 * i + 2 * j, a[2 * j], a[2 * j + 1], m[2 * j], m[2 * j + 1]);
+    }
+  }
+}
+
+template <class Acc>
+void dot_q5_k(const uint8_t* row, int64_t nb, Acc& acc) {
+  const BlockQ5_K* blocks = reinterpret_cast<const BlockQ5_K*>(row);
+  for (int64_t i = 0; i < nb; ++i) {
+    const BlockQ5_K& b = blocks[i];
+    float a[8], m[8];
+    k_scales(b.scales, half_to_f32(b.d), half_to_f32(b.dmin), a, m);
+    const wvec h = load32(b.qh);
+    for (int j = 0; j < 4; ++j) {
+      const wvec v = load32(b.qs + 32 * j);
+      acc.pair(add_bit4(nib_lo(v), h, 2 * j), add_bit4(nib_hi(v), h, 2 * j + 1), 8 * i + 2 * j, a[2 * j],
+               a[2 * j + 1], m[2 * j], m[2 * j + 1]);
+    }
+  }
+}
+
+template <class Acc>
+void dot_q6_k(const uint8_t* row, int64_t nb, Acc& acc) {
+  const BlockQ6_K* blocks = reinterpret_cast<const BlockQ6_K*>(row);
+  for (int64_t i = 0; i < nb; ++i) {
+    const BlockQ6_K& b = blocks[i];
+    const float d = half_to_f32(b.d);
+    for (int h = 0; h < 2; ++h) {
+      wvec q[4];
+      q6_units(b.ql + 64 * h, b.qh + 32 * h, q);
+      for (int t = 0; t < 4; ++t) {
+        // q - 32 per element: the -32 goes into b, with the scale of its 16-element half.
+        const float a0 = d * float(b.scales[8 * h + 2 * t]), a1 = d * float(b.scales[8 * h + 2 * t + 1]);
+        acc.unit_halves(q[t], 8 * i + 4 * h + t, a0, a1, -32.f * a0, -32.f * a1);
+      }
+    }
+  }
+}
+
+template <int NC>
+void dot_row(QuantType type, const uint8_t* w, int64_t k, const QRow* x, float* out) {
+  QuantAcc<NC> acc(x);
+  switch (type) {
+    case QuantType::kQ8_0: dot_q8_0(w, k / kQuantBlock, acc); break;
+    case QuantType::kQ4_0: dot_q4_0(w, k / kQuantBlock, acc); break;
+    case QuantType::kQ4_1: dot_q4_1(w, k / kQuantBlock, acc); break;
+    case QuantType::kQ4_K: dot_q4_k(w, k / kSuperBlock, acc); break;
+    case QuantType::kQ5_K: dot_q5_k(w, k / kSuperBlock, acc); break;
+    case QuantType::kQ6_K: dot_q6_k(w, k / kSuperBlock, acc); break;
+  }
+  for (int c = 0; c < NC; ++c) out[c] = acc.result(c);
+}
+
+// Output rows [row_begin, row_end).
+void quant_rows(const LinearQuantParams& p, const QuantizedX& qx, int64_t row_bytes, int64_t row_begin,
+                int64_t row_end) {
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const uint8_t* w = p.weight + r * row_bytes;
+    for (int64_t c0 = 0; c0 < p.m; c0 += kCols) {
+      const int nc = int(p.m - c0 < kCols ? p.m - c0 : kCols);
+      QRow x[kCols];
+      for (int c = 0; c < nc; ++c) x[c] = qx.row(c0 + c);
+      float acc[kCols];
+      switch (nc) {
+        case 1: dot_row<1>(p.type, w, p.k, x, acc); break;
+        case 2: dot_row<2>(p.type, w, p.k, x, acc); break;
+        case 3: dot_row<3>(p.type, w, p.k, x, acc); break;
+        default: dot_row<kCols>(p.type, w, p.k, x, acc); break;
+      }
+      for (int c = 0; c < nc; ++c) p.out[(c0 + c) * p.out_stride + r] = acc[c];
+    }
+  }
+}
+
+// Bytes of one weight row (the binding has checked k against the block size).
+int64_t row_bytes_of(const LinearQuantParams& p) {
+  switch (p.type) {
+    case QuantType::kQ8_0: return p.k / kQuantBlock * int64_t(sizeof(BlockQ8_0));
+    case QuantType::kQ4_0: return p.k / kQuantBlock * int64_t(sizeof(BlockQ4_0));
+    case QuantType::kQ4_1: return p.k / kQuantBlock * int64_t(sizeof(BlockQ4_1));
+    case QuantType::kQ4_K: return p.k / kSuperBlock * int64_t(sizeof(BlockQ4_K));
+    case QuantType::kQ5_K: return p.k / kSuperBlock * int64_t(sizeof(BlockQ5_K));
+    case QuantType::kQ6_K: return p.k / kSuperBlock * int64_t(sizeof(BlockQ6_K));
+  }
+  return 0;
+}
+
+}  // namespace
+
+void linear_quant(const LinearQuantParams& p) {
+  const QuantizedX qx = quantize_x(p);
+  const int64_t row_bytes = row_bytes_of(p);
+  constexpr int64_t kChunk = 16;  // rows per parallel work item
+  const int64_t n_chunks = (p.n + kChunk - 1) / kChunk;
+  parallel_for(n_chunks, p.n * row_bytes >= kParallelMinBytes, [&](int64_t t) {
+    quant_rows(p, qx, row_bytes, t * kChunk, (t + 1) * kChunk < p.n ? (t + 1) * kChunk : p.n);
+  });
+}
+
+}  // namespace kog::cpu::KOG_ISA_NS
