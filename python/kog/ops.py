@@ -282,6 +282,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out
 # GGUF block formats with native CPU kernels: name -> (ggml type id, elements, bytes per block).
 QUANT_TYPES: dict[str, tuple[int, int, int]] = dict(_C.quant_types())
+_QUANT_BY_ID = {v[0]: (name, v[1], v[2]) for name, v in QUANT_TYPES.items()}
 
 
 def linear_quant(x: torch.Tensor, weight: torch.Tensor, quant_type: int | str,
@@ -302,15 +303,14 @@ def linear_quant(x: torch.Tensor, weight: torch.Tensor, quant_type: int | str,
     Returns:
         out: [..., n] float32.
     """
-    by_id = {v[0]: (name, v[1], v[2]) for name, v in QUANT_TYPES.items()}
     if isinstance(quant_type, str):
         if quant_type not in QUANT_TYPES:
             raise InvalidRequest(f"unsupported quant type {quant_type!r} (supported: {', '.join(QUANT_TYPES)})")
         quant_type = QUANT_TYPES[quant_type][0]
     quant_type = int(quant_type)
-    if quant_type not in by_id:
+    if quant_type not in _QUANT_BY_ID:
         raise InvalidRequest(f"unsupported quant type {quant_type} (supported: {', '.join(QUANT_TYPES)})")
-    name, elems, nbytes = by_id[quant_type]
+    name, elems, nbytes = _QUANT_BY_ID[quant_type]
     code = _float_code("x", x)
     if weight.dtype != torch.uint8 or weight.dim() != 2 or not weight.is_contiguous():
         raise InvalidRequest(f"weight must be a contiguous uint8 [n, row_bytes] tensor, got {weight.dtype} "

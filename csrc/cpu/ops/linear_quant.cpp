@@ -5,12 +5,17 @@
 #include "cpu/kernels.h"
 #include "cpu/ops/quant_dot.h"
 
+#include <type_traits>
+
 namespace kog::cpu::KOG_ISA_NS {
 namespace {
 
 constexpr int kCols = 4;
 // Below this many weight bytes a call runs on the calling thread.
 constexpr int64_t kParallelMinBytes = 1 << 15;
+// Accumulator slots (QuantAcc) as values for generic lambdas.
+constexpr std::integral_constant<int, 0> kSlot0{};
+constexpr std::integral_constant<int, 1> kSlot1{};
 
 // ---- x quantized per unit (the layout of LinearQuantParams::scratch) ----------------------------
 
@@ -63,42 +68,63 @@ QuantizedX quantize_x(const LinearQuantParams& p) {
 
 // ---- one weight row per format: unpack each unit, hand it to the accumulator --------------------
 
+// Blocks of one unit: two pairs per step, one per accumulator slot.
 template <class Acc>
-void dot_q8_0(const uint8_t* row, int64_t nb, Acc& acc) {
+KOG_QINLINE void dot_q8_0(const uint8_t* row, int64_t nb, Acc& acc) {
   const BlockQ8_0* b = reinterpret_cast<const BlockQ8_0*>(row);
+  auto pair = [&](auto slot, int64_t i) __attribute__((always_inline)) {
+    acc.template pair_s8<decltype(slot)::value>(load32(b[i].qs), load32(b[i + 1].qs), i, half_to_f32(b[i].d),
+                                                half_to_f32(b[i + 1].d));
+  };
   int64_t i = 0;
-  for (; i + 2 <= nb; i += 2)
-    acc.pair_s8(load32(b[i].qs), load32(b[i + 1].qs), i, half_to_f32(b[i].d), half_to_f32(b[i + 1].d));
-  if (i < nb) acc.unit_s8(load32(b[i].qs), i, half_to_f32(b[i].d));
+  for (; i + 4 <= nb; i += 4) {
+    pair(kSlot0, i);
+    pair(kSlot1, i + 2);
+  }
+  if (i + 2 <= nb) pair(kSlot0, i), i += 2;
+  if (i < nb) acc.template unit_s8<1>(load32(b[i].qs), i, half_to_f32(b[i].d));
 }
 
 template <class Acc>
-void dot_q4_0(const uint8_t* row, int64_t nb, Acc& acc) {
+KOG_QINLINE void dot_q4_0(const uint8_t* row, int64_t nb, Acc& acc) {
   const BlockQ4_0* b = reinterpret_cast<const BlockQ4_0*>(row);
-  int64_t i = 0;
-  for (; i + 2 <= nb; i += 2) {
+  auto pair = [&](auto slot, int64_t i) __attribute__((always_inline)) {
     const float d0 = half_to_f32(b[i].d), d1 = half_to_f32(b[i + 1].d);
-    acc.pair(nibbles16(b[i].qs), nibbles16(b[i + 1].qs), i, d0, d1, -8.f * d0, -8.f * d1);
+    acc.template pair<decltype(slot)::value>(nibbles16(b[i].qs), nibbles16(b[i + 1].qs), i, d0, d1, -8.f * d0,
+                                             -8.f * d1);
+  };
+  int64_t i = 0;
+  for (; i + 4 <= nb; i += 4) {
+    pair(kSlot0, i);
+    pair(kSlot1, i + 2);
   }
+  if (i + 2 <= nb) pair(kSlot0, i), i += 2;
   if (i < nb) {
     const float d = half_to_f32(b[i].d);
-    acc.unit(nibbles16(b[i].qs), i, d, -8.f * d);
+    acc.template unit<1>(nibbles16(b[i].qs), i, d, -8.f * d);
   }
 }
 
 template <class Acc>
-void dot_q4_1(const uint8_t* row, int64_t nb, Acc& acc) {
+KOG_QINLINE void dot_q4_1(const uint8_t* row, int64_t nb, Acc& acc) {
   const BlockQ4_1* b = reinterpret_cast<const BlockQ4_1*>(row);
+  auto pair = [&](auto slot, int64_t i) __attribute__((always_inline)) {
+    acc.template pair<decltype(slot)::value>(nibbles16(b[i].qs), nibbles16(b[i + 1].qs), i, half_to_f32(b[i].d),
+                                             half_to_f32(b[i + 1].d), half_to_f32(b[i].m),
+                                             half_to_f32(b[i + 1].m));
+  };
   int64_t i = 0;
-  for (; i + 2 <= nb; i += 2)
-    acc.pair(nibbles16(b[i].qs), nibbles16(b[i + 1].qs), i, half_to_f32(b[i].d), half_to_f32(b[i + 1].d),
-             half_to_f32(b[i].m), half_to_f32(b[i + 1].m));
-  if (i < nb) acc.unit(nibbles16(b[i].qs), i, half_to_f32(b[i].d), half_to_f32(b[i].m));
+  for (; i + 4 <= nb; i += 4) {
+    pair(kSlot0, i);
+    pair(kSlot1, i + 2);
+  }
+  if (i + 2 <= nb) pair(kSlot0, i), i += 2;
+  if (i < nb) acc.template unit<1>(nibbles16(b[i].qs), i, half_to_f32(b[i].d), half_to_f32(b[i].m));
 }
 
 // Q4_K/Q5_K sub-block scales and mins as floats: a[j] = d * sc[j], b[j] = -dmin * mn[j]
 // (the 6-bit packing: csrc/ops/quant.h).
-static inline void k_scales(const uint8_t* s, float d, float dmin, float* a, float* b) {
+KOG_QINLINE void k_scales(const uint8_t* s, float d, float dmin, float* a, float* b) {
   for (int j = 0; j < 8; ++j) {
     int sc, mn;
     if (j < 4) {
@@ -114,37 +140,40 @@ static inline void k_scales(const uint8_t* s, float d, float dmin, float* a, flo
 }
 
 template <class Acc>
-void dot_q4_k(const uint8_t* row, int64_t nb, Acc& acc) {
+KOG_QINLINE void dot_q4_k(const uint8_t* row, int64_t nb, Acc& acc) {
   const BlockQ4_K* blocks = reinterpret_cast<const BlockQ4_K*>(row);
   for (int64_t i = 0; i < nb; ++i) {
     const BlockQ4_K& b = blocks[i];
     float a[8], m[8];
     k_scales(b.scales, half_to_f32(b.d), half_to_f32(b.dmin), a, m);
-    for (int j = 0; j < 4; ++j) {
+    auto pair = [&](auto slot, int j) __attribute__((always_inline)) {
       const wvec v = load32(b.qs + 32 * j);
-      acc.pair(nib_lo(v), nib_hi(v), 8 * i + 2 * j, a[2 * j], a[2 * j + 1], m[2 * j], m[2 * j + 1]);
-    }
+      acc.template pair<decltype(slot)::value>(nib_lo(v), nib_hi(v), 8 * i + 2 * j, a[2 * j], a[2 * j + 1],
+                                               m[2 * j], m[2 * j + 1]);
+    };
+    pair(kSlot0, 0), pair(kSlot1, 1), pair(kSlot0, 2), pair(kSlot1, 3);
   }
 }
 
 template <class Acc>
-void dot_q5_k(const uint8_t* row, int64_t nb, Acc& acc) {
+KOG_QINLINE void dot_q5_k(const uint8_t* row, int64_t nb, Acc& acc) {
   const BlockQ5_K* blocks = reinterpret_cast<const BlockQ5_K*>(row);
   for (int64_t i = 0; i < nb; ++i) {
     const BlockQ5_K& b = blocks[i];
     float a[8], m[8];
     k_scales(b.scales, half_to_f32(b.d), half_to_f32(b.dmin), a, m);
     const wvec h = load32(b.qh);
-    for (int j = 0; j < 4; ++j) {
+    auto pair = [&](auto slot, int j) __attribute__((always_inline)) {
       const wvec v = load32(b.qs + 32 * j);
-      acc.pair(add_bit4(nib_lo(v), h, 2 * j), add_bit4(nib_hi(v), h, 2 * j + 1), 8 * i + 2 * j, a[2 * j],
-               a[2 * j + 1], m[2 * j], m[2 * j + 1]);
-    }
+      acc.template pair<decltype(slot)::value>(add_bit4(nib_lo(v), h, 2 * j), add_bit4(nib_hi(v), h, 2 * j + 1),
+                                               8 * i + 2 * j, a[2 * j], a[2 * j + 1], m[2 * j], m[2 * j + 1]);
+    };
+    pair(kSlot0, 0), pair(kSlot1, 1), pair(kSlot0, 2), pair(kSlot1, 3);
   }
 }
 
 template <class Acc>
-void dot_q6_k(const uint8_t* row, int64_t nb, Acc& acc) {
+KOG_QINLINE void dot_q6_k(const uint8_t* row, int64_t nb, Acc& acc) {
   const BlockQ6_K* blocks = reinterpret_cast<const BlockQ6_K*>(row);
   for (int64_t i = 0; i < nb; ++i) {
     const BlockQ6_K& b = blocks[i];
@@ -152,11 +181,12 @@ void dot_q6_k(const uint8_t* row, int64_t nb, Acc& acc) {
     for (int h = 0; h < 2; ++h) {
       wvec q[4];
       q6_units(b.ql + 64 * h, b.qh + 32 * h, q);
-      for (int t = 0; t < 4; ++t) {
-        // q - 32 per element: the -32 goes into b, with the scale of its 16-element half.
+      // q - 32 per element: the -32 goes into b, with the scale of its 16-element half.
+      auto unit = [&](auto slot, int t) __attribute__((always_inline)) {
         const float a0 = d * float(b.scales[8 * h + 2 * t]), a1 = d * float(b.scales[8 * h + 2 * t + 1]);
-        acc.unit_halves(q[t], 8 * i + 4 * h + t, a0, a1, -32.f * a0, -32.f * a1);
-      }
+        acc.template unit_halves<decltype(slot)::value>(q[t], 8 * i + 4 * h + t, a0, a1, -32.f * a0, -32.f * a1);
+      };
+      unit(kSlot0, 0), unit(kSlot1, 1), unit(kSlot0, 2), unit(kSlot1, 3);
     }
   }
 }

@@ -13,6 +13,9 @@
 #pragma once
 #include "cpu/vec.h"
 
+// The accumulator must stay in registers: every helper of a row's loop is inlined into it.
+#define KOG_QINLINE inline __attribute__((always_inline))
+
 namespace kog::cpu::KOG_ISA_NS {
 
 // One row of x quantized per unit u: q[32 u + i] int8, d[u] its scale, s[2 u + h] = d[u] * the
@@ -75,66 +78,75 @@ static inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Accumulates dot(W row, x row c) for NC rows of x at once (the weights unpacked once).
+// Accumulates dot(W row, x row c) for NC rows of x at once (the weights unpacked once). Two
+// accumulator slots S per row: consecutive units alternate between them, so two FMA chains are in
+// flight (one chain is latency-bound: an FMA per unit waits for the previous one).
 template <int NC>
 struct QuantAcc {
   QRow x[NC];
-  __m256 v[NC];
-  float corr[NC];
+  __m256 v[2][NC];
+  float corr[2][NC];
 #if defined(__AVX512VNNI__)
-  __m512 v2[NC];
+  __m512 v2[2][NC];
 #endif
 
   explicit QuantAcc(const QRow* rows) {
     for (int c = 0; c < NC; ++c) {
       x[c] = rows[c];
-      v[c] = _mm256_setzero_ps();
-      corr[c] = 0.f;
+      for (int s = 0; s < 2; ++s) {
+        v[s][c] = _mm256_setzero_ps();
+        corr[s][c] = 0.f;
 #if defined(__AVX512VNNI__)
-      v2[c] = _mm512_setzero_ps();
+        v2[s][c] = _mm512_setzero_ps();
 #endif
+      }
     }
   }
   float sum(const QRow& r, int64_t u) const { return r.s[2 * u] + r.s[2 * u + 1]; }
 
   // Unit u: w = a * q + b.
-  void unit(wvec q, int64_t u, float a, float b) {
+  template <int S>
+  KOG_QINLINE void unit(wvec q, int64_t u, float a, float b) {
     for (int c = 0; c < NC; ++c) {
       const __m256i i = idot_u8(q, load32(x[c].q + 32 * u));
-      v[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(a * x[c].d[u]), v[c]);
-      corr[c] += b * sum(x[c], u);
+      v[S][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(a * x[c].d[u]), v[S][c]);
+      corr[S][c] += b * sum(x[c], u);
     }
   }
   // Unit u of signed weights: w = a * q.
-  void unit_s8(wvec q, int64_t u, float a) {
+  template <int S>
+  KOG_QINLINE void unit_s8(wvec q, int64_t u, float a) {
     for (int c = 0; c < NC; ++c) {
       const __m256i i = idot_s8(q, load32(x[c].q + 32 * u));
-      v[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(a * x[c].d[u]), v[c]);
+      v[S][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(a * x[c].d[u]), v[S][c]);
     }
   }
   // Unit u with a scale per half: w = a_h * q + b_h on elements 16 h .. 16 h + 15.
-  void unit_halves(wvec q, int64_t u, float a0, float a1, float b0, float b1) {
+  template <int S>
+  KOG_QINLINE void unit_halves(wvec q, int64_t u, float a0, float a1, float b0, float b1) {
     for (int c = 0; c < NC; ++c) {
       const __m256i i = idot_u8(q, load32(x[c].q + 32 * u));
       const float d = x[c].d[u];
       const __m256 sc = _mm256_set_m128(_mm_set1_ps(a1 * d), _mm_set1_ps(a0 * d));
-      v[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), sc, v[c]);
-      corr[c] += b0 * x[c].s[2 * u] + b1 * x[c].s[2 * u + 1];
+      v[S][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), sc, v[S][c]);
+      corr[S][c] += b0 * x[c].s[2 * u] + b1 * x[c].s[2 * u + 1];
     }
   }
 #if defined(__AVX512VNNI__)
   // Units u and u + 1 in one 512-bit register.
-  void pair(wvec q0, wvec q1, int64_t u, float a0, float a1, float b0, float b1) {
+  template <int S>
+  KOG_QINLINE void pair(wvec q0, wvec q1, int64_t u, float a0, float a1, float b0, float b1) {
     const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
     for (int c = 0; c < NC; ++c) {
       const __m512i i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(x[c].q + 32 * u));
       const __m512 sc = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(a0 * x[c].d[u])),
                                            _mm256_set1_ps(a1 * x[c].d[u + 1]), 1);
-      v2[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), sc, v2[c]);
-      corr[c] += b0 * sum(x[c], u) + b1 * sum(x[c], u + 1);
+      v2[S][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), sc, v2[S][c]);
+      corr[S][c] += b0 * sum(x[c], u) + b1 * sum(x[c], u + 1);
     }
   }
-  void pair_s8(wvec q0, wvec q1, int64_t u, float a0, float a1) {
+  template <int S>
+  KOG_QINLINE void pair_s8(wvec q0, wvec q1, int64_t u, float a0, float a1) {
     const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
     const __mmask64 neg = _mm512_movepi8_mask(w);
     const __m512i aw = _mm512_abs_epi8(w);
@@ -144,20 +156,26 @@ struct QuantAcc {
       const __m512i i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, xs);
       const __m512 sc = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(a0 * x[c].d[u])),
                                            _mm256_set1_ps(a1 * x[c].d[u + 1]), 1);
-      v2[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), sc, v2[c]);
+      v2[S][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), sc, v2[S][c]);
     }
   }
-  float result(int c) const { return hsum256(v[c]) + _mm512_reduce_add_ps(v2[c]) + corr[c]; }
+  float result(int c) const {
+    return hsum256(_mm256_add_ps(v[0][c], v[1][c])) + _mm512_reduce_add_ps(_mm512_add_ps(v2[0][c], v2[1][c])) +
+           corr[0][c] + corr[1][c];
+  }
 #else
-  void pair(wvec q0, wvec q1, int64_t u, float a0, float a1, float b0, float b1) {
-    unit(q0, u, a0, b0);
-    unit(q1, u + 1, a1, b1);
+  // Units u and u + 1, one per slot (S only matters where a pair is one register).
+  template <int S>
+  KOG_QINLINE void pair(wvec q0, wvec q1, int64_t u, float a0, float a1, float b0, float b1) {
+    unit<0>(q0, u, a0, b0);
+    unit<1>(q1, u + 1, a1, b1);
   }
-  void pair_s8(wvec q0, wvec q1, int64_t u, float a0, float a1) {
-    unit_s8(q0, u, a0);
-    unit_s8(q1, u + 1, a1);
+  template <int S>
+  KOG_QINLINE void pair_s8(wvec q0, wvec q1, int64_t u, float a0, float a1) {
+    unit_s8<0>(q0, u, a0);
+    unit_s8<1>(q1, u + 1, a1);
   }
-  float result(int c) const { return hsum256(v[c]) + corr[c]; }
+  float result(int c) const { return hsum256(_mm256_add_ps(v[0][c], v[1][c])) + corr[0][c] + corr[1][c]; }
 #endif
 };
 
@@ -216,7 +234,8 @@ struct QuantAcc {
     for (int i = 0; i < 16; ++i) s += int32_t(q[i]) * x[i];
     return s;
   }
-  void unit_halves(const wvec& q, int64_t u, float a0, float a1, float b0, float b1) {
+  template <int S>
+  KOG_QINLINE void unit_halves(const wvec& q, int64_t u, float a0, float a1, float b0, float b1) {
     for (int c = 0; c < NC; ++c) {
       const int8_t* xq = x[c].q + 32 * u;
       const float d = x[c].d[u];
@@ -224,14 +243,16 @@ struct QuantAcc {
               b0 * x[c].s[2 * u] + b1 * x[c].s[2 * u + 1];
     }
   }
-  void unit(const wvec& q, int64_t u, float a, float b) {
+  template <int S>
+  KOG_QINLINE void unit(const wvec& q, int64_t u, float a, float b) {
     for (int c = 0; c < NC; ++c) {
       const int8_t* xq = x[c].q + 32 * u;
       const int32_t i = idot16(q.b, xq) + idot16(q.b + 16, xq + 16);
       v[c] += a * x[c].d[u] * float(i) + b * (x[c].s[2 * u] + x[c].s[2 * u + 1]);
     }
   }
-  void unit_s8(const wvec& q, int64_t u, float a) {
+  template <int S>
+  KOG_QINLINE void unit_s8(const wvec& q, int64_t u, float a) {
     for (int c = 0; c < NC; ++c) {
       const int8_t* xq = x[c].q + 32 * u;
       int32_t i = 0;
@@ -239,13 +260,15 @@ struct QuantAcc {
       v[c] += a * x[c].d[u] * float(i);
     }
   }
-  void pair(const wvec& q0, const wvec& q1, int64_t u, float a0, float a1, float b0, float b1) {
-    unit(q0, u, a0, b0);
-    unit(q1, u + 1, a1, b1);
+  template <int S>
+  KOG_QINLINE void pair(const wvec& q0, const wvec& q1, int64_t u, float a0, float a1, float b0, float b1) {
+    unit<0>(q0, u, a0, b0);
+    unit<1>(q1, u + 1, a1, b1);
   }
-  void pair_s8(const wvec& q0, const wvec& q1, int64_t u, float a0, float a1) {
-    unit_s8(q0, u, a0);
-    unit_s8(q1, u + 1, a1);
+  template <int S>
+  KOG_QINLINE void pair_s8(const wvec& q0, const wvec& q1, int64_t u, float a0, float a1) {
+    unit_s8<0>(q0, u, a0);
+    unit_s8<1>(q1, u + 1, a1);
   }
   float result(int c) const { return v[c]; }
 };
