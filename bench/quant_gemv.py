@@ -3,7 +3,9 @@
 SmolLM2-135M projection shapes, one row of x (batch-1 decode). Prints µs per call, GB/s of weight
 bytes read, the fraction of the machine's triad bandwidth (measured in the same run) and the speed-up
 over the f32 linear on the same shape. K-quants need k % 256 == 0: "-" where the shape does not allow
-it (llama.cpp writes such tensors of a Q4_K_M file in another type).
+it (llama.cpp writes such tensors of a Q4_K_M file in another type). Both kernels are called
+through kog._C directly: the time of the kernel as the decode executor will pay it, without the
+~15 µs of argument checks in kog.ops (the same for both).
 Usage: python bench/quant_gemv.py [--repeat N] [--m M]
 """
 
@@ -80,7 +82,9 @@ def main() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             w = torch.randn(n, k).to(dtype)
             xd, out = x.to(dtype), torch.empty(args.m, n, dtype=dtype)
-            t = timeit(lambda: ops.linear(xd, w, out=out), args.repeat)
+            code = ops.DTYPE_CODE[dtype]
+            t = timeit(lambda: _C.linear(out.data_ptr(), xd.data_ptr(), w.data_ptr(), 0, args.m, n, k, k, n, code,
+                                         -1), args.repeat)
             t_base[dtype] = t
             rows.append((str(dtype)[6:], w.numel() * w.element_size(), t))
         for q in QTYPES:
@@ -90,7 +94,10 @@ def main() -> None:
                 continue
             w = random_blocks(rng, q, n, k)
             out = torch.empty(args.m, n)
-            t = timeit(lambda: ops.linear_quant(x, w, q, out=out), args.repeat)
+            ops.linear_quant(x, w, q, out=out)  # checks the arguments once
+            type_id = ops.QUANT_TYPES[q][0]
+            t = timeit(lambda: _C.linear_quant(out.data_ptr(), x.data_ptr(), w.data_ptr(), w.numel(), args.m, n, k, k,
+                                               n, 0, type_id), args.repeat)
             rows.append((q, w.numel(), t))
         for wname, nbytes, t in rows:
             if t is None:

@@ -58,7 +58,7 @@ def check(x: torch.Tensor, blocks: np.ndarray, qtype: T) -> None:
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 3, 8, 33])
 @pytest.mark.parametrize("n", [1, 7, 45])
-@pytest.mark.parametrize("blocks_per_row", [1, 3])
+@pytest.mark.parametrize("blocks_per_row", [1, 3, 7])  # the unrolled loop: 2 + 1, 4 + 2 + 1
 def test_linear_quant_matches_dequantized(cpu_isa, qtype, m, n, blocks_per_row):
     rng = np.random.default_rng(hash((qtype, m, n, blocks_per_row)) % 2**32)
     k = quants.GGML_QUANT_SIZES[qtype][0] * blocks_per_row

@@ -33,8 +33,10 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* s) {
     const float du = amax / 127.f, id = du != 0.f ? 1.f / du : 0.f;
     int32_t sum[2] = {0, 0};
     for (int i = 0; i < 32; ++i) {
-      const float r = (xf[i] * id + 12582912.f) - 12582912.f;  // 1.5 * 2^23: rounds to even
-      const int32_t qi = int32_t(r);
+      // rint of the rounded product, as the reference does. NOTE: not the (v + 1.5 * 2^23) - 1.5 * 2^23
+      // trick: GCC contracts x * id + 1.5 * 2^23 into an FMA where the ISA has one, which rounds the
+      // exact product and so sometimes the other way.
+      const int32_t qi = int32_t(__builtin_rintf(xf[i] * id));
       q[32 * u + i] = int8_t(qi);
       sum[i / 16] += qi;
     }
