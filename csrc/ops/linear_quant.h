@@ -14,8 +14,8 @@ struct LinearQuantParams {
   float* out;             // [m, n] f32, row stride out_stride
   const void* x;          // [m, k] x_dtype, row stride x_stride
   const uint8_t* weight;  // [n, k / elems * bytes] blocks of `type` (quant_type_info), row-major
-  void* scratch;          // linear_quant_scratch_bytes(m, k): x quantized (int8 [m, k], then f32
-                          // [m, k / 32] scales, then f32 [m, k / 16] scale * sum of each 16)
+  void* scratch;          // linear_quant_scratch_bytes(m, k): x quantized (int8 [m, k]; f32 [m, k / 32]
+                          // scales; f32 [m, k / 32] scale * sum of each 32; f32 [m, k / 16] of each 16)
   int64_t m;              // rows of x, >= 1
   int64_t n;              // output features (rows of W)
   int64_t k;              // input features, a multiple of type's block elements
@@ -26,7 +26,7 @@ struct LinearQuantParams {
 };
 
 constexpr int64_t linear_quant_scratch_bytes(int64_t m, int64_t k) {
-  return m * k + m * (k / 32) * 4 + m * (k / 16) * 4;
+  return m * k + 2 * m * (k / 32) * 4 + m * (k / 16) * 4;
 }
 
 }  // namespace kog

@@ -21,7 +21,7 @@ constexpr std::integral_constant<int, 1> kSlot1{};
 
 // q = round-to-nearest-even(x / d), d = amax / 127: |x - d q| <= d / 2 elementwise.
 template <typename T>
-void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* s) {
+void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* t, float* s) {
   for (int64_t u = 0; u < k / 32; ++u) {
     float xf[32];
     float amax = 0.f;
@@ -41,6 +41,7 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* s) {
       sum[i / 16] += qi;
     }
     d[u] = du;
+    t[u] = du * float(sum[0] + sum[1]);
     s[2 * u] = du * float(sum[0]);
     s[2 * u + 1] = du * float(sum[1]);
   }
@@ -49,20 +50,22 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* s) {
 struct QuantizedX {
   int8_t* q;  // [m, k]
   float* d;   // [m, k / 32]
+  float* t;   // [m, k / 32]
   float* s;   // [m, k / 16]
   int64_t k;
-  QRow row(int64_t c) const { return {q + c * k, d + c * (k / 32), s + c * (k / 16)}; }
+  QRow row(int64_t c) const { return {q + c * k, d + c * (k / 32), t + c * (k / 32), s + c * (k / 16)}; }
 };
 
 QuantizedX quantize_x(const LinearQuantParams& p) {
   int8_t* q = static_cast<int8_t*>(p.scratch);
   float* d = reinterpret_cast<float*>(q + p.m * p.k);
-  QuantizedX qx{q, d, d + p.m * (p.k / 32), p.k};
+  QuantizedX qx{q, d, d + p.m * (p.k / 32), d + 2 * p.m * (p.k / 32), p.k};
   for_each_row(p.m, p.m * p.k >= kParallelMinElems, [&](int64_t c) {
     dispatch_float(p.x_dtype, [&](auto tag) {
       using T = decltype(tag);
-      quantize_row(static_cast<const T*>(p.x) + c * p.x_stride, p.k, qx.q + c * p.k, qx.d + c * (p.k / 32),
-                   qx.s + c * (p.k / 16));
+      const int64_t units = p.k / 32;
+      quantize_row(static_cast<const T*>(p.x) + c * p.x_stride, p.k, qx.q + c * p.k, qx.d + c * units,
+                   qx.t + c * units, qx.s + 2 * c * units);
     });
   });
   return qx;
@@ -124,21 +127,17 @@ KOG_QINLINE void dot_q4_1(const uint8_t* row, int64_t nb, Acc& acc) {
   if (i < nb) acc.template unit<1>(nibbles16(b[i].qs), i, half_to_f32(b[i].d), half_to_f32(b[i].m));
 }
 
-// Q4_K/Q5_K sub-block scales and mins as floats: a[j] = d * sc[j], b[j] = -dmin * mn[j]
-// (the 6-bit packing: csrc/ops/quant.h).
+// Q4_K/Q5_K sub-block scales and mins as floats: a[j] = d * sc[j], b[j] = -dmin * mn[j]. The 6-bit
+// packing (csrc/ops/quant.h) unpacked four sub-blocks at a time in 32-bit words (little endian).
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "k_scales reads bytes as little-endian words");
 KOG_QINLINE void k_scales(const uint8_t* s, float d, float dmin, float* a, float* b) {
-  for (int j = 0; j < 8; ++j) {
-    int sc, mn;
-    if (j < 4) {
-      sc = s[j] & 63;
-      mn = s[j + 4] & 63;
-    } else {
-      sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
-      mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-    a[j] = d * float(sc);
-    b[j] = -dmin * float(mn);
-  }
+  uint32_t w[3];
+  __builtin_memcpy(w, s, 12);
+  const uint32_t sc_lo = w[0] & 0x3f3f3f3fu, mn_lo = w[1] & 0x3f3f3f3fu;
+  const uint32_t sc_hi = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
+  const uint32_t mn_hi = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
+  u8x8_to_f32(uint64_t(sc_lo) | uint64_t(sc_hi) << 32, d, a);
+  u8x8_to_f32(uint64_t(mn_lo) | uint64_t(mn_hi) << 32, -dmin, b);
 }
 
 template <class Acc>
@@ -179,13 +178,15 @@ KOG_QINLINE void dot_q6_k(const uint8_t* row, int64_t nb, Acc& acc) {
   const BlockQ6_K* blocks = reinterpret_cast<const BlockQ6_K*>(row);
   for (int64_t i = 0; i < nb; ++i) {
     const BlockQ6_K& b = blocks[i];
-    const float d = half_to_f32(b.d);
+    float a[16];  // d * scales
+    s8x8_to_f32(b.scales, half_to_f32(b.d), a);
+    s8x8_to_f32(b.scales + 8, half_to_f32(b.d), a + 8);
     for (int h = 0; h < 2; ++h) {
       wvec q[4];
       q6_units(b.ql + 64 * h, b.qh + 32 * h, q);
       // q - 32 per element: the -32 goes into b, with the scale of its 16-element half.
       auto unit = [&](auto slot, int t) __attribute__((always_inline)) {
-        const float a0 = d * float(b.scales[8 * h + 2 * t]), a1 = d * float(b.scales[8 * h + 2 * t + 1]);
+        const float a0 = a[8 * h + 2 * t], a1 = a[8 * h + 2 * t + 1];
         acc.template unit_halves<decltype(slot)::value>(q[t], 8 * i + 4 * h + t, a0, a1, -32.f * a0, -32.f * a1);
       };
       unit(kSlot0, 0), unit(kSlot1, 1), unit(kSlot0, 2), unit(kSlot1, 3);

@@ -18,11 +18,12 @@
 
 namespace kog::cpu::KOG_ISA_NS {
 
-// One row of x quantized per unit u: q[32 u + i] int8, d[u] its scale, s[2 u + h] = d[u] * the
-// sum of q over half h (elements 16 h .. 16 h + 15) of the unit.
+// One row of x quantized per unit u: q[32 u + i] int8, d[u] its scale, t[u] = d[u] * the sum of
+// q over the unit, s[2 u + h] = d[u] * the sum of q over half h (elements 16 h .. 16 h + 15).
 struct QRow {
   const int8_t* q;
   const float* d;
+  const float* t;
   const float* s;
 };
 
@@ -71,6 +72,16 @@ static inline __m256i idot_u8(__m256i q, __m256i x) {
 static inline __m256i idot_s8(__m256i w, __m256i x) {
   return idot_u8(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
 }
+// out[i] = scale * byte i of `bytes` (unsigned), i < 8.
+static inline void u8x8_to_f32(uint64_t bytes, float scale, float* out) {
+  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(bytes))));
+  _mm256_storeu_ps(out, _mm256_mul_ps(v, _mm256_set1_ps(scale)));
+}
+// out[i] = scale * p[i], i < 8.
+static inline void s8x8_to_f32(const int8_t* p, float scale, float* out) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_set1_ps(scale)));
+}
 static inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -102,7 +113,7 @@ struct QuantAcc {
       }
     }
   }
-  float sum(const QRow& r, int64_t u) const { return r.s[2 * u] + r.s[2 * u + 1]; }
+  float sum(const QRow& r, int64_t u) const { return r.t[u]; }
 
   // Unit u: w = a * q + b.
   template <int S>
@@ -218,6 +229,13 @@ static inline void q6_units(const uint8_t* ql, const uint8_t* qh, wvec u[4]) {
   }
 }
 
+static inline void u8x8_to_f32(uint64_t bytes, float scale, float* out) {
+  for (int i = 0; i < 8; ++i) out[i] = scale * float((bytes >> (8 * i)) & 0xff);
+}
+static inline void s8x8_to_f32(const int8_t* p, float scale, float* out) {
+  for (int i = 0; i < 8; ++i) out[i] = scale * float(p[i]);
+}
+
 template <int NC>
 struct QuantAcc {
   QRow x[NC];
@@ -248,7 +266,7 @@ struct QuantAcc {
     for (int c = 0; c < NC; ++c) {
       const int8_t* xq = x[c].q + 32 * u;
       const int32_t i = idot16(q.b, xq) + idot16(q.b + 16, xq + 16);
-      v[c] += a * x[c].d[u] * float(i) + b * (x[c].s[2 * u] + x[c].s[2 * u + 1]);
+      v[c] += a * x[c].d[u] * float(i) + b * x[c].t[u];
     }
   }
   template <int S>
