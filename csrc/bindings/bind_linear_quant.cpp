@@ -30,7 +30,7 @@ void linear_quant(uintptr_t out, uintptr_t x, uintptr_t weight, int64_t weight_b
   const int64_t row_bytes = k / info.elems * info.bytes;
   KOG_CHECK(weight_bytes == n * row_bytes, "linear_quant: ", info.name, " weight of ", n, " rows of k=", k,
             " needs ", n * row_bytes, " bytes, got ", weight_bytes);
-  KOG_CHECK(x_stride >= k && out_stride >= n, "linear_quant: row strides below the row length");
+  KOG_CHECK(m <= 1 || (x_stride >= k && out_stride >= n), "linear_quant: row strides below the row length");
   KOG_CHECK(m == 0 || (out && x && weight), "linear_quant: null tensor");
   if (m == 0) return;
   std::vector<uint8_t> scratch(static_cast<size_t>(kog::linear_quant_scratch_bytes(m, k)));
