@@ -116,30 +116,36 @@ struct QuantAcc {
   float sum(const QRow& r, int64_t u) const { return r.t[u]; }
 
   // Unit u: w = a * q + b.
+  // NOTE: (i * dx) * a, not i * (a * dx): dx is broadcast straight from memory (a load, no ALU op)
+  // and a once for all rows, so a row pays cvt, mul, fma on top of the integer dot.
   template <int S>
   KOG_QINLINE void unit(wvec q, int64_t u, float a, float b) {
+    const __m256 av = _mm256_set1_ps(a);
     for (int c = 0; c < NC; ++c) {
       const __m256i i = idot_u8(q, load32(x[c].q + 32 * u));
-      v[S][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(a * x[c].d[u]), v[S][c]);
+      const __m256 id = _mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_broadcast_ss(x[c].d + u));
+      v[S][c] = _mm256_fmadd_ps(id, av, v[S][c]);
       corr[S][c] += b * sum(x[c], u);
     }
   }
   // Unit u of signed weights: w = a * q.
   template <int S>
   KOG_QINLINE void unit_s8(wvec q, int64_t u, float a) {
+    const __m256 av = _mm256_set1_ps(a);
     for (int c = 0; c < NC; ++c) {
       const __m256i i = idot_s8(q, load32(x[c].q + 32 * u));
-      v[S][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(a * x[c].d[u]), v[S][c]);
+      const __m256 id = _mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_broadcast_ss(x[c].d + u));
+      v[S][c] = _mm256_fmadd_ps(id, av, v[S][c]);
     }
   }
   // Unit u with a scale per half: w = a_h * q + b_h on elements 16 h .. 16 h + 15.
   template <int S>
   KOG_QINLINE void unit_halves(wvec q, int64_t u, float a0, float a1, float b0, float b1) {
+    const __m256 av = _mm256_set_m128(_mm_set1_ps(a1), _mm_set1_ps(a0));
     for (int c = 0; c < NC; ++c) {
       const __m256i i = idot_u8(q, load32(x[c].q + 32 * u));
-      const float d = x[c].d[u];
-      const __m256 sc = _mm256_set_m128(_mm_set1_ps(a1 * d), _mm_set1_ps(a0 * d));
-      v[S][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), sc, v[S][c]);
+      const __m256 id = _mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_broadcast_ss(x[c].d + u));
+      v[S][c] = _mm256_fmadd_ps(id, av, v[S][c]);
       corr[S][c] += b0 * x[c].s[2 * u] + b1 * x[c].s[2 * u + 1];
     }
   }
