@@ -94,6 +94,18 @@ def test_linear_quant_half_inputs_and_strided_rows(cpu_isa, dtype):
     check(x.float(), blocks, T.Q4_K)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_linear_quant_non_finite_x_gives_nan(cpu_isa, bad):
+    """A NaN or inf in a row of x makes that row's outputs NaN (not a silently finite number)."""
+    rng = np.random.default_rng(2)
+    for qtype in (T.Q4_1, T.Q4_K):
+        blocks = torch.from_numpy(random_blocks(rng, qtype, 9, 512))
+        x = torch.randn(3, 512)
+        x[1, 300] = bad
+        out = ops.linear_quant(x, blocks, int(qtype))
+        assert out[1].isnan().all() and out[[0, 2]].isfinite().all()
+
+
 def test_linear_quant_isas_agree(gen):
     """Every ISA gives the same result up to fp32 summation order (same integer dots)."""
     rng = np.random.default_rng(11)

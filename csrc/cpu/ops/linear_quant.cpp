@@ -28,7 +28,7 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* t, float* s
     for (int i = 0; i < 32; ++i) {
       xf[i] = to_f32(x[32 * u + i]);
       const float a = __builtin_fabsf(xf[i]);
-      amax = a > amax ? a : amax;
+      amax = a > amax || a != a ? a : amax;  // a NaN x makes d NaN, so its rows come out NaN
     }
     const float du = amax / 127.f, id = du != 0.f ? 1.f / du : 0.f;
     int32_t sum[2] = {0, 0};
