@@ -3,7 +3,8 @@
 # never depends on the build machine's CPU.
 #   generic  baseline of the target (x86-64: SSE2)
 #   avx2     x86-64-v3: AVX2 + FMA + F16C
-#   avx512   x86-64-v4 + AVX512-BF16
+#   avx512   x86-64-v4 + AVX512-BF16 + AVX512-VNNI (every CPU with AVX512-BF16 has VNNI:
+#            Cooper Lake, Sapphire Rapids and later, Zen 4 and later)
 # NOTE: kernel sources must not call inline functions or templates shared with other TUs
 # (std::max, std::sqrt, ...): the linker keeps one COMDAT copy, possibly the AVX-512 one, and
 # a generic caller would then fault on an older CPU. csrc/cpu/vec.h gives ISA-local helpers.
@@ -14,7 +15,7 @@ else()
 endif()
 set(KOG_CPU_ISA_FLAGS_generic "")
 set(KOG_CPU_ISA_FLAGS_avx2 -mavx2 -mfma -mf16c -mbmi2)
-set(KOG_CPU_ISA_FLAGS_avx512 -mavx2 -mfma -mf16c -mbmi2 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16)
+set(KOG_CPU_ISA_FLAGS_avx512 -mavx2 -mfma -mf16c -mbmi2 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni)
 
 function(kog_add_cpu_kernels target sources)
   set(defs "")

@@ -9,6 +9,7 @@ void bind_thread_pool(py::module_& m);
 void bind_kvcache(py::module_& m);
 void bind_ops(py::module_& m);
 void bind_linear(py::module_& m);
+void bind_linear_quant(py::module_& m);
 void bind_schedule(py::module_& m);
 void bind_attention(py::module_& m);
 void bind_engine(py::module_& m);
@@ -23,6 +24,7 @@ PYBIND11_MODULE(_C, m) {
   bind_kvcache(m);
   bind_ops(m);
   bind_linear(m);
+  bind_linear_quant(m);
   bind_schedule(m);
   bind_attention(m);
   bind_engine(m);

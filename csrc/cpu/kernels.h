@@ -6,6 +6,7 @@
 
 #include "ops/activation.h"
 #include "ops/linear.h"
+#include "ops/linear_quant.h"
 #include "ops/attention.h"
 #include "ops/kv_append.h"
 #include "ops/rmsnorm.h"
@@ -30,6 +31,7 @@ struct KernelTable {
   void (*paged_attention_decode)(const PagedAttentionParams&);
   void (*paged_attention_prefill)(const PagedAttentionParams&);
   void (*sample)(const SampleParams&);  // one thread; rows in order (csrc/ops/sample.h)
+  void (*linear_quant)(const LinearQuantParams&);  // parallel over output rows (csrc/ops/linear_quant.h)
 };
 
 namespace generic { const KernelTable& kernel_table(); }

@@ -280,6 +280,59 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _C.linear(out.data_ptr(), x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else 0,
               m, n, k, x_stride, out_stride, code, device, stream)
     return out
+# GGUF block formats with native CPU kernels: name -> (ggml type id, elements, bytes per block).
+QUANT_TYPES: dict[str, tuple[int, int, int]] = dict(_C.quant_types())
+_QUANT_BY_ID = {v[0]: (name, v[1], v[2]) for name, v in QUANT_TYPES.items()}
+
+
+def linear_quant(x: torch.Tensor, weight: torch.Tensor, quant_type: int | str,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T`` with W given as GGUF quantized blocks, never dequantized (CPU).
+
+    x is quantized per 32-element block to int8 (scale amax / 127) inside the kernel, so the
+    result differs from the dequantized-fp32 product by at most sum_i |W_i| * amax_block(i) / 254.
+
+    Args:
+        x: [..., k] float32/float16/bfloat16 on the CPU.
+        weight: [n, k / block_elems * block_bytes] uint8, contiguous: each row k elements of
+            GGUF blocks as stored in the file (gguf's byte shape for an [n, k] tensor).
+        quant_type: a ggml type id (``gguf.GGMLQuantizationType``) or name: Q4_0, Q4_1, Q8_0,
+            Q4_K, Q5_K or Q6_K.
+        out: optional [..., n] float32 output.
+
+    Returns:
+        out: [..., n] float32.
+    """
+    if isinstance(quant_type, str):
+        if quant_type not in QUANT_TYPES:
+            raise InvalidRequest(f"unsupported quant type {quant_type!r} (supported: {', '.join(QUANT_TYPES)})")
+        quant_type = QUANT_TYPES[quant_type][0]
+    quant_type = int(quant_type)
+    if quant_type not in _QUANT_BY_ID:
+        raise InvalidRequest(f"unsupported quant type {quant_type} (supported: {', '.join(QUANT_TYPES)})")
+    name, elems, nbytes = _QUANT_BY_ID[quant_type]
+    code = _float_code("x", x)
+    if weight.dtype != torch.uint8 or weight.dim() != 2 or not weight.is_contiguous():
+        raise InvalidRequest(f"weight must be a contiguous uint8 [n, row_bytes] tensor, got {weight.dtype} "
+                             f"shape {tuple(weight.shape)}")
+    if x.device.type != "cpu" or weight.device.type != "cpu":
+        raise InvalidRequest("linear_quant runs on the CPU only")
+    n, row_bytes = weight.shape
+    if row_bytes % nbytes:
+        raise InvalidRequest(f"{name} weight rows must be whole {nbytes}-byte blocks, got {row_bytes} bytes")
+    k = row_bytes // nbytes * elems
+    m, x_stride = _rows("x", x, k)
+    shape = (*x.shape[:-1], n)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32)
+    elif out.dtype != torch.float32 or tuple(out.shape) != shape:
+        raise InvalidRequest(f"out must be float32 with shape {shape}, got {out.dtype} {tuple(out.shape)}")
+    out_stride = _rows("out", out, n)[1]
+    _C.linear_quant(out.data_ptr(), x.data_ptr(), weight.data_ptr(), weight.numel(), m, n, k, x_stride,
+                    out_stride, code, quant_type)
+    return out
+
+
 # ---- paged KV cache and attention ------------------------------------------------------------
 # One layer's cache: kv_cache [num_blocks, 2, n_kv_heads, block_size, head_dim] (dim 1: 0 = K,
 # 1 = V), contiguous; token t of a sequence is at block_tables[s][t // block_size], offset

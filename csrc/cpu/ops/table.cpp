@@ -15,10 +15,12 @@ void kv_append(const KVAppendParams& p);
 void paged_attention_decode(const PagedAttentionParams& p);
 void paged_attention_prefill(const PagedAttentionParams& p);
 void sample(const SampleParams& p);
+void linear_quant(const LinearQuantParams& p);
 
 const KernelTable& kernel_table() {
   static const KernelTable table{KOG_STR(KOG_ISA_NS), &rmsnorm, &rope, &silu_and_mul, &linear, &linear_part,
-                                 &kv_append, &paged_attention_decode, &paged_attention_prefill, &sample};
+                                 &kv_append, &paged_attention_decode, &paged_attention_prefill, &sample,
+                                 &linear_quant};
   return table;
 }
 

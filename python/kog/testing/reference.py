@@ -147,3 +147,34 @@ def paged_attention(
         scores = scores.masked_fill(torch.arange(seq_len)[None, :] > pos, float("-inf"))
         out[a:b] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
     return out.to(q.dtype)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x quantized per 32-element block as kog's quantized linear does it (Q8-style).
+
+    Args:
+        x: [m, k] float, k a multiple of 32.
+
+    Returns:
+        q: [m, k] float32 holding the int8 values round_half_even(x / d), d = amax / 127 (fp32 math).
+        d: [m, k // 32] float32 block scales.
+    """
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(dim=-1) / torch.tensor(127.0)
+    inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None])  # torch.round: half to even, as the kernels
+    return q.reshape(x.shape), d
+
+
+def linear_quant_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Bound on |x @ W.T - xq @ W.T| from quantizing x per 32-element block: |x - xq| <= amax / 254.
+
+    Args:
+        x: [m, k] float; weight: [n, k] the dequantized weights.
+
+    Returns:
+        [m, n] float64.
+    """
+    xb = x.double().reshape(x.shape[0], -1, 32)
+    half_step = (xb.abs().amax(dim=-1, keepdim=True) / 254.0).expand_as(xb).reshape(x.shape)
+    return half_step @ weight.double().abs().T

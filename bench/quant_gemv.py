@@ -1,0 +1,112 @@
+"""Quantized GEMV on the CPU: kog's linear_quant per GGUF type vs kog's f32 and bf16 linear.
+
+SmolLM2-135M projection shapes, one row of x (batch-1 decode). Prints µs per call, GB/s of weight
+bytes read, the fraction of the machine's triad bandwidth (measured in the same run) and the speed-up
+over the f32 linear on the same shape. K-quants need k % 256 == 0: "-" where the shape does not allow
+it (llama.cpp writes such tensors of a Q4_K_M file in another type). Both kernels are called
+through kog._C directly: the time of the kernel as the decode executor will pay it, without the
+~15 µs of argument checks in kog.ops (the same for both).
+Usage: python bench/quant_gemv.py [--repeat N] [--m M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from kog import _C, ops
+
+SHAPES = [  # (name, n, k) of W [n, k]
+    ("q_proj 576x576", 576, 576),
+    ("up 1536x576", 1536, 576),
+    ("down 576x1536", 576, 1536),
+    ("lm_head 49152x576", 49152, 576),
+]
+QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def timeit(fn, repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / repeat)
+    return best
+
+
+def triad_gbps() -> float:
+    n = 64 * 2**20  # floats per array: 256 MiB
+    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
+    t = timeit(lambda: torch.add(b, c, alpha=2.0, out=a), 3)
+    return 3 * n * 4 / t / 1e9
+
+
+def random_blocks(rng: np.random.Generator, name: str, n: int, k: int) -> torch.Tensor:
+    """[n, row_bytes] uint8 of valid blocks (random integers, finite fp16 scales): timing only."""
+    qtype = GGMLQuantizationType[name]
+    elems, nbytes = quants.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(n, k // elems, nbytes), dtype=np.uint8)
+    halves = rng.uniform(-0.05, 0.05, size=(n, k // elems, 2)).astype(np.float16).view(np.uint8)
+    halves = halves.reshape(n, k // elems, 4)
+    if name == "Q6_K":
+        blocks[..., nbytes - 2:] = halves[..., :2]
+    elif name in ("Q8_0", "Q4_0"):
+        blocks[..., :2] = halves[..., :2]
+    else:
+        blocks[..., :4] = halves
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--m", type=int, default=1, help="rows of x")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    bw = triad_gbps()
+    info = _C.build_info()
+    print(f"kog cpu_isa={info['cpu_isa']} threads={info['cpu_threads']} m={args.m}  "
+          f"triad bandwidth {bw:.1f} GB/s\n")
+    print(f"{'shape':<20}{'weights':<8}{'MB':>7}{'µs':>9}{'GB/s':>8}{'of triad':>9}{'vs f32':>8}{'vs bf16':>8}")
+    for name, n, k in SHAPES:
+        x = torch.randn(args.m, k)
+        t_base = {}
+        rows = []
+        for dtype in (torch.float32, torch.bfloat16):
+            w = torch.randn(n, k).to(dtype)
+            xd, out = x.to(dtype), torch.empty(args.m, n, dtype=dtype)
+            code = ops.DTYPE_CODE[dtype]
+            t = timeit(lambda: _C.linear(out.data_ptr(), xd.data_ptr(), w.data_ptr(), 0, args.m, n, k, k, n, code,
+                                         -1), args.repeat)
+            t_base[dtype] = t
+            rows.append((str(dtype)[6:], w.numel() * w.element_size(), t))
+        for q in QTYPES:
+            elems = ops.QUANT_TYPES[q][1]
+            if k % elems:
+                rows.append((q, None, None))
+                continue
+            w = random_blocks(rng, q, n, k)
+            out = torch.empty(args.m, n)
+            ops.linear_quant(x, w, q, out=out)  # checks the arguments once
+            type_id = ops.QUANT_TYPES[q][0]
+            t = timeit(lambda: _C.linear_quant(out.data_ptr(), x.data_ptr(), w.data_ptr(), w.numel(), args.m, n, k, k,
+                                               n, 0, type_id), args.repeat)
+            rows.append((q, w.numel(), t))
+        for wname, nbytes, t in rows:
+            if t is None:
+                print(f"{name:<20}{wname:<8}{'-':>7}")
+                continue
+            gbps = nbytes / t / 1e9
+            print(f"{name:<20}{wname:<8}{nbytes / 1e6:>7.2f}{t * 1e6:>9.1f}{gbps:>8.1f}{gbps / bw:>9.0%}"
+                  f"{t_base[torch.float32] / t:>7.2f}x{t_base[torch.bfloat16] / t:>7.2f}x")
+
+
+if __name__ == "__main__":
+    main()

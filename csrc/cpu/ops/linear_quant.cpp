@@ -1,0 +1,257 @@
+// CPU linear over GGUF-quantized weights. Contract: csrc/ops/linear_quant.h; the integer dot
+// products per ISA: csrc/cpu/ops/quant_dot.h.
+// x is quantized once per call (per 32-element unit: int8, scale, half sums); then each weight row
+// is unpacked block by block, once for up to kCols rows of x, as in csrc/cpu/ops/linear.cpp.
+#include "cpu/kernels.h"
+#include "cpu/ops/quant_dot.h"
+
+#include <type_traits>
+
+namespace kog::cpu::KOG_ISA_NS {
+namespace {
+
+constexpr int kCols = 4;
+// Below this many weight bytes a call runs on the calling thread.
+constexpr int64_t kParallelMinBytes = 1 << 15;
+// Accumulator slots (QuantAcc) as values for generic lambdas.
+constexpr std::integral_constant<int, 0> kSlot0{};
+constexpr std::integral_constant<int, 1> kSlot1{};
+
+// ---- x quantized per unit (the layout of LinearQuantParams::scratch) ----------------------------
+
+// q = round-to-nearest-even(x / d), d = amax / 127: |x - d q| <= d / 2 elementwise.
+template <typename T>
+void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* t, float* s) {
+  for (int64_t u = 0; u < k / 32; ++u) {
+    float xf[32];
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) {
+      xf[i] = to_f32(x[32 * u + i]);
+      const float a = __builtin_fabsf(xf[i]);
+      amax = a > amax || a != a ? a : amax;  // a NaN x makes d NaN, so its rows come out NaN
+    }
+    const float du = amax / 127.f, id = du != 0.f ? 1.f / du : 0.f;
+    int32_t sum[2] = {0, 0};
+    for (int i = 0; i < 32; ++i) {
+      // rint of the rounded product, as the reference does. NOTE: not the (v + 1.5 * 2^23) - 1.5 * 2^23
+      // trick: GCC contracts x * id + 1.5 * 2^23 into an FMA where the ISA has one, which rounds the
+      // exact product and so sometimes the other way.
+      const int32_t qi = int32_t(__builtin_rintf(xf[i] * id));
+      q[32 * u + i] = int8_t(qi);
+      sum[i / 16] += qi;
+    }
+    d[u] = du;
+    t[u] = du * float(sum[0] + sum[1]);
+    s[2 * u] = du * float(sum[0]);
+    s[2 * u + 1] = du * float(sum[1]);
+  }
+}
+
+struct QuantizedX {
+  int8_t* q;  // [m, k]
+  float* d;   // [m, k / 32]
+  float* t;   // [m, k / 32]
+  float* s;   // [m, k / 16]
+  int64_t k;
+  QRow row(int64_t c) const { return {q + c * k, d + c * (k / 32), t + c * (k / 32), s + c * (k / 16)}; }
+};
+
+QuantizedX quantize_x(const LinearQuantParams& p) {
+  int8_t* q = static_cast<int8_t*>(p.scratch);
+  float* d = reinterpret_cast<float*>(q + p.m * p.k);
+  QuantizedX qx{q, d, d + p.m * (p.k / 32), d + 2 * p.m * (p.k / 32), p.k};
+  for_each_row(p.m, p.m * p.k >= kParallelMinElems, [&](int64_t c) {
+    dispatch_float(p.x_dtype, [&](auto tag) {
+      using T = decltype(tag);
+      const int64_t units = p.k / 32;
+      quantize_row(static_cast<const T*>(p.x) + c * p.x_stride, p.k, qx.q + c * p.k, qx.d + c * units,
+                   qx.t + c * units, qx.s + 2 * c * units);
+    });
+  });
+  return qx;
+}
+
+// ---- one weight row per format: unpack each unit, hand it to the accumulator --------------------
+
+// Blocks of one unit: two pairs per step, one per accumulator slot.
+template <class Acc>
+KOG_QINLINE void dot_q8_0(const uint8_t* row, int64_t nb, Acc& acc) {
+  const BlockQ8_0* b = reinterpret_cast<const BlockQ8_0*>(row);
+  auto pair = [&](auto slot, int64_t i) __attribute__((always_inline)) {
+    acc.template pair_s8<decltype(slot)::value>(load32(b[i].qs), load32(b[i + 1].qs), i, half_to_f32(b[i].d),
+                                                half_to_f32(b[i + 1].d));
+  };
+  int64_t i = 0;
+  for (; i + 4 <= nb; i += 4) {
+    pair(kSlot0, i);
+    pair(kSlot1, i + 2);
+  }
+  if (i + 2 <= nb) pair(kSlot0, i), i += 2;
+  if (i < nb) acc.template unit_s8<1>(load32(b[i].qs), i, half_to_f32(b[i].d));
+}
+
+template <class Acc>
+KOG_QINLINE void dot_q4_0(const uint8_t* row, int64_t nb, Acc& acc) {
+  const BlockQ4_0* b = reinterpret_cast<const BlockQ4_0*>(row);
+  auto pair = [&](auto slot, int64_t i) __attribute__((always_inline)) {
+    const float d0 = half_to_f32(b[i].d), d1 = half_to_f32(b[i + 1].d);
+    acc.template pair<decltype(slot)::value>(nibbles16(b[i].qs), nibbles16(b[i + 1].qs), i, d0, d1, -8.f * d0,
+                                             -8.f * d1);
+  };
+  int64_t i = 0;
+  for (; i + 4 <= nb; i += 4) {
+    pair(kSlot0, i);
+    pair(kSlot1, i + 2);
+  }
+  if (i + 2 <= nb) pair(kSlot0, i), i += 2;
+  if (i < nb) {
+    const float d = half_to_f32(b[i].d);
+    acc.template unit<1>(nibbles16(b[i].qs), i, d, -8.f * d);
+  }
+}
+
+template <class Acc>
+KOG_QINLINE void dot_q4_1(const uint8_t* row, int64_t nb, Acc& acc) {
+  const BlockQ4_1* b = reinterpret_cast<const BlockQ4_1*>(row);
+  auto pair = [&](auto slot, int64_t i) __attribute__((always_inline)) {
+    acc.template pair<decltype(slot)::value>(nibbles16(b[i].qs), nibbles16(b[i + 1].qs), i, half_to_f32(b[i].d),
+                                             half_to_f32(b[i + 1].d), half_to_f32(b[i].m),
+                                             half_to_f32(b[i + 1].m));
+  };
+  int64_t i = 0;
+  for (; i + 4 <= nb; i += 4) {
+    pair(kSlot0, i);
+    pair(kSlot1, i + 2);
+  }
+  if (i + 2 <= nb) pair(kSlot0, i), i += 2;
+  if (i < nb) acc.template unit<1>(nibbles16(b[i].qs), i, half_to_f32(b[i].d), half_to_f32(b[i].m));
+}
+
+// Q4_K/Q5_K sub-block scales and mins as floats: a[j] = d * sc[j], b[j] = -dmin * mn[j]. The 6-bit
+// packing (csrc/ops/quant.h) unpacked four sub-blocks at a time in 32-bit words (little endian).
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "k_scales reads bytes as little-endian words");
+KOG_QINLINE void k_scales(const uint8_t* s, float d, float dmin, float* a, float* b) {
+  uint32_t w[3];
+  __builtin_memcpy(w, s, 12);
+  const uint32_t sc_lo = w[0] & 0x3f3f3f3fu, mn_lo = w[1] & 0x3f3f3f3fu;
+  const uint32_t sc_hi = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
+  const uint32_t mn_hi = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
+  u8x8_to_f32(uint64_t(sc_lo) | uint64_t(sc_hi) << 32, d, a);
+  u8x8_to_f32(uint64_t(mn_lo) | uint64_t(mn_hi) << 32, -dmin, b);
+}
+
+template <class Acc>
+KOG_QINLINE void dot_q4_k(const uint8_t* row, int64_t nb, Acc& acc) {
+  const BlockQ4_K* blocks = reinterpret_cast<const BlockQ4_K*>(row);
+  for (int64_t i = 0; i < nb; ++i) {
+    const BlockQ4_K& b = blocks[i];
+    float a[8], m[8];
+    k_scales(b.scales, half_to_f32(b.d), half_to_f32(b.dmin), a, m);
+    auto pair = [&](auto slot, int j) __attribute__((always_inline)) {
+      const wvec v = load32(b.qs + 32 * j);
+      acc.template pair<decltype(slot)::value>(nib_lo(v), nib_hi(v), 8 * i + 2 * j, a[2 * j], a[2 * j + 1],
+                                               m[2 * j], m[2 * j + 1]);
+    };
+    pair(kSlot0, 0), pair(kSlot1, 1), pair(kSlot0, 2), pair(kSlot1, 3);
+  }
+}
+
+template <class Acc>
+KOG_QINLINE void dot_q5_k(const uint8_t* row, int64_t nb, Acc& acc) {
+  const BlockQ5_K* blocks = reinterpret_cast<const BlockQ5_K*>(row);
+  for (int64_t i = 0; i < nb; ++i) {
+    const BlockQ5_K& b = blocks[i];
+    float a[8], m[8];
+    k_scales(b.scales, half_to_f32(b.d), half_to_f32(b.dmin), a, m);
+    const wvec h = load32(b.qh);
+    auto pair = [&](auto slot, int j) __attribute__((always_inline)) {
+      const wvec v = load32(b.qs + 32 * j);
+      acc.template pair<decltype(slot)::value>(add_bit4(nib_lo(v), h, 2 * j), add_bit4(nib_hi(v), h, 2 * j + 1),
+                                               8 * i + 2 * j, a[2 * j], a[2 * j + 1], m[2 * j], m[2 * j + 1]);
+    };
+    pair(kSlot0, 0), pair(kSlot1, 1), pair(kSlot0, 2), pair(kSlot1, 3);
+  }
+}
+
+template <class Acc>
+KOG_QINLINE void dot_q6_k(const uint8_t* row, int64_t nb, Acc& acc) {
+  const BlockQ6_K* blocks = reinterpret_cast<const BlockQ6_K*>(row);
+  for (int64_t i = 0; i < nb; ++i) {
+    const BlockQ6_K& b = blocks[i];
+    float a[16];  // d * scales
+    s8x8_to_f32(b.scales, half_to_f32(b.d), a);
+    s8x8_to_f32(b.scales + 8, half_to_f32(b.d), a + 8);
+    for (int h = 0; h < 2; ++h) {
+      wvec q[4];
+      q6_units(b.ql + 64 * h, b.qh + 32 * h, q);
+      // q - 32 per element: the -32 goes into b, with the scale of its 16-element half.
+      auto unit = [&](auto slot, int t) __attribute__((always_inline)) {
+        const float a0 = a[8 * h + 2 * t], a1 = a[8 * h + 2 * t + 1];
+        acc.template unit_halves<decltype(slot)::value>(q[t], 8 * i + 4 * h + t, a0, a1, -32.f * a0, -32.f * a1);
+      };
+      unit(kSlot0, 0), unit(kSlot1, 1), unit(kSlot0, 2), unit(kSlot1, 3);
+    }
+  }
+}
+
+template <int NC>
+void dot_row(QuantType type, const uint8_t* w, int64_t k, const QRow* x, float* out) {
+  QuantAcc<NC> acc(x);
+  switch (type) {
+    case QuantType::kQ8_0: dot_q8_0(w, k / kQuantBlock, acc); break;
+    case QuantType::kQ4_0: dot_q4_0(w, k / kQuantBlock, acc); break;
+    case QuantType::kQ4_1: dot_q4_1(w, k / kQuantBlock, acc); break;
+    case QuantType::kQ4_K: dot_q4_k(w, k / kSuperBlock, acc); break;
+    case QuantType::kQ5_K: dot_q5_k(w, k / kSuperBlock, acc); break;
+    case QuantType::kQ6_K: dot_q6_k(w, k / kSuperBlock, acc); break;
+  }
+  for (int c = 0; c < NC; ++c) out[c] = acc.result(c);
+}
+
+// Output rows [row_begin, row_end).
+void quant_rows(const LinearQuantParams& p, const QuantizedX& qx, int64_t row_bytes, int64_t row_begin,
+                int64_t row_end) {
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const uint8_t* w = p.weight + r * row_bytes;
+    for (int64_t c0 = 0; c0 < p.m; c0 += kCols) {
+      const int nc = int(p.m - c0 < kCols ? p.m - c0 : kCols);
+      QRow x[kCols];
+      for (int c = 0; c < nc; ++c) x[c] = qx.row(c0 + c);
+      float acc[kCols];
+      switch (nc) {
+        case 1: dot_row<1>(p.type, w, p.k, x, acc); break;
+        case 2: dot_row<2>(p.type, w, p.k, x, acc); break;
+        case 3: dot_row<3>(p.type, w, p.k, x, acc); break;
+        default: dot_row<kCols>(p.type, w, p.k, x, acc); break;
+      }
+      for (int c = 0; c < nc; ++c) p.out[(c0 + c) * p.out_stride + r] = acc[c];
+    }
+  }
+}
+
+// Bytes of one weight row (the binding has checked k against the block size).
+int64_t row_bytes_of(const LinearQuantParams& p) {
+  switch (p.type) {
+    case QuantType::kQ8_0: return p.k / kQuantBlock * int64_t(sizeof(BlockQ8_0));
+    case QuantType::kQ4_0: return p.k / kQuantBlock * int64_t(sizeof(BlockQ4_0));
+    case QuantType::kQ4_1: return p.k / kQuantBlock * int64_t(sizeof(BlockQ4_1));
+    case QuantType::kQ4_K: return p.k / kSuperBlock * int64_t(sizeof(BlockQ4_K));
+    case QuantType::kQ5_K: return p.k / kSuperBlock * int64_t(sizeof(BlockQ5_K));
+    case QuantType::kQ6_K: return p.k / kSuperBlock * int64_t(sizeof(BlockQ6_K));
+  }
+  return 0;
+}
+
+}  // namespace
+
+void linear_quant(const LinearQuantParams& p) {
+  const QuantizedX qx = quantize_x(p);
+  const int64_t row_bytes = row_bytes_of(p);
+  constexpr int64_t kChunk = 16;  // rows per parallel work item
+  const int64_t n_chunks = (p.n + kChunk - 1) / kChunk;
+  parallel_for(n_chunks, p.n * row_bytes >= kParallelMinBytes, [&](int64_t t) {
+    quant_rows(p, qx, row_bytes, t * kChunk, (t + 1) * kChunk < p.n ? (t + 1) * kChunk : p.n);
+  });
+}
+
+}  // namespace kog::cpu::KOG_ISA_NS

@@ -1,0 +1,100 @@
+// GGUF (ggml) quantized block formats, byte for byte as llama.cpp writes them, and their type ids.
+// A quantized [n, k] matrix is n rows, each k / kElems blocks laid end to end (no padding).
+// `half` fields are IEEE fp16 bit patterns. Element values (q: the stored integer):
+//   Q8_0  d * q                     q int8
+//   Q4_0  d * (q - 8)               q 4-bit: byte i low nibble = element i, high nibble = i + 16
+//   Q4_1  d * q + m                 nibbles as Q4_0
+//   Q4_K  d * sc[j] * q - dmin * mn[j]            j = element / 32, (sc, mn) 6-bit (k_scale_min)
+//   Q5_K  as Q4_K, q = nibble + 16 * (qh bit)    5-bit
+//   Q6_K  d * scales[element / 16] * (q - 32)    q 6-bit (low nibble in ql, 2 high bits in qh)
+#pragma once
+#include <cstdint>
+
+namespace kog {
+
+// Values are ggml's `ggml_type` ids (GGUF tensor types), mirrored in kog/ops.py (QUANT_TYPES).
+enum class QuantType : int32_t {
+  kQ4_0 = 2,
+  kQ4_1 = 3,
+  kQ8_0 = 8,
+  kQ4_K = 12,
+  kQ5_K = 13,
+  kQ6_K = 14,
+};
+
+using half_bits = uint16_t;  // fp16 storage
+
+constexpr int kQuantBlock = 32;  // elements of a Q8_0/Q4_0/Q4_1 block, and of a K-quant sub-block
+constexpr int kSuperBlock = 256;  // elements of a K-quant super-block
+
+struct BlockQ8_0 {
+  half_bits d;
+  int8_t qs[kQuantBlock];
+};
+struct BlockQ4_0 {
+  half_bits d;
+  uint8_t qs[kQuantBlock / 2];
+};
+struct BlockQ4_1 {
+  half_bits d;
+  half_bits m;
+  uint8_t qs[kQuantBlock / 2];
+};
+// Q4_K/Q5_K: 8 sub-blocks of 32. scales[12] packs 8 6-bit scales sc[j] and 8 6-bit mins mn[j]:
+// j < 4 in the low 6 bits of bytes j (sc) and j + 4 (mn); j >= 4 in the low (sc) and high (mn)
+// nibble of byte j + 4, their top 2 bits in the spare top bits of bytes j - 4 (sc) and j (mn).
+// qs: 4 chunks of 32 bytes; chunk c's low nibbles are sub-block 2c, its high nibbles 2c + 1.
+struct BlockQ4_K {
+  half_bits d;     // scale of the sub-block scales
+  half_bits dmin;  // scale of the sub-block mins
+  uint8_t scales[12];
+  uint8_t qs[kSuperBlock / 2];
+};
+// qh[l] bit s is the fifth bit of element 32 * s + l.
+struct BlockQ5_K {
+  half_bits d;
+  half_bits dmin;
+  uint8_t scales[12];
+  uint8_t qh[kSuperBlock / 8];
+  uint8_t qs[kSuperBlock / 2];
+};
+// Two halves of 128 elements (h = 0, 1). Element 128 h + 32 t + l (t < 4, l < 32): low 4 bits
+// (ql[64 h + 32 (t % 2) + l] >> 4 (t / 2)) & 15, high 2 bits (qh[32 h + l] >> 2 t) & 3.
+struct BlockQ6_K {
+  uint8_t ql[kSuperBlock / 2];
+  uint8_t qh[kSuperBlock / 4];
+  int8_t scales[kSuperBlock / 16];  // one per 16 elements
+  half_bits d;
+};
+
+static_assert(sizeof(BlockQ8_0) == 34, "ggml block_q8_0");
+static_assert(sizeof(BlockQ4_0) == 18, "ggml block_q4_0");
+static_assert(sizeof(BlockQ4_1) == 20, "ggml block_q4_1");
+static_assert(sizeof(BlockQ4_K) == 144, "ggml block_q4_K");
+static_assert(sizeof(BlockQ5_K) == 176, "ggml block_q5_K");
+static_assert(sizeof(BlockQ6_K) == 210, "ggml block_q6_K");
+
+struct QuantTypeInfo {
+  const char* name;
+  int32_t elems;  // elements per block
+  int32_t bytes;  // bytes per block
+};
+
+// Host-side only (CPU kernel sources keep their own ISA-local copies; cmake/KogCpuIsa.cmake).
+// A nullptr name: a type this build does not support.
+constexpr QuantTypeInfo quant_type_info(QuantType t) {
+  switch (t) {
+    case QuantType::kQ4_0: return {"Q4_0", kQuantBlock, int32_t(sizeof(BlockQ4_0))};
+    case QuantType::kQ4_1: return {"Q4_1", kQuantBlock, int32_t(sizeof(BlockQ4_1))};
+    case QuantType::kQ8_0: return {"Q8_0", kQuantBlock, int32_t(sizeof(BlockQ8_0))};
+    case QuantType::kQ4_K: return {"Q4_K", kSuperBlock, int32_t(sizeof(BlockQ4_K))};
+    case QuantType::kQ5_K: return {"Q5_K", kSuperBlock, int32_t(sizeof(BlockQ5_K))};
+    case QuantType::kQ6_K: return {"Q6_K", kSuperBlock, int32_t(sizeof(BlockQ6_K))};
+  }
+  return {nullptr, 0, 0};
+}
+
+constexpr QuantType kQuantTypes[] = {QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ8_0,
+                                     QuantType::kQ4_K, QuantType::kQ5_K, QuantType::kQ6_K};
+
+}  // namespace kog
