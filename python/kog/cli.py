@@ -16,19 +16,32 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    from collections import Counter
+
     from kog.errors import ModelLoadError
     from kog.loader.convert import convert_gguf
+    from kog.loader.gguf_write import requantize_gguf
     from kog.loader.hub import resolve_model
 
+    to_gguf = str(args.out).endswith(".gguf")
     try:
         path = resolve_model(args.model)
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path}: already an HF folder; convert takes a .gguf file")
-        out = convert_gguf(path, args.out_dir, dtype=args.dtype, progress=False if args.no_progress else None)
+        if to_gguf:
+            written = requantize_gguf(path, args.out, args.outtype or "q8_0")
+        elif args.outtype:
+            raise ModelLoadError("--outtype is for a .gguf output; an HF folder takes --dtype")
+        else:
+            out = convert_gguf(path, args.out, dtype=args.dtype, progress=False if args.no_progress else None)
     except ModelLoadError as e:
         print(f"kog convert: {e}", file=sys.stderr)
         return 1
-    print(out)
+    if to_gguf:
+        counts = ", ".join(f"{n} {t}" for t, n in sorted(Counter(written.values()).items()))
+        print(f"{args.out}: {len(written)} tensors ({counts})")
+    else:
+        print(out)
     return 0
 
 
@@ -68,11 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
     p_info = add("info", "show the native backend, devices and versions")
     p_info.add_argument("--json", action="store_true", help="print JSON instead of text")
     p_info.set_defaults(func=_cmd_info)
-    p_conv = add("convert", "write a GGUF model as a Hugging Face folder (safetensors)")
+    p_conv = add("convert", "write a GGUF model as a Hugging Face folder (safetensors) or as a GGUF of another "
+                            "weight type (llama.cpp's layout)")
     p_conv.add_argument("model", help="a .gguf file, or SmolLM2-135M-Instruct for the default model")
-    p_conv.add_argument("out_dir", help="folder to write config.json, model.safetensors, tokenizer files into")
+    p_conv.add_argument("out", help="a folder to write config.json, model.safetensors, tokenizer files into, or a "
+                                    ".gguf file")
     p_conv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                        help="dtype of the written weights (default: the file's; float32 for quantized files)")
+                        help="HF folder: dtype of the written weights (default: the file's; float32 for quantized "
+                             "files)")
+    p_conv.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0", "q4_k"], default=None,
+                        help=".gguf output: type of the weight matrices (default q8_0; q4_k writes matrices whose "
+                             "rows are not a multiple of 256 as q8_0)")
     p_conv.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_conv.set_defaults(func=_cmd_convert)
     p_gen = add("generate", "stream a completion from a model, then report TTFT and tok/s")
