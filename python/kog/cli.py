@@ -20,16 +20,17 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     from kog.errors import ModelLoadError
     from kog.loader.convert import convert_gguf
-    from kog.loader.gguf_write import requantize_gguf
+    from kog.loader.gguf_write import hf_to_gguf, requantize_gguf
     from kog.loader.hub import resolve_model
 
     to_gguf = str(args.out).endswith(".gguf")
     try:
         path = resolve_model(args.model)
-        if path.suffix != ".gguf":
-            raise ModelLoadError(f"{path}: already an HF folder; convert takes a .gguf file")
+        if path.suffix != ".gguf" and not to_gguf:
+            raise ModelLoadError(f"{path}: already an HF folder; it converts to a .gguf file")
         if to_gguf:
-            written = requantize_gguf(path, args.out, args.outtype or "q8_0")
+            write = requantize_gguf if path.suffix == ".gguf" else hf_to_gguf
+            written = write(path, args.out, args.outtype or "f16")
         elif args.outtype:
             raise ModelLoadError("--outtype is for a .gguf output; an HF folder takes --dtype")
         else:
@@ -81,16 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
     p_info = add("info", "show the native backend, devices and versions")
     p_info.add_argument("--json", action="store_true", help="print JSON instead of text")
     p_info.set_defaults(func=_cmd_info)
-    p_conv = add("convert", "write a GGUF model as a Hugging Face folder (safetensors) or as a GGUF of another "
-                            "weight type (llama.cpp's layout)")
-    p_conv.add_argument("model", help="a .gguf file, or SmolLM2-135M-Instruct for the default model")
+    p_conv = add("convert", "write a GGUF model as a Hugging Face folder (safetensors), or a GGUF or HF model as a "
+                            "GGUF file (llama.cpp's layout) of a chosen weight type")
+    p_conv.add_argument("model", help="a .gguf file, an HF folder, or SmolLM2-135M-Instruct for the default model")
     p_conv.add_argument("out", help="a folder to write config.json, model.safetensors, tokenizer files into, or a "
                                     ".gguf file")
     p_conv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="HF folder: dtype of the written weights (default: the file's; float32 for quantized "
                              "files)")
     p_conv.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0", "q4_k"], default=None,
-                        help=".gguf output: type of the weight matrices (default q8_0; q4_k writes matrices whose "
+                        help=".gguf output: type of the weight matrices (default f16; q4_k writes matrices whose "
                              "rows are not a multiple of 256 as q8_0)")
     p_conv.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_conv.set_defaults(func=_cmd_convert)

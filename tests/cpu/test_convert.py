@@ -65,7 +65,7 @@ def test_cli_convert(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "bad.gguf"), str(tmp_path / "out2")]) == 1
     assert "bad.gguf: " in capsys.readouterr().err
     assert main(["convert", str(tmp_path / "out"), str(tmp_path / "out3")]) == 1
-    assert "convert takes a .gguf file" in capsys.readouterr().err
+    assert "it converts to a .gguf file" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- the real SmolLM2-135M-Instruct

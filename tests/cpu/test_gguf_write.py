@@ -1,6 +1,6 @@
-"""GGUF -> GGUF re-quantization (kog.loader.gguf_write, `kog convert x.gguf y.gguf --outtype`):
-our Q4_K encoder against gguf-py's decoder, the written files against their sources (metadata,
-tensor types, weights within each type's error), and Kog running them."""
+"""Writing GGUF (kog.loader.gguf_write, `kog convert x.gguf|hf_folder y.gguf --outtype`): our
+Q4_K encoder against gguf-py's decoder, the written files against their sources (metadata,
+tensor types, weights within each type's error, tokenizer), and Kog running them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import kog
 from kog.cli import main
 from kog.loader import GGUFCheckpoint, resolve_model
-from kog.loader.gguf_write import quantize_q4_k, requantize_gguf
+from kog.loader.gguf_write import hf_to_gguf, quantize_q4_k, requantize_gguf
 from kog.testing.tiny_models import random_weights, tiny_config, write_gguf_model
 
 Q = gguf.GGMLQuantizationType
@@ -105,4 +105,54 @@ def test_smollm2_requantized_to_q8_0_generates_what_the_shipped_q4_1_does(tmp_pa
     prompts = ["The capital of France is", "def fibonacci(n):"]
     want = [o.outputs[0].token_ids for o in kog.LLM(str(src)).generate(prompts, params)]
     got = [o.outputs[0].token_ids for o in kog.LLM(str(dst)).generate(prompts, params)]
+    assert got == want
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_hf_folder_to_gguf_loads_as_the_same_model(tmp_path, arch):
+    """An HF folder written as an F32 GGUF: the same config, bit-identical weights (q/k rows
+    permuted to llama.cpp's order and back for llama), the same tokens for tricky texts, the same
+    chat template and stop ids."""
+    from kog.loader import load_model
+    from kog.testing.tiny_models import TRICKY_STRINGS, default_pre, tiny_tokenizer, write_hf_model
+
+    c = tiny_config(arch)
+    folder = write_hf_model(tmp_path / "hf", c, random_weights(c, seed=1), tokenizer=tiny_tokenizer(default_pre(c)))
+    written = hf_to_gguf(folder, tmp_path / "m.gguf", "f32")
+    assert set(written.values()) == {"F32"}
+    a, b = load_model(folder), load_model(tmp_path / "m.gguf")
+    assert dataclasses.replace(b.config, torch_dtype=a.config.torch_dtype) == a.config
+    assert a.weights.keys() == b.weights.keys() and all(torch.equal(a.weights[k], b.weights[k]) for k in a.weights)
+    assert all(a.tokenizer.encode(s) == b.tokenizer.encode(s) for s in TRICKY_STRINGS)
+    assert b.chat_template is not None and a.stop_token_ids == b.stop_token_ids
+    pre = gguf.GGUFReader(tmp_path / "m.gguf").fields["tokenizer.ggml.pre"].contents()
+    assert pre == default_pre(c)
+
+
+def test_a_tokenizer_no_gguf_pre_tokenizer_reproduces_is_refused(tmp_path):
+    from tokenizers import pre_tokenizers
+
+    from kog.testing.tiny_models import tiny_tokenizer, write_hf_model
+
+    tok = tiny_tokenizer()
+    tok.hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Punctuation(),
+                                                    pre_tokenizers.ByteLevel(add_prefix_space=True)])
+    c = tiny_config("llama")
+    folder = write_hf_model(tmp_path / "hf", c, tokenizer=tok)
+    with pytest.raises(kog.ModelLoadError, match="no llama.cpp pre-tokenizer"):
+        hf_to_gguf(folder, tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists() or (tmp_path / "m.gguf").stat().st_size == 0
+
+
+def test_smollm2_gguf_to_hf_to_gguf_round_trip_generates_the_same_tokens(tmp_path):
+    """kog convert both ways: the shipped Q4_1 GGUF -> HF folder (float32) -> Q8_0 GGUF, tokenizer
+    pre-tokenizer found again ('smollm'), the same greedy tokens as the shipped file."""
+    src = resolve_model(None)
+    assert main(["convert", str(src), str(tmp_path / "hf"), "--no-progress"]) == 0
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "smol.gguf"), "--outtype", "q8_0"]) == 0
+    assert gguf.GGUFReader(tmp_path / "smol.gguf").fields["tokenizer.ggml.pre"].contents() == "smollm"
+    params = kog.SamplingParams(max_tokens=24, temperature=0.0)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    want = [o.outputs[0].token_ids for o in kog.LLM(str(src)).generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in kog.LLM(str(tmp_path / "smol.gguf")).generate(prompts, params)]
     assert got == want

@@ -51,6 +51,21 @@ _ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE factors, folded into config.rop
 _FILE_TYPE_DTYPE = {0: "float32", 1: "float16", 32: "bfloat16"}  # quantized files -> float32
 
 
+_HF_BLOCK_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+_GGUF_TOP = {hf: g for g, hf in _TOP_NAMES.items()}
+_GGUF_BLOCK = {hf: g for g, hf in _BLOCK_NAMES.items()}
+
+
+def gguf_name(hf: str) -> str | None:
+    """GGUF name of an HF tensor name (hf_name's inverse), None for a name GGUF has no place for."""
+    if hf in _GGUF_TOP:
+        return _GGUF_TOP[hf]
+    m = _HF_BLOCK_RE.fullmatch(hf)
+    if m and m.group(2) in _GGUF_BLOCK:
+        return f"blk.{m.group(1)}.{_GGUF_BLOCK[m.group(2)]}.{m.group(3)}"
+    return None
+
+
 def hf_name(gguf_name: str) -> str | None:
     """HF name of a GGUF tensor name, None when the name is not one Kog knows."""
     if gguf_name in _TOP_NAMES:

@@ -1,7 +1,8 @@
-"""GGUF -> GGUF in another weight type (`kog convert model.gguf out.gguf --outtype q8_0`), in the
-layout llama.cpp reads, so the same weights can run in Kog and in llama.cpp.
+"""Writing GGUF files in the layout llama.cpp reads, so the same weights run in Kog and in
+llama.cpp: from another GGUF in another weight type (`kog convert model.gguf out.gguf --outtype
+q8_0`, requantize_gguf) or from an HF folder (`kog convert hf_folder out.gguf`, hf_to_gguf).
 
-The source's metadata (architecture, hyper-parameters, tokenizer, chat template) is copied
+GGUF -> GGUF: the source's metadata (architecture, hyper-parameters, tokenizer, chat template) is copied
 field by field with its GGUF types; `general.file_type` names the new type. Each tensor is
 dequantized to f32, then written as llama.cpp's quantizer would: 2-D weight matrices in the
 target type, everything else (norms, RoPE factors) as F32. Q4_K needs rows that are a multiple
@@ -12,13 +13,19 @@ quantizers; gguf-py decodes Q4_K but cannot encode it, so `quantize_q4_k` is our
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
+import torch
 
+from kog.config import ModelConfig
 from kog.errors import ModelLoadError
+from kog.loader.gguf import GGUF_ARCHITECTURES, gguf_name, llama3_rope_factors
+from kog.loader.tokenizer import LLAMA3_SPLIT, QWEN2_SPLIT, Tokenizer, read_tokenizer_config, tokenizer_from_gguf
 
 Q = gguf.GGMLQuantizationType
 OUT_TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_k": Q.Q4_K}
@@ -66,6 +73,170 @@ def requantize_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str], ou
 
 
 _RAW = (Q.BF16, Q.Q8_0, Q.Q4_K)  # written as uint8 blocks with their type named
+
+# llama.cpp names of the byte-level BPE pre-tokenizers Kog reproduces (kog.loader.tokenizer), in
+# the order hf_to_gguf tries them, and the texts a candidate must tokenize exactly as the
+# folder's tokenizer does.
+_PRE_CANDIDATES = ("smollm", "llama-bpe", "qwen2", "default")
+_PROBES = ("Hello world", "naïve café 東京 😀👍🏽", "def f(x):\n    return x**2  # 1234567", "  spaces\t\ttabs\n\n",
+           "I'm sure they'll say it's OK, don't you?", "12345 + 678.9 = 1e10", "ÀÉÎõü ℌ ﬁ ①", "\r\n\u00a0end")
+
+
+def hf_to_gguf(folder: str | os.PathLike[str], dst: str | os.PathLike[str], outtype: str = "f16") -> dict[str, str]:
+    """Writes dst, an HF folder (config, safetensors, byte-level BPE tokenizer, chat template)
+    as a GGUF: llama.cpp's tensor names and metadata keys, q/k rows in its RoPE order for the
+    llama architecture, the tokenizer as `tokenizer.ggml.*` with the llama.cpp pre-tokenizer
+    that tokenizes like the folder's (checked on probe texts), matrices in `outtype`.
+
+    Returns:
+        {tensor name: written type name}.
+    Raises:
+        ModelLoadError: an unknown outtype, a model or tokenizer GGUF cannot describe.
+    """
+    from kog.loader import load_model
+
+    if outtype not in OUT_TYPES:
+        raise ModelLoadError(f"unknown GGUF output type {outtype!r}; choose one of {sorted(OUT_TYPES)}")
+    target = OUT_TYPES[outtype]
+    model = load_model(folder, dtype=torch.float32)
+    config = model.config
+    arch = "llama" if config.architecture == "mistral" else config.architecture
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"{folder}: no GGUF architecture for {config.architecture!r}")
+    writer = gguf.GGUFWriter(Path(dst), arch)
+    for key, value in (model_metadata(config, arch) | tokenizer_metadata(model.tokenizer, config, str(folder))).items():
+        add_value(writer, key, value)
+    writer.add_string("general.name", Path(folder).name)
+    template = read_tokenizer_config(Path(folder)).get("chat_template")
+    if isinstance(template, str):
+        writer.add_string("tokenizer.chat_template", template)
+    writer.add_file_type(_FILE_TYPES[target])
+    written = {}
+    if (config.rope_scaling or {}).get("rope_type") == "llama3":  # llama.cpp stores the factors instead
+        factors = llama3_rope_factors(config.rope_theta, config.head_dim, config.rope_scaling).float().numpy()
+        writer.add_tensor("rope_freqs.weight", factors)
+        written["rope_freqs.weight"] = "F32"
+    for hf, w in model.weights.items():
+        name = gguf_name(hf)
+        if name is None:
+            raise ModelLoadError(f"{folder}: no GGUF name for tensor {hf}")
+        values = permute_for_llama_cpp(hf, w.float(), config, arch).numpy()
+        qtype = _tensor_type(name, values, target)
+        writer.add_tensor(name, _encode(values, qtype), raw_dtype=qtype if qtype in _RAW else None)
+        written[name] = qtype.name
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return written
+
+
+def model_metadata(config: ModelConfig, arch: str) -> dict[str, Any]:
+    """The `{arch}.*` hyper-parameter keys llama.cpp reads (GGUFCheckpoint.config inverts them)."""
+    md: dict[str, Any] = {
+        f"{arch}.block_count": config.num_hidden_layers,
+        f"{arch}.context_length": config.max_position_embeddings,
+        f"{arch}.embedding_length": config.hidden_size,
+        f"{arch}.feed_forward_length": config.intermediate_size,
+        f"{arch}.attention.head_count": config.num_attention_heads,
+        f"{arch}.attention.head_count_kv": config.num_key_value_heads,
+        f"{arch}.attention.key_length": config.head_dim,
+        f"{arch}.attention.value_length": config.head_dim,
+        f"{arch}.rope.dimension_count": config.head_dim,
+        f"{arch}.rope.freq_base": float(config.rope_theta),
+        f"{arch}.attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        f"{arch}.vocab_size": config.vocab_size,
+    }
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") in ("linear", "yarn"):
+        md[f"{arch}.rope.scaling.type"] = scaling["rope_type"]
+        md[f"{arch}.rope.scaling.factor"] = float(scaling["factor"])
+        if "original_max_position_embeddings" in scaling:
+            md[f"{arch}.rope.scaling.original_context_length"] = scaling["original_max_position_embeddings"]
+    return md
+
+
+def tokenizer_metadata(tok: Tokenizer, config: ModelConfig, source: str) -> dict[str, Any]:
+    """`tokenizer.ggml.*` of a byte-level BPE tokenizer: tokens by id (padded to the model's
+    vocabulary as llama.cpp pads, `[PAD<id>]`), types (control for special added tokens,
+    user-defined for the others), merges, special ids, and the first pre-tokenizer of
+    _PRE_CANDIDATES that tokenizes _PROBES exactly as `tok` does."""
+    spec = json.loads(tok.hf.to_str())
+    bpe = spec.get("model") or {}
+    if bpe.get("type") != "BPE" or "ByteLevel" not in json.dumps(spec.get("pre_tokenizer")):
+        raise ModelLoadError(f"{source}: only byte-level BPE tokenizers can be written to GGUF (this one: "
+                             f"{bpe.get('type')!r})")
+    added = {a["id"]: a for a in spec.get("added_tokens", [])}
+    n = max([*bpe["vocab"].values(), *added, config.vocab_size - 1]) + 1
+    tokens, types = [f"[PAD{i}]" for i in range(n)], [_USER_DEFINED] * n
+    for t, i in bpe["vocab"].items():
+        tokens[i], types[i] = t, _NORMAL
+    for i, a in added.items():
+        tokens[i], types[i] = a["content"], _CONTROL if a.get("special") else _USER_DEFINED
+    md: dict[str, Any] = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in bpe.get("merges", [])],
+        "tokenizer.ggml.add_bos_token": bool(tok.add_bos_token),
+    }
+    for key, token in (("bos", tok.bos_token), ("eos", tok.eos_token), ("padding", tok.pad_token),
+                       ("unknown", tok.unk_token)):
+        if token is not None and tok.token_to_id(token) is not None:
+            md[f"tokenizer.ggml.{key}_token_id"] = tok.token_to_id(token)
+    if "tokenizer.ggml.eos_token_id" not in md and config.eos_token_ids:
+        md["tokenizer.ggml.eos_token_id"] = config.eos_token_ids[0]
+    if "tokenizer.ggml.bos_token_id" not in md and config.bos_token_id is not None:
+        md["tokenizer.ggml.bos_token_id"] = config.bos_token_id
+    want = [tok.encode(p) for p in _PROBES]
+    for pre in sorted(_PRE_CANDIDATES, key=lambda c: c != _declared_pre(spec)):
+        candidate = tokenizer_from_gguf(md | {"tokenizer.ggml.pre": pre}, source=source)
+        if [candidate.encode(p) for p in _PROBES] == want:
+            return md | {"tokenizer.ggml.pre": pre}
+    raise ModelLoadError(f"{source}: no llama.cpp pre-tokenizer Kog knows ({', '.join(_PRE_CANDIDATES)}) "
+                         "tokenizes like this tokenizer; it cannot be written to GGUF")
+
+
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp's token types
+
+
+def _declared_pre(spec: dict[str, Any]) -> str:
+    """The candidate tokenizer.json's pre-tokenizer spells out: its split regex (Llama 3, Qwen2),
+    or SmolLM2's individual digits; "default" otherwise. Tried first: two candidates can agree
+    on every probe of a small vocabulary and still differ elsewhere."""
+    pre = json.dumps(spec.get("pre_tokenizer"))
+    if json.dumps(QWEN2_SPLIT)[1:-1] in pre:
+        return "qwen2"
+    if json.dumps(LLAMA3_SPLIT)[1:-1] in pre:
+        return "llama-bpe"
+    return "smollm" if '"Digits"' in pre else "default"
+
+
+def permute_for_llama_cpp(name: str, w: torch.Tensor, config: ModelConfig, arch: str) -> torch.Tensor:
+    """llama.cpp's converter interleaves the RoPE halves of each q/k head (llama arch only);
+    kog.loader.gguf undoes it on load."""
+    if arch != "llama" or not (".q_proj." in name or ".k_proj." in name):
+        return w
+    heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+    rows, rest = w.shape[0], w.shape[1:]
+    return w.reshape(heads, 2, rows // heads // 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def add_value(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
+    """A metadata value with the GGUF type llama.cpp uses for it (ints as UINT32, int lists as
+    INT32 arrays, floats as FLOAT32)."""
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif value and isinstance(value[0], int):
+        writer.add_array(key, [int(v) for v in value])
+    else:
+        writer.add_array(key, list(value))
 
 
 def _tensor_type(name: str, values: np.ndarray, target: Q) -> Q:

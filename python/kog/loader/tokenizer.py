@@ -23,10 +23,11 @@ from kog.valid_text import check_text
 # llama.cpp token types (tokenizer.ggml.token_type)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
-# Pre-tokenizer regexes, by the `tokenizer.ggml.pre` names llama.cpp gives them.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+# Pre-tokenizer regexes, by the `tokenizer.ggml.pre` names llama.cpp gives them (the split
+# regexes are public: kog.loader.gguf_write recognises them in a tokenizer.json).
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _GPT2_PRE = ("default", "gpt-2", "gpt2", "mpt", "olmo")
 _DIGITS_THEN_GPT2_PRE = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva")
@@ -266,7 +267,7 @@ def _pre_tokenizer(pre: str, source: str) -> pre_tokenizers.PreTokenizer:
         return byte_level
     if pre in _DIGITS_THEN_GPT2_PRE:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    split = {**dict.fromkeys(_LLAMA3_PRE, _LLAMA3_SPLIT), **dict.fromkeys(_QWEN2_PRE, _QWEN2_SPLIT)}.get(pre)
+    split = {**dict.fromkeys(_LLAMA3_PRE, LLAMA3_SPLIT), **dict.fromkeys(_QWEN2_PRE, QWEN2_SPLIT)}.get(pre)
     if split is None:
         raise ModelLoadError(f"{source}: pre-tokenizer {pre!r} is not supported")
     return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False), byte_level])

@@ -198,8 +198,10 @@ def write_gguf_model(path: str | Path, config: ModelConfig, weights: Weights | N
     writer = gguf.GGUFWriter(str(path), arch)
     metadata = _gguf_metadata(config, arch, tokenizer_metadata or tiny_tokenizer_metadata(default_pre(config)))
     metadata["general.file_type"] = {"F32": 0, "F16": 1, "Q8_0": 7}[qtype]
+    from kog.loader.gguf_write import add_value
+
     for key, value in metadata.items():
-        _add(writer, key, value)
+        add_value(writer, key, value)
     if chat_template is not None:
         writer.add_string("tokenizer.chat_template", chat_template)
     to_gguf = {hf: g for g in _gguf_names(config) if (hf := _gguf_to_hf(g))}
@@ -227,43 +229,9 @@ def write_gguf_model(path: str | Path, config: ModelConfig, weights: Weights | N
 
 
 def _gguf_metadata(config: ModelConfig, arch: str, tok: dict[str, Any]) -> dict[str, Any]:
-    md: dict[str, Any] = {
-        "general.name": f"kog-tiny-{config.architecture}",
-        f"{arch}.block_count": config.num_hidden_layers,
-        f"{arch}.context_length": config.max_position_embeddings,
-        f"{arch}.embedding_length": config.hidden_size,
-        f"{arch}.feed_forward_length": config.intermediate_size,
-        f"{arch}.attention.head_count": config.num_attention_heads,
-        f"{arch}.attention.head_count_kv": config.num_key_value_heads,
-        f"{arch}.attention.key_length": config.head_dim,
-        f"{arch}.attention.value_length": config.head_dim,
-        f"{arch}.rope.dimension_count": config.head_dim,
-        f"{arch}.rope.freq_base": float(config.rope_theta),
-        f"{arch}.attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
-        f"{arch}.vocab_size": config.vocab_size,
-    }
-    scaling = config.rope_scaling or {}
-    if scaling.get("rope_type") in ("linear", "yarn"):
-        md[f"{arch}.rope.scaling.type"] = scaling["rope_type"]
-        md[f"{arch}.rope.scaling.factor"] = float(scaling["factor"])
-        if "original_max_position_embeddings" in scaling:
-            md[f"{arch}.rope.scaling.original_context_length"] = scaling["original_max_position_embeddings"]
-    return md | tok
+    from kog.loader.gguf_write import model_metadata
 
-
-def _add(writer: Any, key: str, value: Any) -> None:
-    if isinstance(value, bool):
-        writer.add_bool(key, value)
-    elif isinstance(value, int):
-        writer.add_uint32(key, value)
-    elif isinstance(value, float):
-        writer.add_float32(key, value)
-    elif isinstance(value, str):
-        writer.add_string(key, value)
-    elif value and isinstance(value[0], int):
-        writer.add_array(key, [int(v) for v in value])  # int lists are written as INT32
-    else:
-        writer.add_array(key, list(value))
+    return {"general.name": f"kog-tiny-{config.architecture}"} | model_metadata(config, arch) | tok
 
 
 def _gguf_names(config: ModelConfig) -> list[str]:
@@ -276,10 +244,7 @@ def _gguf_names(config: ModelConfig) -> list[str]:
 
 
 def _permute_for_llama_cpp(name: str, w: torch.Tensor, config: ModelConfig, arch: str) -> torch.Tensor:
-    """llama.cpp's converter interleaves the RoPE halves of each q/k head (llama arch only)."""
-    if arch != "llama" or not (".q_proj." in name or ".k_proj." in name):
-        return w
-    heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
-    rows, rest = w.shape[0], w.shape[1:]
-    return w.reshape(heads, 2, rows // heads // 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
+    from kog.loader.gguf_write import permute_for_llama_cpp
+
+    return permute_for_llama_cpp(name, w, config, arch)
 
