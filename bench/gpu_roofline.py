@@ -102,7 +102,8 @@ ASSUMPTIONS = [
     "ceil(out_rows / (warps * 2)); attention partial per (sequence, KV head, partition), the partition "
     "halved from 256 tokens (down to 16) until there are two items per workgroup; combine per "
     "(sequence, q head); small ops split rows into 512-element chunks / 4 RoPE heads / a KV head; "
-    "residual adds fused into o_proj and down_proj, SiLU-mul into gate/up (one output row a warp); SAMPLE a partial per (sequence, 4096-logit chunk), "
+    "residual adds fused into o_proj and down_proj, SiLU-mul into gate/up (one output row a warp), RoPE "
+    "and KV append into qkv (one RoPE pair a warp); SAMPLE a partial per (sequence, 4096-logit chunk), "
     "then one item per sequence over the chunk summaries (the full-row fallback is not modelled).",
     "Per item: latency + item_bytes / (32 KiB in flight per workgroup / latency) (Little's law, "
     "256 threads x 8 x 16-byte loads, kLinearUnrollBatch1); workgroups: 1 per SM on H200 (registers), "
@@ -160,6 +161,8 @@ def gpu_program(config: ModelConfig) -> list[tuple[_C.Op, tuple[str, ...]]]:
         out.append((op, () if gpu_only else next(it).weights))
         if op.opcode == _C.GPU_OP_LINEAR_SILU_MUL:
             next(it)  # the SILU_MUL it absorbed
+        if op.opcode == _C.GPU_OP_LINEAR_ROPE_KV:
+            next(it), next(it)  # the ROPE and KV_APPEND it absorbed
     return out
 
 
@@ -191,6 +194,9 @@ def op_costs(config: ModelConfig, device: Device, batch: int, context: int) -> l
             act = batch * (n * (2 if op.residual >= 0 else 1) + k) * ELEM
         elif code == _C.GPU_OP_LINEAR_SILU_MUL:  # x in, silu(gate) * up out
             act = batch * (width(op.in_) + config.intermediate_size) * ELEM
+        elif code == _C.GPU_OP_LINEAR_ROPE_KV:  # x in, qkv out, k and v into the cache
+            act = batch * (width(op.in_) + width(op.out)) * ELEM
+            kv_w = batch * 2 * nkv * hd * ELEM
         elif code in (Opcode.QK_NORM, Opcode.ROPE):
             act = 2 * batch * (nq + nkv) * hd * ELEM
         elif code == Opcode.KV_APPEND:
@@ -288,6 +294,8 @@ def _op_name(code: int, weights: tuple[str, ...]) -> str:
         return "SAMPLE_PARTIAL"
     if code == _C.GPU_OP_LINEAR_SILU_MUL:
         return "LINEAR gate_up+silu_mul"
+    if code == _C.GPU_OP_LINEAR_ROPE_KV:
+        return "LINEAR qkv+rope+kv_append"
     if code == Opcode.ATTN_DECODE:
         return "ATTN_PARTIAL"
     if code == Opcode.LINEAR:

@@ -72,6 +72,7 @@ void bind_gpu_decode(py::module_& m) {
   m.attr("GPU_OP_ATTN_COMBINE") = kog::schedule::kOpAttnCombine;
   m.attr("GPU_OP_SAMPLE_PARTIAL") = kog::schedule::kOpSamplePartial;
   m.attr("GPU_OP_LINEAR_SILU_MUL") = kog::schedule::kOpLinearSiluMul;
+  m.attr("GPU_OP_LINEAR_ROPE_KV") = kog::schedule::kOpLinearRopeKv;
 #ifdef KOG_WITH_GPU
   py::class_<GpuDecodeExecutor>(m, "GpuDecodeExecutor")
       .def(py::init(&make_executor), arg("dims"), arg("kv_base"), arg("num_blocks"), arg("block_size"),

@@ -73,18 +73,43 @@ std::vector<int32_t> silu_mul_fusions(const std::vector<Op>& ops) {
   return fused_into;
 }
 
+// Marks in fused_into the ROPE and KV_APPEND that fold into the LINEAR writing QKV just before
+// them (l, l + 1, l + 2: the family functions emit them together): no QK_NORM in between (it
+// needs a whole head), every dimension rotated, and every dep of the two before l.
+void rope_kv_fusions(const std::vector<Op>& ops, const ModelDims& dims, std::vector<int32_t>& fused_into) {
+  if (dims.rotary_dim != dims.head_dim) return;
+  for (size_t l = 0; l + 2 < ops.size(); ++l) {
+    const Op &lin = ops[l], &rope = ops[l + 1], &kv = ops[l + 2];
+    if (Opcode(lin.op) != Opcode::kLinear || lin.residual >= 0 || Opcode(rope.op) != Opcode::kRope ||
+        Opcode(kv.op) != Opcode::kKvAppend || rope.in != lin.out || kv.in != lin.out)
+      continue;
+    bool ordered = true;
+    for (const Op* o : {&rope, &kv})
+      for (int d = 0; d < o->n_deps; ++d) ordered &= o->deps[d] <= int32_t(l) || o->deps[d] == int32_t(l) + 1;
+    if (!ordered) continue;
+    fused_into[l + 1] = fused_into[l + 2] = int32_t(l);
+  }
+}
+
 std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDims& dims) {
   validate_program(ops_in, dims);
   std::vector<Op> ops = ops_in;
   fuse_residual_adds(ops);
-  const std::vector<int32_t> fused_into = silu_mul_fusions(ops);
+  std::vector<int32_t> fused_into = silu_mul_fusions(ops);
+  rope_kv_fusions(ops, dims, fused_into);
   for (size_t i = 0; i < ops.size(); ++i) {
-    if (fused_into[i] < 0) continue;
-    Op& l = ops[size_t(fused_into[i])];
-    l.op = kOpLinearSiluMul;
-    l.out = ops[i].out;
-    for (int k = 0; k < ops[i].n_deps; ++k)  // WAR on the output it now writes, and the rest
-      if (ops[i].deps[k] != fused_into[i]) add_dep(l, ops[i].deps[k]);
+    const int32_t into = fused_into[i];
+    if (into < 0) continue;
+    Op& l = ops[size_t(into)];
+    switch (Opcode(ops[i].op)) {
+      case Opcode::kSiluMul: l.op = kOpLinearSiluMul, l.out = ops[i].out; break;
+      case Opcode::kRope: l.op = kOpLinearRopeKv; break;
+      default: l.layer = ops[i].layer; break;  // KV_APPEND: the cache layer it writes
+    }
+    for (int k = 0; k < ops[i].n_deps; ++k) {  // WAR on what it now writes, and the rest
+      const int32_t d = ops[i].deps[k];
+      if (d != into && fused_into[size_t(d)] != into) add_dep(l, d);
+    }
   }
   // produced[i]: the expanded index whose completion means op i's output is complete.
   std::vector<int32_t> produced(ops.size());

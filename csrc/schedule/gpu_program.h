@@ -20,9 +20,16 @@ constexpr int32_t kOpSamplePartial = 101;
 // T(silu(T(x . w_g)) * T(x . w_{inter + g})), the rounding of the unfused pair; w0 the gate/up
 // weight [2 * intermediate, hidden].
 constexpr int32_t kOpLinearSiluMul = 102;
+// GPU-only opcode: the LINEAR into QKV fused with the ROPE and KV_APPEND after it (no QK_NORM,
+// rotary_dim == head_dim): each warp computes one RoPE pair of rows, rotates q/k pairs at the
+// row's position, writes QKV and, for k and v, the layer's cache at the row's slot. layer: the
+// KV_APPEND's.
+constexpr int32_t kOpLinearRopeKv = 104;
 
 // Whether the GPU kernel runs op o as a GEMV over o.w0 (LINEAR and the fused LINEAR + SILU_MUL).
-KOG_HOST_DEVICE inline bool is_gemv(const Op& o) { return Opcode(o.op) == Opcode::kLinear || o.op == kOpLinearSiluMul; }
+KOG_HOST_DEVICE inline bool is_gemv(const Op& o) {
+  return Opcode(o.op) == Opcode::kLinear || o.op == kOpLinearSiluMul || o.op == kOpLinearRopeKv;
+}
 
 // Validates the program (validate_program), moves residual adds into their producers
 // (fuse_residual_adds), fuses each SILU_MUL into the LINEAR that feeds it (kOpLinearSiluMul:

@@ -36,15 +36,37 @@ def fused_fields(op) -> tuple:
     return tuple(f)
 
 
+def rope_kv_folded(ops, i) -> bool:
+    """Whether op i is a ROPE or KV_APPEND that expand_gpu_program folds into the qkv LINEAR
+    (the LINEAR, ROPE, KV_APPEND run of families without QK_NORM)."""
+    o = ops[i]
+    if o.opcode == Opcode.ROPE:
+        return ops[i - 1].opcode == Opcode.LINEAR and i + 1 < len(ops) and ops[i + 1].opcode == Opcode.KV_APPEND
+    if o.opcode == Opcode.KV_APPEND:
+        return ops[i - 1].opcode == Opcode.ROPE and rope_kv_folded(ops, i - 1)
+    return False
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_attention_gets_a_combine_phase_and_deps_follow_it(arch):
     ops, dims, _ = lowered(arch)
     out = _C.expand_gpu_program(ops, dims)
-    assert len(out) == len(ops) + 1  # + a combine per layer + the sample partial - a SILU_MUL per layer
+    folded = sum(rope_kv_folded(ops, i) for i in range(len(ops)))
+    assert folded == (0 if arch == "qwen3" else 2 * dims.n_layers)  # QK_NORM needs whole heads: not fused
+    # + a combine per layer + the sample partial - a SILU_MUL per layer - the folded ROPE / KV_APPEND
+    assert len(out) == len(ops) + 1 - folded
     new_index, produced, j = [], [], 0
     for i, op in enumerate(ops):  # the same order (residual adds, SILU_MULs fused), a combine after each attention
         if op.opcode == Opcode.SILU_MUL:  # folded into the gate/up LINEAR just before it
             assert out[j - 1].opcode == _C.GPU_OP_LINEAR_SILU_MUL and ops[i - 1].out == op.in_ == Buffer.GATE_UP
+            new_index.append(j - 1)
+            produced.append(j - 1)
+            continue
+        if rope_kv_folded(ops, i):  # into the qkv LINEAR: its rows in RoPE pairs, the cache written
+            fused = out[j - 1]
+            assert fused.opcode == _C.GPU_OP_LINEAR_ROPE_KV and fused.out == Buffer.QKV
+            if op.opcode == Opcode.KV_APPEND:
+                assert fused.layer == op.layer
             new_index.append(j - 1)
             produced.append(j - 1)
             continue
@@ -54,7 +76,10 @@ def test_attention_gets_a_combine_phase_and_deps_follow_it(arch):
             assert set(partial.deps) == {produced[d] for d in op.deps}
             assert j in out[j + 1].deps
             j += 1
-        assert fields(out[j]) == fused_fields(op)
+        want = fused_fields(op)
+        if i + 1 < len(ops) and rope_kv_folded(ops, i + 1):
+            want = (_C.GPU_OP_LINEAR_ROPE_KV,) + want[1:]
+        assert fields(out[j]) == want
         new_index.append(j)
         produced.append(j)
         if op.opcode == Opcode.ATTN_DECODE:
@@ -68,11 +93,14 @@ def test_attention_gets_a_combine_phase_and_deps_follow_it(arch):
         j += 1
     combines = [k for k, o in enumerate(out) if o.opcode == _C.GPU_OP_ATTN_COMBINE]
     for i, op in enumerate(ops):
-        if op.opcode == Opcode.SILU_MUL:
+        if op.opcode == Opcode.SILU_MUL or rope_kv_folded(ops, i):
             continue  # its deps are the fused op's, checked with the LINEAR
         want = {produced[d] for d in op.deps}
         if i + 1 < len(ops) and ops[i + 1].opcode == Opcode.SILU_MUL:
             want |= {produced[d] for d in ops[i + 1].deps if d != i}
+        for f in (i + 1, i + 2):
+            if f < len(ops) and rope_kv_folded(ops, f):
+                want |= {produced[d] for d in ops[f].deps if d not in (i, i + 1)}
         earlier = [c for c in combines if c < new_index[i]]
         if op.opcode == Opcode.ATTN_DECODE and earlier:  # the partials scratch: after the previous combine
             want.add(earlier[-1])
@@ -113,6 +141,10 @@ def run_program(program, dims, weights: dict, tokens, order) -> dict:
         elif o.opcode == Opcode.LINEAR:
             y = x @ w[o.w0].T + (w[o.w1] if o.w1 else 0.0)
             bufs[o.out] = bufs[o.out] + y if o.residual >= 0 else y
+        elif o.opcode == _C.GPU_OP_LINEAR_ROPE_KV:  # the LINEAR into QKV, then ROPE's and KV_APPEND's stand-ins
+            y = x @ w[o.w0].T + (w[o.w1] if o.w1 else 0.0)
+            bufs[o.out] = y * 0.75 + 0.125 * int(Opcode.ROPE)
+            kv[o.layer] = bufs[o.out].copy()
         elif o.opcode == _C.GPU_OP_LINEAR_SILU_MUL:  # the LINEAR into GATE_UP, then SILU_MUL, in one
             g, u = np.split(x @ w[o.w0].T + (w[o.w1] if o.w1 else 0.0), 2, axis=-1)
             bufs[o.out] = g / (1 + np.exp(-g)) * u

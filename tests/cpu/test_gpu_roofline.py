@@ -89,8 +89,8 @@ def test_attention_items_are_kv_heads_times_partitions():
     assert {x.items for x in long if x.name == "ATTN_PARTIAL"} == {2 * c.num_key_value_heads * 391}  # 256-token
     combines = [x for x in costs if x.name == "ATTN_COMBINE"]
     assert len(combines) == c.num_hidden_layers and all(x.edges == 1 for x in combines)
-    qkv = next(x for x in costs if x.name == "LINEAR qkv_proj")
-    assert qkv.items == (32 + 2 * 8) * 128 // 16  # H200: 8 warps x 2 rows per item
+    qkv = next(x for x in costs if x.name == "LINEAR qkv+rope+kv_append")
+    assert qkv.items == (32 + 2 * 8) * 128 // 2 // 8  # H200: 8 warps x one RoPE pair (2 rows) per item
 
 
 def test_script_runs_with_json():

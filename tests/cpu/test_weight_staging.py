@@ -23,7 +23,7 @@ from kog.program import Opcode
 from kog.testing.sync_program import items_of
 from kog.testing.tiny_models import random_weights, tiny_config
 
-GEMV = (Opcode.LINEAR, _C.GPU_OP_LINEAR_SILU_MUL)  # schedule::is_gemv
+GEMV = (Opcode.LINEAR, _C.GPU_OP_LINEAR_SILU_MUL, _C.GPU_OP_LINEAR_ROPE_KV)  # schedule::is_gemv
 
 
 @dataclass

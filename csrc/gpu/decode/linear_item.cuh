@@ -34,21 +34,74 @@ __device__ __forceinline__ void fma_chunk(WVec<T> wv, const T* __restrict__ x, i
   }
 }
 
-// One output row for the first `batch` (<= kB) rows of x: kUnroll weight vectors in flight per
-// lane, then their math. Instantiated per batch class, so that batch 1 (decode of one agent)
-// keeps deep weight streams without the registers of 8 rows of x.
 // What a GEMV item does with its products (+ bias): store them; add them into out (a residual
 // add fused into its producer, schedule::fuse_residual_adds), each rounded to OutT first as the
-// unfused pair did; or (kSiluMul, schedule::kOpLinearSiluMul) out[g] = silu(gate) * up, gate and
-// up rounded to T first, as the unfused LINEAR stored them and SILU_MUL read them.
-enum class GemvEpilogue { kStore, kAccumulate, kSiluMul };
+// unfused pair did; (kSiluMul, schedule::kOpLinearSiluMul) out[g] = silu(gate) * up; or
+// (kRopeKv, schedule::kOpLinearRopeKv) rotate each q/k pair at the row's position and write
+// q, k and v to out (QKV) and k, v to the layer's cache at the row's slot. The fused forms round
+// the products to T first, as the unfused LINEAR stored them and SILU_MUL / ROPE / KV_APPEND
+// read them, then do those ops' math: the unfused program's values exactly.
+enum class GemvEpilogue { kStore, kAccumulate, kSiluMul, kRopeKv };
 
-template <typename T, int kB, int kUnroll, int kStaged, typename OutT, typename Stages>
+template <typename T>
+struct GemvEpilogueArgs {
+  GemvEpilogue kind = GemvEpilogue::kStore;
+  // kRopeKv only
+  int32_t n_q = 0, n_kv = 0, hd = 0;   // heads of the qkv row, head_dim
+  bool neox = true;                    // rotate_half pairs (else GPT-J pairs)
+  const float* inv_freq = nullptr;     // [hd / 2]
+  const int64_t* positions = nullptr;  // [B] position of each row's token
+  const int64_t* slots = nullptr;      // [B] its cache slot
+  T* kv_layer = nullptr;               // [num_blocks, 2, n_kv, block_size, hd] the layer's cache
+  int32_t block_size = 0;
+
+  __device__ GemvRows rows() const {
+    GemvRows r;
+    r.kind = kind == GemvEpilogue::kSiluMul ? GemvRows::kGlu : kind == GemvEpilogue::kRopeKv ? GemvRows::kRopePairs
+                                                                                             : GemvRows::kRows;
+    r.hd = hd, r.neox = neox;
+    return r;
+  }
+};
+
+// kRopeKv for batch row b, lane 0: the pair (a at column c0, v at column c1) of one head.
+template <typename T>
+__device__ __forceinline__ void rope_kv_pair(const GemvEpilogueArgs<T>& ep, T* out, int64_t c0, int64_t c1, float a,
+                                             float v, int b) {
+  const int h = int(c0 / ep.hd), d0 = int(c0 % ep.hd), d1 = int(c1 % ep.hd);
+  if (h < ep.n_q + ep.n_kv) {  // q or k: ROPE's math (rope_item)
+    const int j = ep.neox ? d0 : d0 / 2;
+    float sn, cs;
+    sincosf(float(ep.positions[b]) * ep.inv_freq[j], &sn, &cs);
+    const float ra = a * cs - v * sn, rv = v * cs + a * sn;
+    a = ra, v = rv;
+  }
+  T ta, tv;
+  store_f32(&ta, a);
+  store_f32(&tv, v);
+  out[c0] = ta, out[c1] = tv;
+  if (h >= ep.n_q) {  // k or v: KV_APPEND's copy
+    const bool is_v = h >= ep.n_q + ep.n_kv;
+    const int g = h - ep.n_q - (is_v ? ep.n_kv : 0);
+    const int64_t slot = ep.slots[b], block = slot / ep.block_size, off = slot % ep.block_size;
+    T* dst = ep.kv_layer + ((block * 2 + (is_v ? 1 : 0)) * ep.n_kv + g) * ep.block_size * ep.hd + off * ep.hd;
+    dst[d0] = ta, dst[d1] = tv;
+  }
+}
+
+// One output row for the first `batch` (<= kB) rows of x: kUnroll weight vectors in flight per
+// lane, then their math. Instantiated per batch class, so that batch 1 (decode of one agent)
+// keeps deep weight streams without the registers of 8 rows of x. first: the slot-0 row's
+// products (rounded to T) for the fused epilogues, which finish at slot 1; first_col its column.
+// kFusable = false (the standalone GEMV): plain rows and kStore only, decided at compile time, so
+// that its machine code holds nothing of the fused forms (the CI's ISA check counts its loads).
+template <typename T, int kB, int kUnroll, int kStaged, bool kFusable, typename OutT, typename Stages>
 __device__ __forceinline__ void linear_row(const WVec<T>* __restrict__ wr, const T* __restrict__ x, int64_t x_stride,
                                            OutT* out, int64_t out_stride, int batch, int64_t chunks,
                                            int64_t out_col, float bv, const Stages& st, int stage, int rr,
-                                           GemvEpilogue ep, float (&gate)[kB]) {
+                                           const GemvEpilogueArgs<T>& ep, float (&first)[kB], int64_t first_col) {
   const int lane = threadIdx.x % KOG_WARP_SIZE;
+  const GemvEpilogue kind = kFusable ? ep.kind : GemvEpilogue::kStore;
   float acc[kB];
 #pragma unroll
   for (int b = 0; b < kB; ++b) acc[b] = 0.f;
@@ -69,18 +122,20 @@ __device__ __forceinline__ void linear_row(const WVec<T>* __restrict__ wr, const
     if (b < batch) {
       const float s = warp_reduce_sum(acc[b]);
       if (lane == 0) {
-        if (ep == GemvEpilogue::kSiluMul) {
-          T t;  // the product as GATE_UP held it
+        if (kind == GemvEpilogue::kSiluMul || kind == GemvEpilogue::kRopeKv) {
+          T t;  // the product as the unfused LINEAR stored it
           store_f32(&t, s + bv);
           if (rr == 0) {
-            gate[b] = load_f32(&t);
-          } else {  // the up row: out = silu(gate) * up, rounded once (SILU_MUL's math)
-            const float g = gate[b];
+            first[b] = load_f32(&t);
+          } else if (kind == GemvEpilogue::kSiluMul) {  // out = silu(gate) * up (SILU_MUL's math)
+            const float g = first[b];
             store_f32(out + b * out_stride + out_col, g / (1.f + expf(-g)) * load_f32(&t));
+          } else {
+            rope_kv_pair(ep, reinterpret_cast<T*>(out) + b * out_stride, first_col, out_col, first[b], load_f32(&t), b);
           }
         } else {
           OutT* o = out + b * out_stride + out_col;
-          if (ep == GemvEpilogue::kAccumulate) {  // o += the product rounded to OutT
+          if (kind == GemvEpilogue::kAccumulate) {  // o += the product rounded to OutT
             OutT t;
             store_f32(&t, s + bv);
             store_f32(o, load_f32(&t) + load_f32(o));
@@ -94,42 +149,45 @@ __device__ __forceinline__ void linear_row(const WVec<T>* __restrict__ wr, const
 }
 
 // The rows of one item for one batch class (kB rows of x at most).
-template <typename T, typename OutT, int kStaged, int kB, int kUnroll, typename Stages>
+template <typename T, typename OutT, int kStaged, int kB, int kUnroll, bool kFusable, typename Stages>
 __device__ __forceinline__ void linear_item_rows(const T* __restrict__ w, const T* __restrict__ bias, const T* x,
                                                  int64_t x_stride, OutT* out, int64_t out_stride, int batch, int64_t n,
-                                                 int64_t k, int64_t item, const Stages& st, int stage, GemvEpilogue ep) {
-  const bool glu = ep == GemvEpilogue::kSiluMul;
+                                                 int64_t k, int64_t item, const Stages& st, int stage,
+                                                 const GemvEpilogueArgs<T>& ep) {
+  const GemvRows rows = kFusable ? ep.rows() : GemvRows{};
   const int64_t chunks = k / kVec16<T>;
-  float gate[kB] = {};  // kSiluMul: the gate row's products, consumed by the up row (slot 1)
+  const int64_t first_col = gemv_weight_row(item, 0, n, rows);
+  float first[kB] = {};  // fused epilogues: slot 0's products, consumed at slot 1
   for (int rr = 0; rr < kLinearRowsPerWarp; ++rr) {
-    const int64_t row = gemv_weight_row(item, rr, n, glu);
+    const int64_t row = gemv_weight_row(item, rr, n, rows);
     if (row >= n) break;  // uniform over the warp
     const WVec<T>* wr = reinterpret_cast<const WVec<T>*>(w + row * k);
     const float bv = bias != nullptr ? gpu_to_float(bias[row]) : 0.f;
-    const int64_t out_col = glu ? gemv_weight_row(item, 0, n, true) : row;
-    linear_row<T, kB, kUnroll, kStaged>(wr, x, x_stride, out, out_stride, batch, chunks, out_col, bv, st, stage, rr,
-                                        ep, gate);
+    const int64_t out_col = rows.kind == GemvRows::kGlu ? first_col : row;
+    linear_row<T, kB, kUnroll, kStaged, kFusable>(wr, x, x_stride, out, out_stride, batch, chunks, out_col, bv, st,
+                                                  stage, rr, ep, first, first_col);
   }
 }
 
 // Item `item` of a GEMV over w [n, k] (rows gemv_weight_row): st / stage hold its first kStaged
 // vectors per row and lane (landed: WeightStages::wait). OutT: T or float (logits). ep: what
-// the products become (GemvEpilogue); kSiluMul writes out [batch, n / 2].
-template <typename T, typename OutT, int kStaged, typename Stages>
+// the products become (GemvEpilogueArgs); kSiluMul writes out [batch, n / 2].
+template <typename T, typename OutT, int kStaged, bool kFusable = true, typename Stages>
 __device__ __forceinline__ void linear_item(const T* __restrict__ w, const T* __restrict__ bias, const T* x, int64_t x_stride,
                             OutT* out, int64_t out_stride, int batch, int64_t n, int64_t k, int64_t item,
-                            const Stages& st, int stage, GemvEpilogue ep = GemvEpilogue::kStore) {
+                            const Stages& st, int stage, const GemvEpilogueArgs<T>& ep) {
   if (batch == 1)  // uniform over the grid
-    linear_item_rows<T, OutT, kStaged, 1, kLinearUnrollBatch1>(w, bias, x, x_stride, out, out_stride, batch, n, k, item,
-                                                               st, stage, ep);
+    linear_item_rows<T, OutT, kStaged, 1, kLinearUnrollBatch1, kFusable>(w, bias, x, x_stride, out, out_stride, batch,
+                                                                         n, k, item, st, stage, ep);
   else
-    linear_item_rows<T, OutT, kStaged, kMaxBatch, kLinearUnroll>(w, bias, x, x_stride, out, out_stride, batch, n, k,
-                                                                 item, st, stage, ep);
+    linear_item_rows<T, OutT, kStaged, kMaxBatch, kLinearUnroll, kFusable>(w, bias, x, x_stride, out, out_stride, batch,
+                                                                           n, k, item, st, stage, ep);
 }
 
-// Items of a GEMV over n weight rows (glu: a fused gate/up, one output row per warp).
-__device__ __forceinline__ int64_t linear_items(int64_t n, bool glu = false) {
-  return glu ? (n / 2 + kWarps - 1) / kWarps : (n + linear_rows_per_item() - 1) / linear_rows_per_item();
+// Items of a GEMV over n weight rows; paired: two rows per warp that belong together (a gate row
+// and its up row, a RoPE pair), one pair per warp.
+__device__ __forceinline__ int64_t linear_items(int64_t n, bool paired = false) {
+  return paired ? (n / 2 + kWarps - 1) / kWarps : (n + linear_rows_per_item() - 1) / linear_rows_per_item();
 }
 
 }  // namespace kog::gpu::decode

@@ -11,6 +11,7 @@
 namespace kog::gpu::decode {
 
 using schedule::kOpAttnCombine;
+using schedule::kOpLinearRopeKv;
 using schedule::kOpLinearSiluMul;
 using schedule::kOpSamplePartial;
 using schedule::ModelDims;

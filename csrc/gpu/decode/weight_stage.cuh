@@ -43,17 +43,33 @@ __device__ __forceinline__ int linear_rows_per_item() { return kWarps * kLinearR
 
 static_assert(kLinearRowsPerWarp == 2, "a fused gate/up item gives each warp one gate row and its up row");
 
+// Which weight rows a warp's two row slots take in a GEMV item.
+//   kRows: consecutive rows (LINEAR).
+//   kGlu (kOpLinearSiluMul): warp w of item i: output row g = i * kWarps + w, from gate row g
+//     (slot 0) and up row n / 2 + g (slot 1).
+//   kRopePairs (kOpLinearRopeKv): warp w of item i: RoPE pair p = i * kWarps + w of the qkv row,
+//     head h = p / (hd / 2), j = p % (hd / 2): rows h * hd + j and + hd / 2 (NeoX halves) or
+//     h * hd + 2j and + 1 (GPT-J pairs).
+struct GemvRows {
+  enum Kind : int32_t { kRows, kGlu, kRopePairs };
+  int32_t kind = kRows;
+  int32_t hd = 0;      // kRopePairs: head_dim
+  bool neox = true;    // kRopePairs: rotate_half pairs
+};
+
 // The weight row that row slot rr (< kLinearRowsPerWarp) of this warp reads in item i of a GEMV
-// over n weight rows; n when the slot has no row. glu (kOpLinearSiluMul): warp w of item i
-// computes output row g = i * kWarps + w from gate row g (slot 0) and up row n / 2 + g (slot 1).
-__device__ __forceinline__ int64_t gemv_weight_row(int64_t i, int rr, int64_t n, bool glu) {
+// over n weight rows laid out as `rows`; n when the slot has no row.
+__device__ __forceinline__ int64_t gemv_weight_row(int64_t i, int rr, int64_t n, const GemvRows& rows) {
   const int warp = threadIdx.x / KOG_WARP_SIZE;
-  if (!glu) {
+  if (rows.kind == GemvRows::kRows) {
     const int64_t row = i * linear_rows_per_item() + int64_t(warp) * kLinearRowsPerWarp + rr;
     return row < n ? row : n;
   }
-  const int64_t g = i * kWarps + warp;
-  return g < n / 2 ? (rr == 0 ? g : n / 2 + g) : n;
+  const int64_t p = i * kWarps + warp;  // one output row (kGlu) or one RoPE pair per warp
+  if (p >= n / 2) return n;
+  if (rows.kind == GemvRows::kGlu) return rr == 0 ? p : n / 2 + p;
+  const int64_t half = rows.hd / 2, h = p / half, j = p % half;
+  return h * rows.hd + (rows.neox ? j + rr * half : 2 * j + rr);
 }
 
 // The per-workgroup staging state. The tags are uniform over the workgroup (every thread runs
@@ -114,14 +130,15 @@ struct WeightStages {
   }
 #endif
 
-  // Starts loading item i of GEMV op o (weights w [n, k]; glu: a fused gate/up) into stage s
+  // Starts loading item i of GEMV op o (weights w [n, k], rows laid out as `rows`) into stage s
   // (free).
-  __device__ void issue(int s, int32_t o, int64_t i, const T* __restrict__ w, int64_t n, int64_t k, bool glu) {
+  __device__ void issue(int s, int32_t o, int64_t i, const T* __restrict__ w, int64_t n, int64_t k,
+                        const GemvRows& rows) {
     const int lane = threadIdx.x % KOG_WARP_SIZE;
     const int64_t chunks = k / kVec16<T>;
 #pragma unroll
     for (int rr = 0; rr < kLinearRowsPerWarp; ++rr) {
-      const int64_t row = gemv_weight_row(i, rr, n, glu);
+      const int64_t row = gemv_weight_row(i, rr, n, rows);
       const WVec<T>* wr = reinterpret_cast<const WVec<T>*>(w + row * k);
 #pragma unroll
       for (int v = 0; v < kStagedVecs; ++v) {

@@ -17,8 +17,8 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(LinearParams p, int64_
   T* out = static_cast<T*>(p.out) + row0 * p.out_stride;
   const decode::NoStages<T> none;
   for (int64_t item = blockIdx.x; item < decode::linear_items(p.n); item += gridDim.x)
-    decode::linear_item<T, T, 0>(static_cast<const T*>(p.weight), static_cast<const T*>(p.bias), x, p.x_stride, out,
-                                 p.out_stride, batch, p.n, p.k, item, none, 0, decode::GemvEpilogue::kStore);
+    decode::linear_item<T, T, 0, false>(static_cast<const T*>(p.weight), static_cast<const T*>(p.bias), x, p.x_stride, out,
+                                 p.out_stride, batch, p.n, p.k, item, none, 0, decode::GemvEpilogueArgs<T>{});
 }
 
 }  // namespace

@@ -25,6 +25,7 @@ from kog.program.opcodes import Buffer, Opcode
 ATTN_COMBINE = _C.GPU_OP_ATTN_COMBINE
 SAMPLE_PARTIAL = _C.GPU_OP_SAMPLE_PARTIAL
 LINEAR_SILU_MUL = _C.GPU_OP_LINEAR_SILU_MUL
+LINEAR_ROPE_KV = _C.GPU_OP_LINEAR_ROPE_KV
 
 # Per-sequence state outside the activation arena (PersistentDecodeParams fields).
 POSITIONS, SEQ_LENS, SLOTS = "positions", "seq_lens", "slots"
@@ -70,6 +71,8 @@ def items_of(op: _C.Op, dims: _C.ModelDims, batch: int, max_parts: int, rows_per
         return ceil(dims.buffer_width(op.out), rows_per_item)
     if code == LINEAR_SILU_MUL:  # one output row (a gate row and its up row) per warp
         return ceil(dims.intermediate, rows_per_item // 2)
+    if code == LINEAR_ROPE_KV:  # one RoPE pair of rows per warp
+        return ceil(dims.buffer_width(op.out) // 2, rows_per_item // 2)
     if code == Opcode.ATTN_DECODE:  # (sequence, KV head, partition): the head's GQA group
         return batch * dims.n_kv_heads * max_parts
     if code == ATTN_COMBINE:
@@ -93,6 +96,8 @@ def accesses(op: _C.Op) -> tuple[set[str], set[str]]:
     code, i, o = op.opcode, buffer(op.in_) if op.in_ >= 0 else None, buffer(op.out) if op.out >= 0 else None
     if code == Opcode.LINEAR and op.residual >= 0:  # a fused residual add: out (the residual) += x . w
         return {i, o}, {o}
+    if code == LINEAR_ROPE_KV:  # QKV (q, k rotated) and the layer's cache at the row's slot
+        return {i, POSITIONS, SLOTS}, {o, kv_cache(op.layer)}
     if code in (Opcode.EMBED, Opcode.LINEAR, Opcode.SILU_MUL, LINEAR_SILU_MUL):
         return {i}, {o}
     if code == Opcode.RMS_NORM:  # with a residual: residual += in, out = norm(residual)
@@ -118,8 +123,8 @@ def accesses(op: _C.Op) -> tuple[set[str], set[str]]:
 
 
 def op_name(op: _C.Op) -> str:
-    code = ({ATTN_COMBINE: "ATTN_COMBINE", SAMPLE_PARTIAL: "SAMPLE_PARTIAL", LINEAR_SILU_MUL: "LINEAR_SILU_MUL"}
-            .get(op.opcode) or Opcode(op.opcode).name)
+    code = ({ATTN_COMBINE: "ATTN_COMBINE", SAMPLE_PARTIAL: "SAMPLE_PARTIAL", LINEAR_SILU_MUL: "LINEAR_SILU_MUL",
+             LINEAR_ROPE_KV: "LINEAR_ROPE_KV"}.get(op.opcode) or Opcode(op.opcode).name)
     layer = f" L{op.layer}" if op.layer >= 0 else ""
     src = Buffer(op.in_).name if op.in_ >= 0 else "-"
     dst = Buffer(op.out).name if op.out >= 0 else f"kv.{op.layer}"
