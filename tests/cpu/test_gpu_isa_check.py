@@ -40,7 +40,7 @@ def module(make, dialect, wide, narrow, gemv=None, attn=None, persistent=None):
     """A module as the CI sees it: the GEMV, the bf16 attention, the fp32 attention (whose
     4-byte K/V loads are not told apart from its table loads) and the persistent kernel (its
     weight staging copies on NVIDIA)."""
-    gemv = [wide] * 4 + [narrow] * 2 if gemv is None else gemv
+    gemv = [wide] * 4 + [narrow] * 3 if gemv is None else gemv
     attn = [wide] * 3 + [WORD[dialect]] * 2 if attn is None else attn
     if persistent is None:
         persistent = [STAGE_COPY] * 16 + [narrow] if dialect == "sass" else [narrow]
@@ -55,7 +55,7 @@ CASES = [("sass", sass, "LDG.E.128.CONSTANT", "LDG.E.U16.CONSTANT", "STL"),
 @pytest.mark.parametrize("dialect,make,wide,narrow,spill", CASES)
 def test_wide_loads_pass_and_narrow_ones_fail(dialect, make, wide, narrow, spill):
     assert isa.check(module(make, dialect, wide, narrow), dialect) == []  # a bias load per batch class
-    assert isa.check(module(make, dialect, wide, narrow, gemv=[wide] * 4 + [narrow] * 3), dialect)  # one more
+    assert isa.check(module(make, dialect, wide, narrow, gemv=[wide] * 4 + [narrow] * 4), dialect)  # one more
     assert isa.check(module(make, dialect, wide, narrow, gemv=[wide] * 4 + [narrow] * 8), dialect)  # 2-byte weights
     assert isa.check(module(make, dialect, wide, narrow, gemv=[wide] * 3), dialect)  # too few in flight
     assert isa.check(module(make, dialect, wide, narrow, gemv=[wide] * 4 + [spill]), dialect)  # a spill

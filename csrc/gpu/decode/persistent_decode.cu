@@ -417,9 +417,17 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
   KOG_GPU_CHECK(gpuGetDevice(&device));
   gpuDeviceProp_t prop;
   KOG_GPU_CHECK(gpuGetDeviceProperties(&prop, device));
-  if (kStageSmemBytes > 0)  // above the default 48 KiB a kernel must ask for its dynamic shared memory
+  if (kStageSmemBytes > 0) {  // above the default 48 KiB a kernel must ask for its dynamic shared memory
+#if defined(KOG_GPU_CUDA)
+    gpuFuncAttributes attr;
+    KOG_GPU_CHECK(gpuFuncGetAttributes(&attr, kernel_for(dims.dtype)));
+    KOG_CHECK_KIND(size_t(kStageSmemBytes) + attr.sharedSizeBytes <= prop.sharedMemPerBlockOptin, kBackend,
+                   "gpu decode: the kernel needs ", kStageSmemBytes, " + ", attr.sharedSizeBytes,
+                   " bytes of shared memory per block, the device gives ", prop.sharedMemPerBlockOptin);
+#endif
     KOG_GPU_CHECK(gpuFuncSetAttribute(kernel_for(dims.dtype), gpuFuncAttributeMaxDynamicSharedMemorySize,
                                       kStageSmemBytes));
+  }
   KOG_GPU_CHECK(
       gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel_for(dims.dtype), kThreads, kStageSmemBytes));
   KOG_CHECK_KIND(per_sm > 0, kBackend, "gpu decode: the kernel cannot be resident on this device");
