@@ -12,13 +12,14 @@ Usage: python bench/quant_gemv.py [--repeat N] [--m M]
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
 from kog import _C, ops
+
+from bench_timing import best_seconds, triad_gbps
 
 SHAPES = [  # (name, n, k) of W [n, k]
     ("q_proj 576x576", 576, 576),
@@ -27,24 +28,6 @@ SHAPES = [  # (name, n, k) of W [n, k]
     ("lm_head 49152x576", 49152, 576),
 ]
 QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
-
-
-def timeit(fn, repeat: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / repeat)
-    return best
-
-
-def triad_gbps() -> float:
-    n = 64 * 2**20  # floats per array: 256 MiB
-    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
-    t = timeit(lambda: torch.add(b, c, alpha=2.0, out=a), 3)
-    return 3 * n * 4 / t / 1e9
 
 
 def random_blocks(rng: np.random.Generator, name: str, n: int, k: int) -> torch.Tensor:
@@ -70,7 +53,7 @@ def main() -> None:
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     torch.manual_seed(0)
-    bw = triad_gbps()
+    bw = triad_gbps(64 * 2**20, repeat=3, rounds=5)
     info = _C.build_info()
     print(f"kog cpu_isa={info['cpu_isa']} threads={info['cpu_threads']} m={args.m}  "
           f"triad bandwidth {bw:.1f} GB/s\n")
@@ -83,8 +66,8 @@ def main() -> None:
             w = torch.randn(n, k).to(dtype)
             xd, out = x.to(dtype), torch.empty(args.m, n, dtype=dtype)
             code = ops.DTYPE_CODE[dtype]
-            t = timeit(lambda: _C.linear(out.data_ptr(), xd.data_ptr(), w.data_ptr(), 0, args.m, n, k, k, n, code,
-                                         -1), args.repeat)
+            t = best_seconds(lambda: _C.linear(out.data_ptr(), xd.data_ptr(), w.data_ptr(), 0, args.m, n, k, k, n,
+                                               code, -1), args.repeat, rounds=5)
             t_base[dtype] = t
             rows.append((str(dtype)[6:], w.numel() * w.element_size(), t))
         for q in QTYPES:
@@ -96,8 +79,8 @@ def main() -> None:
             out = torch.empty(args.m, n)
             ops.linear_quant(x, w, q, out=out)  # checks the arguments once
             type_id = ops.QUANT_TYPES[q][0]
-            t = timeit(lambda: _C.linear_quant(out.data_ptr(), x.data_ptr(), w.data_ptr(), w.numel(), args.m, n, k, k,
-                                               n, 0, type_id), args.repeat)
+            t = best_seconds(lambda: _C.linear_quant(out.data_ptr(), x.data_ptr(), w.data_ptr(), w.numel(), args.m, n,
+                                                     k, k, n, 0, type_id), args.repeat, rounds=5)
             rows.append((q, w.numel(), t))
         for wname, nbytes, t in rows:
             if t is None:
