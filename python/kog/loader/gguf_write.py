@@ -43,9 +43,7 @@ def requantize_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str], ou
     Raises:
         ModelLoadError: src is not a readable GGUF, or outtype is unknown.
     """
-    if outtype not in OUT_TYPES:
-        raise ModelLoadError(f"unknown GGUF output type {outtype!r}; choose one of {sorted(OUT_TYPES)}")
-    target = OUT_TYPES[outtype]
+    target = _out_type(outtype)
     try:
         reader = gguf.GGUFReader(src)
     except (OSError, ValueError) as e:
@@ -62,13 +60,8 @@ def requantize_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str], ou
     written = {}
     for t in reader.tensors:
         values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        qtype = _tensor_type(t.name, values, target)
-        writer.add_tensor(t.name, _encode(values, qtype), raw_dtype=qtype if qtype in _RAW else None)
-        written[t.name] = qtype.name
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        written[t.name] = _add_tensor(writer, t.name, values, target)
+    _finish(writer)
     return written
 
 
@@ -95,9 +88,7 @@ def hf_to_gguf(folder: str | os.PathLike[str], dst: str | os.PathLike[str], outt
     """
     from kog.loader import load_model
 
-    if outtype not in OUT_TYPES:
-        raise ModelLoadError(f"unknown GGUF output type {outtype!r}; choose one of {sorted(OUT_TYPES)}")
-    target = OUT_TYPES[outtype]
+    target = _out_type(outtype)
     model = load_model(folder, dtype=torch.float32)
     config = model.config
     arch = "llama" if config.architecture == "mistral" else config.architecture
@@ -120,14 +111,8 @@ def hf_to_gguf(folder: str | os.PathLike[str], dst: str | os.PathLike[str], outt
         name = gguf_name(hf)
         if name is None:
             raise ModelLoadError(f"{folder}: no GGUF name for tensor {hf}")
-        values = permute_for_llama_cpp(hf, w.float(), config, arch).numpy()
-        qtype = _tensor_type(name, values, target)
-        writer.add_tensor(name, _encode(values, qtype), raw_dtype=qtype if qtype in _RAW else None)
-        written[name] = qtype.name
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        written[name] = _add_tensor(writer, name, permute_for_llama_cpp(hf, w.float(), config, arch).numpy(), target)
+    _finish(writer)
     return written
 
 
@@ -237,6 +222,27 @@ def add_value(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
         writer.add_array(key, [int(v) for v in value])
     else:
         writer.add_array(key, list(value))
+
+
+def _out_type(outtype: str) -> Q:
+    if outtype not in OUT_TYPES:
+        raise ModelLoadError(f"unknown GGUF output type {outtype!r}; choose one of {sorted(OUT_TYPES)}")
+    return OUT_TYPES[outtype]
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, values: np.ndarray, target: Q) -> str:
+    """Adds tensor `name` (f32 values) in the type llama.cpp's quantizer would give it for
+    `target`; returns that type's name."""
+    qtype = _tensor_type(name, values, target)
+    writer.add_tensor(name, _encode(values, qtype), raw_dtype=qtype if qtype in _RAW else None)
+    return qtype.name
+
+
+def _finish(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def _tensor_type(name: str, values: np.ndarray, target: Q) -> Q:
