@@ -40,21 +40,29 @@ __host__ __device__ __forceinline__ int64_t buffer_width(const PersistentDecodeP
   return schedule::buffer_width(p.dims, b);
 }
 
-template <typename T>
-__device__ __forceinline__ GemvEpilogueArgs<T> silu_mul_epilogue() {
-  GemvEpilogueArgs<T> ep;
-  ep.kind = GemvEpilogue::kSiluMul;
-  return ep;
+// Weight rows of a GEMV op (schedule::is_gemv): its output width, or both halves of a fused
+// gate/up.
+__device__ __forceinline__ int64_t gemv_rows(const PersistentDecodeParams& p, const Op& op) {
+  return op.op == kOpLinearSiluMul ? 2 * p.dims.intermediate : buffer_width(p, op.out);
 }
 
-// kv_layer: the op's layer of the cache.
+// What a GEMV op does with its products, and (rows()) how its items take its weight rows: the
+// one mapping from opcode to epilogue, for the GEMV item and its weight staging. kv_layer: the
+// op's layer of the cache (kOpLinearRopeKv writes it).
 template <typename T>
-__device__ __forceinline__ GemvEpilogueArgs<T> rope_kv_epilogue(const PersistentDecodeParams& p, T* kv_layer) {
+__device__ __forceinline__ GemvEpilogueArgs<T> gemv_epilogue(const PersistentDecodeParams& p, const Op& op,
+                                                             T* kv_layer) {
   GemvEpilogueArgs<T> ep;
-  ep.kind = GemvEpilogue::kRopeKv;
-  ep.n_q = int32_t(p.dims.n_q_heads), ep.n_kv = int32_t(p.dims.n_kv_heads), ep.hd = int32_t(p.dims.head_dim);
-  ep.neox = p.dims.rope_neox, ep.inv_freq = p.inv_freq, ep.positions = p.positions, ep.slots = p.slots;
-  ep.kv_layer = kv_layer, ep.block_size = p.block_size;
+  if (op.op == kOpLinearSiluMul) {
+    ep.kind = GemvEpilogue::kSiluMul;
+  } else if (op.op == kOpLinearRopeKv) {
+    ep.kind = GemvEpilogue::kRopeKv;
+    ep.n_q = int32_t(p.dims.n_q_heads), ep.n_kv = int32_t(p.dims.n_kv_heads), ep.hd = int32_t(p.dims.head_dim);
+    ep.neox = p.dims.rope_neox, ep.inv_freq = p.inv_freq, ep.positions = p.positions, ep.slots = p.slots;
+    ep.kv_layer = kv_layer, ep.block_size = p.block_size;
+  } else {  // residual >= 0: out is the residual stream, added into (fuse_residual_adds)
+    ep.kind = op.residual >= 0 ? GemvEpilogue::kAccumulate : GemvEpilogue::kStore;
+  }
   return ep;
 }
 
@@ -74,9 +82,9 @@ __device__ inline int64_t parts_per_row(const PersistentDecodeParams& p, const O
 
 __device__ inline int64_t items_of(const PersistentDecodeParams& p, const Op& op) {
   switch (op.op) {
-    case int32_t(Opcode::kLinear): return linear_items(buffer_width(p, op.out));
-    case kOpLinearSiluMul: return linear_items(2 * p.dims.intermediate, true);
-    case kOpLinearRopeKv: return linear_items(buffer_width(p, op.out), true);
+    case int32_t(Opcode::kLinear):
+    case kOpLinearSiluMul:  // fused: a pair of rows per warp
+    case kOpLinearRopeKv: return linear_items(gemv_rows(p, op), op.op != int32_t(Opcode::kLinear));
     case int32_t(Opcode::kAttnDecode): return int64_t(p.batch) * p.dims.n_kv_heads * p.max_parts;
     case kOpAttnCombine: return int64_t(p.batch) * p.dims.n_q_heads;
     case kOpSamplePartial: return int64_t(p.batch) * sample_chunks(p.dims.vocab);
@@ -108,27 +116,13 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
         rmsnorm_chunk_item<T>(buf(op.in), static_cast<const T*>(op.w0), buf(op.out), buffer_width(p, op.out),
                               p.dims.rms_eps, b, part, smem);
       break;
-    case int32_t(Opcode::kLinear): {
-      const int64_t n = buffer_width(p, op.out), k = buffer_width(p, op.in);
-      // residual >= 0: out is the residual stream, added into (fuse_residual_adds)
-      GemvEpilogueArgs<T> ep;
-      ep.kind = op.residual >= 0 ? GemvEpilogue::kAccumulate : GemvEpilogue::kStore;
+    case int32_t(Opcode::kLinear):
+    case kOpLinearRopeKv:      // QKV's rows, a RoPE pair per warp -> QKV (q, k rotated) and the cache
+    case kOpLinearSiluMul: {   // GATE_UP's rows [2 * inter, hidden] -> ACT [B, inter]
+      const int64_t k = buffer_width(p, op.in);
       linear_item<T, T, kStagedVecs>(static_cast<const T*>(op.w0), static_cast<const T*>(op.w1), buf(op.in), k,
-                                     buf(op.out), n, p.batch, n, k, item, st, stage, ep);
-      break;
-    }
-    case kOpLinearRopeKv: {  // QKV's rows, a RoPE pair per warp -> QKV (q, k rotated) and the cache
-      GemvEpilogueArgs<T> ep = rope_kv_epilogue<T>(p, kv_layer);
-      linear_item<T, T, kStagedVecs>(static_cast<const T*>(op.w0), static_cast<const T*>(op.w1), buf(op.in),
-                                     buffer_width(p, op.in), buf(op.out), qkv_w, p.batch, qkv_w,
-                                     buffer_width(p, op.in), item, st, stage, ep);
-      break;
-    }
-    case kOpLinearSiluMul: {  // GATE_UP's rows [2 * inter, hidden] -> ACT [B, inter]
-      const int64_t n = 2 * p.dims.intermediate, k = buffer_width(p, op.in);
-      linear_item<T, T, kStagedVecs>(static_cast<const T*>(op.w0), static_cast<const T*>(op.w1), buf(op.in), k,
-                                     buf(op.out), p.dims.intermediate, p.batch, n, k, item, st, stage,
-                                     silu_mul_epilogue<T>());
+                                     buf(op.out), buffer_width(p, op.out), p.batch, gemv_rows(p, op), k, item, st,
+                                     stage, gemv_epilogue<T>(p, op, kv_layer));
       break;
     }
     case int32_t(Opcode::kQkNorm):
@@ -224,16 +218,6 @@ __device__ __forceinline__ void wait_for_ops(const PersistentDecodeParams& p, co
   fence_acquire();
 }
 
-// Weight rows of a GEMV op (schedule::is_gemv), and how its items take them.
-__device__ __forceinline__ int64_t gemv_rows(const PersistentDecodeParams& p, const Op& op) {
-  return op.op == kOpLinearSiluMul ? 2 * p.dims.intermediate : buffer_width(p, op.out);
-}
-__device__ __forceinline__ GemvRows gemv_layout(const PersistentDecodeParams& p, const Op& op) {
-  GemvRows r;
-  if (op.op == kOpLinearSiluMul) r.kind = GemvRows::kGlu;
-  if (op.op == kOpLinearRopeKv) r.kind = GemvRows::kRopePairs, r.hd = int32_t(p.dims.head_dim), r.neox = p.dims.rope_neox;
-  return r;
-}
 
 // The next GEMV item this workgroup will run from op j on: item `cand` of op j if op j is a
 // GEMV, else its first item (blockIdx.x) of a later GEMV that has one; with `wrap`, the next
@@ -272,7 +256,8 @@ __device__ inline void stage_next(const PersistentDecodeParams& p, WeightStages<
       const int s = st.free_stage();
       if (s < 0) return;
       const Op& l = p.program[o];
-      st.issue(s, o, i, static_cast<const T*>(l.w0), gemv_rows(p, l), buffer_width(p, l.in), gemv_layout(p, l));
+      st.issue(s, o, i, static_cast<const T*>(l.w0), gemv_rows(p, l), buffer_width(p, l.in),
+               gemv_epilogue<T>(p, l, nullptr).rows());
     }
     j = o, cand = i + gridDim.x;
     wrap = wrap && !wrapped;  // one step ahead at most
@@ -317,7 +302,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(Persiste
             st.reset();
             stage = 0;
             st.issue(stage, j, item, static_cast<const T*>(op.w0), gemv_rows(p, op), buffer_width(p, op.in),
-                     gemv_layout(p, op));
+                     gemv_epilogue<T>(p, op, nullptr).rows());
           }
           stage_next<T>(p, st, j, item + gridDim.x, step);  // NVIDIA: the next items load while this runs
           st.wait(stage);
