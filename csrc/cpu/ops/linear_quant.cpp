@@ -140,34 +140,21 @@ KOG_QINLINE void k_scales(const uint8_t* s, float d, float dmin, float* a, float
   u8x8_to_f32(uint64_t(mn_lo) | uint64_t(mn_hi) << 32, -dmin, b);
 }
 
-template <class Acc>
-KOG_QINLINE void dot_q4_k(const uint8_t* row, int64_t nb, Acc& acc) {
-  const BlockQ4_K* blocks = reinterpret_cast<const BlockQ4_K*>(row);
+// Q4_K, and Q5_K (kHigh: the fifth bit of each value from qh): the same super-block layout.
+template <bool kHigh, class Block, class Acc>
+KOG_QINLINE void dot_k4(const uint8_t* row, int64_t nb, Acc& acc) {
+  const Block* blocks = reinterpret_cast<const Block*>(row);
   for (int64_t i = 0; i < nb; ++i) {
-    const BlockQ4_K& b = blocks[i];
+    const Block& b = blocks[i];
     float a[8], m[8];
     k_scales(b.scales, half_to_f32(b.d), half_to_f32(b.dmin), a, m);
+    wvec h{};
+    if constexpr (kHigh) h = load32(b.qh);
     auto pair = [&](auto slot, int j) __attribute__((always_inline)) {
       const wvec v = load32(b.qs + 32 * j);
-      acc.template pair<decltype(slot)::value>(nib_lo(v), nib_hi(v), 8 * i + 2 * j, a[2 * j], a[2 * j + 1],
-                                               m[2 * j], m[2 * j + 1]);
-    };
-    pair(kSlot0, 0), pair(kSlot1, 1), pair(kSlot0, 2), pair(kSlot1, 3);
-  }
-}
-
-template <class Acc>
-KOG_QINLINE void dot_q5_k(const uint8_t* row, int64_t nb, Acc& acc) {
-  const BlockQ5_K* blocks = reinterpret_cast<const BlockQ5_K*>(row);
-  for (int64_t i = 0; i < nb; ++i) {
-    const BlockQ5_K& b = blocks[i];
-    float a[8], m[8];
-    k_scales(b.scales, half_to_f32(b.d), half_to_f32(b.dmin), a, m);
-    const wvec h = load32(b.qh);
-    auto pair = [&](auto slot, int j) __attribute__((always_inline)) {
-      const wvec v = load32(b.qs + 32 * j);
-      acc.template pair<decltype(slot)::value>(add_bit4(nib_lo(v), h, 2 * j), add_bit4(nib_hi(v), h, 2 * j + 1),
-                                               8 * i + 2 * j, a[2 * j], a[2 * j + 1], m[2 * j], m[2 * j + 1]);
+      wvec lo = nib_lo(v), hi = nib_hi(v);
+      if constexpr (kHigh) lo = add_bit4(lo, h, 2 * j), hi = add_bit4(hi, h, 2 * j + 1);
+      acc.template pair<decltype(slot)::value>(lo, hi, 8 * i + 2 * j, a[2 * j], a[2 * j + 1], m[2 * j], m[2 * j + 1]);
     };
     pair(kSlot0, 0), pair(kSlot1, 1), pair(kSlot0, 2), pair(kSlot1, 3);
   }
@@ -201,8 +188,8 @@ void dot_row(QuantType type, const uint8_t* w, int64_t k, const QRow* x, float* 
     case QuantType::kQ8_0: dot_q8_0(w, k / kQuantBlock, acc); break;
     case QuantType::kQ4_0: dot_q4_0(w, k / kQuantBlock, acc); break;
     case QuantType::kQ4_1: dot_q4_1(w, k / kQuantBlock, acc); break;
-    case QuantType::kQ4_K: dot_q4_k(w, k / kSuperBlock, acc); break;
-    case QuantType::kQ5_K: dot_q5_k(w, k / kSuperBlock, acc); break;
+    case QuantType::kQ4_K: dot_k4<false, BlockQ4_K>(w, k / kSuperBlock, acc); break;
+    case QuantType::kQ5_K: dot_k4<true, BlockQ5_K>(w, k / kSuperBlock, acc); break;
     case QuantType::kQ6_K: dot_q6_k(w, k / kSuperBlock, acc); break;
   }
   for (int c = 0; c < NC; ++c) out[c] = acc.result(c);
