@@ -280,6 +280,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _C.linear(out.data_ptr(), x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else 0,
               m, n, k, x_stride, out_stride, code, device, stream)
     return out
+
+
 # GGUF block formats with native CPU kernels: name -> (ggml type id, elements, bytes per block).
 QUANT_TYPES: dict[str, tuple[int, int, int]] = dict(_C.quant_types())
 _QUANT_BY_ID = {v[0]: (name, v[1], v[2]) for name, v in QUANT_TYPES.items()}
