@@ -102,7 +102,9 @@ ASSUMPTIONS = [
     "ceil(out_rows / (warps * 2)); attention partial per (sequence, KV head, partition), the partition "
     "halved from 256 tokens (down to 16) until there are two items per workgroup; combine per "
     "(sequence, q head); small ops split rows into 512-element chunks / 4 RoPE heads / a KV head; "
-    "residual adds fused into o_proj and down_proj, SiLU-mul into gate/up (one output row a warp), RoPE "
+    "residual adds fused into o_proj and down_proj, every RMSNorm into the prologue of the GEMV that reads it "
+    "(its weight counted with the GEMV's; each warp's re-read of the row for the scale stays in cache, not "
+    "charged), SiLU-mul into gate/up (one output row a warp), RoPE "
     "and KV append into qkv (one RoPE pair a warp); SAMPLE a partial per (sequence, 4096-logit chunk), "
     "then one item per sequence over the chunk summaries (the full-row fallback is not modelled).",
     "Per item: latency + item_bytes / (32 KiB in flight per workgroup / latency) (Little's law, "
@@ -158,7 +160,8 @@ def gpu_program(config: ModelConfig) -> list[tuple[_C.Op, tuple[str, ...]]]:
     out, it = [], iter(program)
     for op in ops:
         gpu_only = op.opcode in (_C.GPU_OP_ATTN_COMBINE, _C.GPU_OP_SAMPLE_PARTIAL)
-        out.append((op, () if gpu_only else next(it).weights))
+        norm = next(it).weights if op.w2 else ()  # the RMS_NORM folded into its prologue comes first
+        out.append((op, () if gpu_only else next(it).weights + norm))
         if op.opcode == _C.GPU_OP_LINEAR_SILU_MUL:
             next(it)  # the SILU_MUL it absorbed
         if op.opcode == _C.GPU_OP_LINEAR_ROPE_KV:

@@ -91,10 +91,57 @@ void rope_kv_fusions(const std::vector<Op>& ops, const ModelDims& dims, std::vec
   }
 }
 
+// RMS_NORM ops (no residual add left: fuse_residual_adds ran) that fold FORWARD into the prologue
+// of the LINEAR reading their output: consumer[i] = j. The LINEAR then reads the norm's input and
+// normalizes it (w2 = the norm's weight) and takes the norm's deps in place of its dep on it.
+// Conditions: j is the first op after i that touches the norm's output, a LINEAR reading it
+// with no residual of its own, not writing the norm's input; nothing in (i, j) writes the
+// norm's input (j reads it later than the norm did) or depends on i (i's completion is now j's,
+// which comes after them); nothing after j reads the norm's output before it is written again
+// (it is never written now).
+std::vector<int32_t> rmsnorm_prologue_fusions(std::vector<Op>& ops) {
+  const int n = int(ops.size());
+  std::vector<int32_t> consumer(ops.size(), -1);
+  for (int i = 0; i < n; ++i) {
+    const Op& norm = ops[size_t(i)];
+    if (Opcode(norm.op) != Opcode::kRmsNorm || norm.residual >= 0) continue;
+    bool ok = true;
+    int j = i + 1;
+    for (; j < n && !touches(ops[size_t(j)], norm.out); ++j) {
+      const Op& o = ops[size_t(j)];
+      ok &= !writes(o, norm.in) && std::find(o.deps, o.deps + o.n_deps, i) == o.deps + o.n_deps;
+    }
+    if (!ok || j >= n) continue;
+    const Op& lin = ops[size_t(j)];
+    if (Opcode(lin.op) != Opcode::kLinear || lin.in != norm.out || lin.residual >= 0 || lin.out == norm.in ||
+        lin.out == norm.out)
+      continue;
+    int k = j + 1;
+    while (k < n && !touches(ops[size_t(k)], norm.out)) ++k;
+    if (k < n && reads(ops[size_t(k)], norm.out)) continue;
+    consumer[size_t(i)] = j;
+    Op& l = ops[size_t(j)];
+    const Op norm_copy = norm;
+    int32_t kept[kMaxDeps], n_kept = 0;  // l's deps without the norm, then the norm's
+    for (int d = 0; d < l.n_deps; ++d)
+      if (l.deps[d] != i) kept[n_kept++] = l.deps[d];
+    l.n_deps = 0;
+    for (int d = 0; d < n_kept; ++d) add_dep(l, kept[d]);
+    for (int d = 0; d < norm_copy.n_deps; ++d) add_dep(l, norm_copy.deps[d]);
+    l.in = norm_copy.in;
+    l.w2 = norm_copy.w0;
+  }
+  return consumer;
+}
+
 std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDims& dims) {
   validate_program(ops_in, dims);
   std::vector<Op> ops = ops_in;
   fuse_residual_adds(ops);
+  const std::vector<int32_t> norm_consumer = rmsnorm_prologue_fusions(ops);
+  std::vector<int32_t> folded_norm(ops.size(), -1);  // the inverse: LINEAR j -> the norm in its prologue
+  for (size_t i = 0; i < ops.size(); ++i)
+    if (norm_consumer[i] >= 0) folded_norm[size_t(norm_consumer[i])] = int32_t(i);
   std::vector<int32_t> fused_into = silu_mul_fusions(ops);
   rope_kv_fusions(ops, dims, fused_into);
   for (size_t i = 0; i < ops.size(); ++i) {
@@ -112,7 +159,7 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
     }
   }
   // produced[i]: the expanded index whose completion means op i's output is complete.
-  std::vector<int32_t> produced(ops.size());
+  std::vector<int32_t> produced(ops.size(), -1);
   std::vector<Op> out;
   out.reserve(ops.size() + size_t(dims.n_layers) + 1);
   int32_t last_combine = -1;
@@ -121,9 +168,14 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
       produced[i] = produced[size_t(fused_into[i])];
       continue;
     }
+    if (norm_consumer[i] >= 0) continue;  // folded into a later LINEAR: produced when that one is
     Op o = ops[i];
     o.n_deps = 0;
-    for (int k = 0; k < ops[i].n_deps; ++k) add_dep(o, produced[size_t(ops[i].deps[k])]);
+    for (int k = 0; k < ops[i].n_deps; ++k) {
+      const int32_t d = produced[size_t(ops[i].deps[k])];
+      KOG_ASSERT(d >= 0, "expand_gpu_program: op ", i, " depends on op ", ops[i].deps[k], " before it exists");
+      add_dep(o, d);
+    }
     const bool attn = Opcode(o.op) == Opcode::kAttnDecode;
     if (attn && last_combine >= 0) add_dep(o, last_combine);
     if (Opcode(o.op) == Opcode::kSample) {
@@ -134,6 +186,7 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
     }
     out.push_back(o);
     produced[i] = int32_t(out.size()) - 1;
+    if (folded_norm[i] >= 0) produced[size_t(folded_norm[i])] = produced[i];  // completes with its consumer
     if (attn) {
       // Partials go to the executor's own scratch; the combine writes the attention output.
       Op combine = o;

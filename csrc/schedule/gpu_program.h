@@ -32,7 +32,9 @@ KOG_HOST_DEVICE inline bool is_gemv(const Op& o) {
 }
 
 // Validates the program (validate_program), moves residual adds into their producers
-// (fuse_residual_adds), fuses each SILU_MUL into the LINEAR that feeds it (kOpLinearSiluMul:
+// (fuse_residual_adds), folds each RMS_NORM left without an add into the prologue of the LINEAR
+// that reads its output (the LINEAR reads the norm's input, w2 = the norm's weight, and takes
+// the norm's deps; ops that depended on the norm depend on the LINEAR), fuses each SILU_MUL into the LINEAR that feeds it (kOpLinearSiluMul:
 // the fused op keeps the LINEAR's place, takes the SILU_MUL's output and deps, and ops that
 // depended on the SILU_MUL depend on it), inserts a combine after every ATTN_DECODE:
 //   - the combine depends on its partial phase (it reads the partials the partial phase wrote);

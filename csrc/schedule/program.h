@@ -58,6 +58,8 @@ struct Op {
   const void* w0;         // EMBED: [vocab, hidden]; LINEAR: [n, k]; norms: [width]; QK_NORM: q_norm [head_dim]
   const void* w1;         // LINEAR: bias [n] or null; QK_NORM: k_norm [head_dim]
   int32_t deps[kMaxDeps]; // [n_deps] indices of earlier ops that must complete first, ascending
+  const void* w2;         // GPU expanded program only (null in a program): a GEMV's RMSNorm prologue
+                          // weight [width(in)]: x = rmsnorm(in) * w2 (expand_gpu_program)
 };
 
 // Elements per batch row of buffer b (TOKENS: one int32 id; LOGITS: vocab in the run dtype).

@@ -19,20 +19,22 @@ def lowered(arch: str):
 
 
 def fields(op) -> tuple:
-    return (op.opcode, op.layer, op.in_, op.residual, op.out, op.w0, op.w1)
+    return (op.opcode, op.layer, op.in_, op.residual, op.out, op.w0, op.w1, op.w2)
 
 
-def fused_fields(op) -> tuple:
-    """op's fields after fuse_residual_adds and the SILU_MUL fusion, for the Llama-family
-    programs: the LINEARs writing HIDDEN add into RESIDUAL, the RMS_NORMs read RESIDUAL and add
-    nothing, the gate/up LINEAR writes ACT through its SiLU-mul epilogue."""
+def fused_fields(op, prev) -> tuple:
+    """op's fields after fuse_residual_adds, the RMSNorm prologue and the SILU_MUL fusion, for
+    the Llama-family programs: the LINEARs writing HIDDEN add into RESIDUAL, the LINEAR after an
+    RMS_NORM reads RESIDUAL and normalizes it with the norm's weight (w2), the gate/up LINEAR
+    writes ACT through its SiLU-mul epilogue. prev: the op before op in the program."""
     f = list(fields(op))
     if op.opcode == Opcode.LINEAR and op.out == Buffer.HIDDEN:
         f[3] = f[4] = int(Buffer.RESIDUAL)
     if op.opcode == Opcode.LINEAR and op.out == Buffer.GATE_UP:
         f[0], f[4] = _C.GPU_OP_LINEAR_SILU_MUL, int(Buffer.ACT)
-    if op.opcode == Opcode.RMS_NORM and op.residual >= 0:
-        f[2], f[3] = int(Buffer.RESIDUAL), -1
+    if op.opcode == Opcode.LINEAR and prev.opcode == Opcode.RMS_NORM:
+        assert op.in_ == prev.out == Buffer.NORMED
+        f[2], f[7] = int(Buffer.RESIDUAL), prev.w0
     return tuple(f)
 
 
@@ -53,10 +55,18 @@ def test_attention_gets_a_combine_phase_and_deps_follow_it(arch):
     out = _C.expand_gpu_program(ops, dims)
     folded = sum(rope_kv_folded(ops, i) for i in range(len(ops)))
     assert folded == (0 if arch == "qwen3" else 2 * dims.n_layers)  # QK_NORM needs whole heads: not fused
+    norms = sum(o.opcode == Opcode.RMS_NORM for o in ops)
+    assert norms == 2 * dims.n_layers + 1 and not any(o.opcode == Opcode.RMS_NORM for o in out)
     # + a combine per layer + the sample partial - a SILU_MUL per layer - the folded ROPE / KV_APPEND
-    assert len(out) == len(ops) + 1 - folded
+    # - every RMS_NORM (in its consumer's prologue)
+    assert len(out) == len(ops) + 1 - folded - norms
     new_index, produced, j = [], [], 0
     for i, op in enumerate(ops):  # the same order (residual adds, SILU_MULs fused), a combine after each attention
+        if op.opcode == Opcode.RMS_NORM:  # folded forward into the LINEAR right after it: lands at j
+            assert ops[i + 1].opcode == Opcode.LINEAR and ops[i + 1].in_ == op.out
+            new_index.append(j)
+            produced.append(j)
+            continue
         if op.opcode == Opcode.SILU_MUL:  # folded into the gate/up LINEAR just before it
             assert out[j - 1].opcode == _C.GPU_OP_LINEAR_SILU_MUL and ops[i - 1].out == op.in_ == Buffer.GATE_UP
             new_index.append(j - 1)
@@ -76,7 +86,7 @@ def test_attention_gets_a_combine_phase_and_deps_follow_it(arch):
             assert set(partial.deps) == {produced[d] for d in op.deps}
             assert j in out[j + 1].deps
             j += 1
-        want = fused_fields(op)
+        want = fused_fields(op, ops[i - 1])
         if i + 1 < len(ops) and rope_kv_folded(ops, i + 1):
             want = (_C.GPU_OP_LINEAR_ROPE_KV,) + want[1:]
         assert fields(out[j]) == want
@@ -93,9 +103,11 @@ def test_attention_gets_a_combine_phase_and_deps_follow_it(arch):
         j += 1
     combines = [k for k, o in enumerate(out) if o.opcode == _C.GPU_OP_ATTN_COMBINE]
     for i, op in enumerate(ops):
-        if op.opcode == Opcode.SILU_MUL or rope_kv_folded(ops, i):
+        if op.opcode in (Opcode.SILU_MUL, Opcode.RMS_NORM) or rope_kv_folded(ops, i):
             continue  # its deps are the fused op's, checked with the LINEAR
         want = {produced[d] for d in op.deps}
+        if ops[i - 1].opcode == Opcode.RMS_NORM:  # the norm's deps instead of the norm
+            want = {produced[d] for d in op.deps if d != i - 1} | {produced[d] for d in ops[i - 1].deps}
         if i + 1 < len(ops) and ops[i + 1].opcode == Opcode.SILU_MUL:
             want |= {produced[d] for d in ops[i + 1].deps if d != i}
         for f in (i + 1, i + 2):
@@ -107,7 +119,7 @@ def test_attention_gets_a_combine_phase_and_deps_follow_it(arch):
         got = set(out[new_index[i]].deps)
         if op.opcode == Opcode.SAMPLE:
             got.discard(new_index[i] - 1)  # the partial, checked above
-        if fused_fields(op)[3] != fields(op)[3] and op.opcode == Opcode.LINEAR:  # it now writes RESIDUAL too
+        if fused_fields(op, ops[i - 1])[3] != fields(op)[3] and op.opcode == Opcode.LINEAR:  # writes RESIDUAL too
             extra = got - want
             assert len(extra) <= 1 and all(Buffer.RESIDUAL in (out[d].in_, out[d].out) for d in extra), (i, op)
             got -= extra
@@ -131,6 +143,8 @@ def run_program(program, dims, weights: dict, tokens, order) -> dict:
     for i in order:
         o = program[i]
         x = bufs.get(o.in_)
+        if o.w2:  # a GEMV's RMSNorm prologue: the folded RMS_NORM's math on its input
+            x = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * w[o.w2]
         if o.opcode == Opcode.EMBED:
             bufs[o.out] = w[o.w0][x]
         elif o.opcode == Opcode.RMS_NORM:
@@ -192,22 +206,23 @@ def test_fused_residual_program_computes_what_the_program_does_in_any_dependency
     rng = np.random.default_rng(0)
     for _ in range(20):
         got = run_program(gpu, dims, w, tokens, random_topological_order(gpu, rng))
-        for b in (Buffer.RESIDUAL, Buffer.NORMED, Buffer.LOGITS, Buffer.TOKENS):
+        for b in (Buffer.RESIDUAL, Buffer.LOGITS, Buffer.TOKENS):  # NORMED: only in the GEMV prologues now
             assert np.array_equal(got[int(b)], want[int(b)]), b
 
 
 def test_a_dropped_dep_is_caught_by_the_order_test():
-    """The order test can fail: without the norm's dep on the fused LINEAR that adds into
-    RESIDUAL, some dependency order lets the norm read RESIDUAL before the add."""
+    """The order test can fail: without the gate/up GEMV's dep on the fused LINEAR that adds
+    into RESIDUAL, some dependency order lets its norm prologue read RESIDUAL before the add."""
     import numpy as np
 
     ops, dims, w = lowered("llama")
     gpu = list(_C.expand_gpu_program(ops, dims))
     i = next(i for i, o in enumerate(gpu) if o.opcode == Opcode.LINEAR and o.residual >= 0)  # layer 0's o_proj
-    n = next(k for k in range(i + 1, len(gpu)) if gpu[k].opcode == Opcode.RMS_NORM)  # the norm reading it
+    n = next(k for k in range(i + 1, len(gpu)) if gpu[k].in_ == Buffer.RESIDUAL)  # the GEMV normalizing it
     o = gpu[n]
+    assert o.w2 and i in o.deps
     gpu[n] = _C.Op(opcode=o.opcode, layer=o.layer, in_=o.in_, residual=o.residual, out=o.out, w0=o.w0, w1=o.w1,
-                   deps=[d for d in o.deps if d != i])
+                   deps=[d for d in o.deps if d != i], w2=o.w2)
     want = run_program(ops, dims, w, [3, 17], range(len(ops)))
     rng = np.random.default_rng(0)
     differs = 0

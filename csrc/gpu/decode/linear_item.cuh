@@ -14,21 +14,66 @@
 
 namespace kog::gpu::decode {
 
-// acc[b] += w . x[b] over one 16-byte chunk c, for the first `batch` (<= kB) rows of x.
+// An RMSNorm folded into a GEMV's prologue (schedule::expand_gpu_program, Op::w2): the GEMV's x
+// is rmsnorm(in) * norm_w, each element rounded to T as the unfused RMS_NORM stored it. Every
+// warp computes the scales of the rows it needs itself (rows_rms_inv): no block-wide sync.
+template <typename T>
+struct GemvPrologue {
+  const T* norm_w = nullptr;  // [k] the norm's weight; null: x is read as it is
+  float eps = 0.f;
+};
+
+// inv[b] = 1 / sqrt(mean(x[b]^2) + eps) for the first `batch` (<= kB) rows of x [., k], on every
+// lane of the calling warp (rmsnorm_chunk_item's formula; the warp's summation order).
 template <typename T, int kB>
+__device__ __forceinline__ void rows_rms_inv(const T* __restrict__ x, int64_t x_stride, int64_t k, int batch, float eps,
+                                             float (&inv)[kB]) {
+  const int lane = threadIdx.x % KOG_WARP_SIZE;
+#pragma unroll
+  for (int b = 0; b < kB; ++b) {
+    float ss = 0.f;
+    if (b < batch) {
+      const WVec<T>* xr = reinterpret_cast<const WVec<T>*>(x + b * x_stride);
+      for (int64_t c = lane; c < k / kVec16<T>; c += KOG_WARP_SIZE) {
+        const WVec<T> xv = load16(xr + c);
+#pragma unroll
+        for (int j = 0; j < kVec16<T>; ++j) ss += gpu_to_float(xv.v[j]) * gpu_to_float(xv.v[j]);
+      }
+    }
+    inv[b] = 1.f / sqrtf(warp_reduce_sum(ss) / float(k) + eps);
+  }
+}
+
+// acc[b] += w . x[b] over one 16-byte chunk c, for the first `batch` (<= kB) rows of x; with
+// kNorm, x[b] is first normalized: T(x * inv[b] * norm_w), the unfused RMS_NORM's values.
+template <typename T, int kB, bool kNorm>
 __device__ __forceinline__ void fma_chunk(WVec<T> wv, const T* __restrict__ x, int64_t x_stride,
-                                          int64_t c, int batch, float (&acc)[kB]) {
+                                          int64_t c, int batch, float (&acc)[kB], const T* __restrict__ norm_w,
+                                          const float (&inv)[kB]) {
   constexpr int V = kVec16<T>;
-  float wf[V];
+  float wf[V], nf[V];
 #pragma unroll
   for (int j = 0; j < V; ++j) wf[j] = gpu_to_float(wv.v[j]);
+  if constexpr (kNorm) {
+    const WVec<T> nv = load16(reinterpret_cast<const WVec<T>*>(norm_w) + c);
+#pragma unroll
+    for (int j = 0; j < V; ++j) nf[j] = gpu_to_float(nv.v[j]);
+  }
 #pragma unroll
   for (int b = 0; b < kB; ++b) {
     if (b < batch) {  // a guard, not a break: the loop stays unrolled and acc in registers
       const WVec<T> xv = load16(reinterpret_cast<const WVec<T>*>(x + b * x_stride) + c);
       float s = 0.f;
 #pragma unroll
-      for (int j = 0; j < V; ++j) s += wf[j] * gpu_to_float(xv.v[j]);
+      for (int j = 0; j < V; ++j) {
+        float xf = gpu_to_float(xv.v[j]);
+        if constexpr (kNorm) {
+          T t;
+          store_f32(&t, xf * inv[b] * nf[j]);
+          xf = load_f32(&t);
+        }
+        s += wf[j] * xf;
+      }
       acc[b] += s;
     }
   }
@@ -95,11 +140,12 @@ __device__ __forceinline__ void rope_kv_pair(const GemvEpilogueArgs<T>& ep, T* o
 // products (rounded to T) for the fused epilogues, which finish at slot 1; first_col its column.
 // kFusable = false (the standalone GEMV): plain rows and kStore only, decided at compile time, so
 // that its machine code holds nothing of the fused forms (the CI's ISA check counts its loads).
-template <typename T, int kB, int kUnroll, int kStaged, bool kFusable, typename OutT, typename Stages>
+template <typename T, int kB, int kUnroll, int kStaged, bool kFusable, bool kNorm, typename OutT, typename Stages>
 __device__ __forceinline__ void linear_row(const WVec<T>* __restrict__ wr, const T* __restrict__ x, int64_t x_stride,
                                            OutT* out, int64_t out_stride, int batch, int64_t chunks,
                                            int64_t out_col, float bv, const Stages& st, int stage, int rr,
-                                           const GemvEpilogueArgs<T>& ep, float (&first)[kB], int64_t first_col) {
+                                           const GemvEpilogueArgs<T>& ep, float (&first)[kB], int64_t first_col,
+                                           const T* __restrict__ norm_w, const float (&inv)[kB]) {
   const int lane = threadIdx.x % KOG_WARP_SIZE;
   const GemvEpilogue kind = kFusable ? ep.kind : GemvEpilogue::kStore;
   float acc[kB];
@@ -108,15 +154,17 @@ __device__ __forceinline__ void linear_row(const WVec<T>* __restrict__ wr, const
   int64_t c = lane;
 #pragma unroll
   for (int v = 0; v < kStaged; ++v, c += KOG_WARP_SIZE)
-    if (c < chunks) fma_chunk<T, kB>(st.get(stage, rr, v), x, x_stride, c, batch, acc);
+    if (c < chunks) fma_chunk<T, kB, kNorm>(st.get(stage, rr, v), x, x_stride, c, batch, acc, norm_w, inv);
   for (; c + (kUnroll - 1) * KOG_WARP_SIZE < chunks; c += kUnroll * KOG_WARP_SIZE) {
     WVec<T> wv[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) wv[u] = load16(wr + c + u * KOG_WARP_SIZE);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) fma_chunk<T, kB>(wv[u], x, x_stride, c + u * KOG_WARP_SIZE, batch, acc);
+    for (int u = 0; u < kUnroll; ++u)
+      fma_chunk<T, kB, kNorm>(wv[u], x, x_stride, c + u * KOG_WARP_SIZE, batch, acc, norm_w, inv);
   }
-  for (; c < chunks; c += KOG_WARP_SIZE) fma_chunk<T, kB>(load16(wr + c), x, x_stride, c, batch, acc);
+  for (; c < chunks; c += KOG_WARP_SIZE)
+    fma_chunk<T, kB, kNorm>(load16(wr + c), x, x_stride, c, batch, acc, norm_w, inv);
 #pragma unroll
   for (int b = 0; b < kB; ++b) {
     if (b < batch) {
@@ -148,40 +196,55 @@ __device__ __forceinline__ void linear_row(const WVec<T>* __restrict__ wr, const
   }
 }
 
-// The rows of one item for one batch class (kB rows of x at most).
-template <typename T, typename OutT, int kStaged, int kB, int kUnroll, bool kFusable, typename Stages>
+// The rows of one item for one batch class (kB rows of x at most); kNorm: x through pro's norm.
+template <typename T, typename OutT, int kStaged, int kB, int kUnroll, bool kFusable, bool kNorm, typename Stages>
 __device__ __forceinline__ void linear_item_rows(const T* __restrict__ w, const T* __restrict__ bias, const T* x,
                                                  int64_t x_stride, OutT* out, int64_t out_stride, int batch, int64_t n,
                                                  int64_t k, int64_t item, const Stages& st, int stage,
-                                                 const GemvEpilogueArgs<T>& ep) {
+                                                 const GemvEpilogueArgs<T>& ep, const GemvPrologue<T>& pro) {
   const GemvRows rows = kFusable ? ep.rows() : GemvRows{};
   const int64_t chunks = k / kVec16<T>;
   const int64_t first_col = gemv_weight_row(item, 0, n, rows);
   float first[kB] = {};  // fused epilogues: slot 0's products, consumed at slot 1
+  float inv[kB] = {};    // kNorm: each row's RMS scale
+  if constexpr (kNorm) {
+    if (first_col < n) rows_rms_inv<T, kB>(x, x_stride, k, batch, pro.eps, inv);  // uniform over the warp
+  }
   for (int rr = 0; rr < kLinearRowsPerWarp; ++rr) {
     const int64_t row = gemv_weight_row(item, rr, n, rows);
     if (row >= n) break;  // uniform over the warp
     const WVec<T>* wr = reinterpret_cast<const WVec<T>*>(w + row * k);
     const float bv = bias != nullptr ? gpu_to_float(bias[row]) : 0.f;
     const int64_t out_col = rows.kind == GemvRows::kGlu ? first_col : row;
-    linear_row<T, kB, kUnroll, kStaged, kFusable>(wr, x, x_stride, out, out_stride, batch, chunks, out_col, bv, st,
-                                                  stage, rr, ep, first, first_col);
+    linear_row<T, kB, kUnroll, kStaged, kFusable, kNorm>(wr, x, x_stride, out, out_stride, batch, chunks, out_col, bv,
+                                                         st, stage, rr, ep, first, first_col, pro.norm_w, inv);
   }
 }
 
 // Item `item` of a GEMV over w [n, k] (rows gemv_weight_row): st / stage hold its first kStaged
 // vectors per row and lane (landed: WeightStages::wait). OutT: T or float (logits). ep: what
-// the products become (GemvEpilogueArgs); kSiluMul writes out [batch, n / 2].
+// the products become (GemvEpilogueArgs); kSiluMul writes out [batch, n / 2]. pro: an RMSNorm
+// applied to x first (kFusable only).
 template <typename T, typename OutT, int kStaged, bool kFusable = true, typename Stages>
 __device__ __forceinline__ void linear_item(const T* __restrict__ w, const T* __restrict__ bias, const T* x, int64_t x_stride,
                             OutT* out, int64_t out_stride, int batch, int64_t n, int64_t k, int64_t item,
-                            const Stages& st, int stage, const GemvEpilogueArgs<T>& ep) {
-  if (batch == 1)  // uniform over the grid
-    linear_item_rows<T, OutT, kStaged, 1, kLinearUnrollBatch1, kFusable>(w, bias, x, x_stride, out, out_stride, batch,
-                                                                         n, k, item, st, stage, ep);
-  else
-    linear_item_rows<T, OutT, kStaged, kMaxBatch, kLinearUnroll, kFusable>(w, bias, x, x_stride, out, out_stride, batch,
-                                                                           n, k, item, st, stage, ep);
+                            const Stages& st, int stage, const GemvEpilogueArgs<T>& ep,
+                            const GemvPrologue<T>& pro = {}) {
+  // batch and the norm are uniform over the grid
+  if (kFusable && pro.norm_w != nullptr) {
+    if (batch == 1)
+      linear_item_rows<T, OutT, kStaged, 1, kLinearUnrollBatch1, kFusable, kFusable>(
+          w, bias, x, x_stride, out, out_stride, batch, n, k, item, st, stage, ep, pro);
+    else
+      linear_item_rows<T, OutT, kStaged, kMaxBatch, kLinearUnroll, kFusable, kFusable>(
+          w, bias, x, x_stride, out, out_stride, batch, n, k, item, st, stage, ep, pro);
+  } else if (batch == 1) {
+    linear_item_rows<T, OutT, kStaged, 1, kLinearUnrollBatch1, kFusable, false>(w, bias, x, x_stride, out, out_stride,
+                                                                                batch, n, k, item, st, stage, ep, pro);
+  } else {
+    linear_item_rows<T, OutT, kStaged, kMaxBatch, kLinearUnroll, kFusable, false>(
+        w, bias, x, x_stride, out, out_stride, batch, n, k, item, st, stage, ep, pro);
+  }
 }
 
 // Items of a GEMV over n weight rows; paired: two rows per warp that belong together (a gate row

@@ -120,9 +120,10 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
     case kOpLinearRopeKv:      // QKV's rows, a RoPE pair per warp -> QKV (q, k rotated) and the cache
     case kOpLinearSiluMul: {   // GATE_UP's rows [2 * inter, hidden] -> ACT [B, inter]
       const int64_t k = buffer_width(p, op.in);
+      const GemvPrologue<T> pro{static_cast<const T*>(op.w2), p.dims.rms_eps};  // x = rmsnorm(in) * w2
       linear_item<T, T, kStagedVecs>(static_cast<const T*>(op.w0), static_cast<const T*>(op.w1), buf(op.in), k,
                                      buf(op.out), buffer_width(p, op.out), p.batch, gemv_rows(p, op), k, item, st,
-                                     stage, gemv_epilogue<T>(p, op, kv_layer));
+                                     stage, gemv_epilogue<T>(p, op, kv_layer), pro);
       break;
     }
     case int32_t(Opcode::kQkNorm):
@@ -358,7 +359,8 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
             "gpu decode: hidden, intermediate and q width must be multiples of ", vec, " elements");
   for (const Op& o : ops)
     if (schedule::is_gemv(o))
-      KOG_CHECK(reinterpret_cast<uintptr_t>(o.w0) % 16 == 0, "gpu decode: LINEAR weights must be 16-byte aligned");
+      KOG_CHECK(reinterpret_cast<uintptr_t>(o.w0) % 16 == 0 && reinterpret_cast<uintptr_t>(o.w2) % 16 == 0,
+                "gpu decode: LINEAR and prologue norm weights must be 16-byte aligned");
   // TOKENS lives in the caller's tensor; every other buffer (LOGITS too) in the arena.
   int64_t offsets[int(Buffer::kNumBuffers)];
   int64_t total = 0;
