@@ -75,7 +75,7 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     NOTE: parts of one type keep their blocks (rows are independent). Parts of different types
     (llama.cpp's mixes, e.g. attn_v in Q6_K beside Q4_K q/k) are re-encoded together as Q8_0:
     one fused GEMV needs one type, and Q8_0 is the finest format Kog has kernels for, so it adds
-    at most amax(block) / 254 per element to the file's (coarser) rounding; those groups take
+    at most amax(block) * (1/254 + 1/2048) per element (half a step, d in fp16) to the file's (coarser) rounding; those groups take
     more bytes than in the file (kog.models.weights reports the resident total).
     """
     cols = parts[0].cols
