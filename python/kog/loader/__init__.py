@@ -36,6 +36,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None
     stop_token_ids: tuple[int, ...]  # end of turn: config eos ids, generation_config eos ids, tokenizer eos
+    file_weight_bytes: int | None = None  # bytes of the checkpoint's tensors as stored (GGUF data, safetensors files)
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -67,6 +68,7 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
         tokenizer = tokenizer_from_gguf(ckpt.metadata, source=str(path))
         source = ckpt.get("tokenizer.chat_template")
         extra_stops: list[int] = []
+        file_bytes = sum(t.nbytes for t in ckpt.tensors.values())
     else:
         config = ModelConfig.from_hf_file(path)
         dt = run_dtype(dtype, config)
@@ -74,11 +76,12 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
         tokenizer = Tokenizer.from_folder(path)
         source = read_tokenizer_config(path).get("chat_template")
         extra_stops = _generation_config_eos(path)
+        file_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     template = _chat_template(source if chat_template is None else chat_template, tokenizer,
                               user_given=chat_template is not None)
     stops = [*config.eos_token_ids, *extra_stops, tokenizer.eos_token_id]
     return LoadedModel(path, config, weights, dt, tokenizer, template,
-                       tuple(dict.fromkeys(i for i in stops if i is not None)))
+                       tuple(dict.fromkeys(i for i in stops if i is not None)), file_bytes)
 
 
 def load_config(name_or_path: str | os.PathLike[str] | None = None) -> ModelConfig:
