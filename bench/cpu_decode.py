@@ -18,6 +18,10 @@ adds a table of the 512-token prefill of this tree next to that build, f32 and b
 child processes that alternate between the two (best of the rounds for each), in the same run;
 `--prefill-only` prints only that table.
 
+A quantized-weights table (`--quant-only` prints only it): the shipped Q4_1 GGUF run with its
+blocks kept (kog's default) next to the same file dequantized to f32 and bf16, decode tok/s,
+512-token prefill (both prefill paths of the quantized model) and weight bytes per token.
+
 A second table: bf16 decode after longer prompts (an agent's context: system prompt, tool
 schemas, history), Kog next to llama.cpp F16 (KV cache F16), where attention reads a growing
 share of each step's bytes.
@@ -65,10 +69,39 @@ def paired_runs(decode_run, repeats: int) -> list[tuple[float, float]]:
 
 
 def weight_bytes_per_token(model) -> int:
-    c = model.config
-    n = sum(t.numel() for name, t in model.weights.items() if name != "model.embed_tokens.weight")
-    n += c.vocab_size * c.hidden_size  # LM head (the embedding itself when tied)
-    return n * torch.finfo(model.dtype).bits // 8
+    """Bytes of every matrix one decode step reads (the LM head: the embedding when tied), as
+    stored: the run dtype, or a GGUF's blocks for QuantizedWeight matrices."""
+    head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
+    return sum(t.nbytes for name, t in model.weights.items() if name != "model.embed_tokens.weight") + \
+        model.weights[head].nbytes * (head == "model.embed_tokens.weight")
+
+
+def quant_table(prompt: list[int], new: int, repeats: int) -> None:
+    """The shipped Q4_1 GGUF with its blocks kept (dtype None), against the same file
+    dequantized to f32 and bf16, in this run: decode tok/s, 512-token prefill (the quantized
+    model both ways: f32 weight tiles + GEMM, the int8 GEMV kernel), weight bytes per token."""
+    from kog.program import interpreter
+
+    rows = []
+    for label, dtype in [("Q4_1 native", None), ("float32", torch.float32), ("bfloat16", torch.bfloat16)]:
+        model = load_model(dtype=dtype)
+        nbytes = weight_bytes_per_token(model)
+        runs, pre = kog_engine(model, prompt, new, repeats)
+        rows.append((label, nbytes, max(t for t, _ in runs), pre))
+        if dtype is None:
+            saved, interpreter.QUANT_GEMM_MIN_ROWS = interpreter.QUANT_GEMM_MIN_ROWS, 1 << 30
+            try:
+                runs, pre = kog_engine(load_model(dtype=None), prompt, 4, repeats)
+            finally:
+                interpreter.QUANT_GEMM_MIN_ROWS = saved
+            rows.append(("  (prefill: int8 GEMV)", nbytes, float("nan"), pre))
+    f32 = rows[2] if rows[2][0] == "float32" else rows[1]
+    print(f"\nSmolLM2-135M GGUF Q4_1, batch 1, {torch.get_num_threads()} threads: weights kept as stored vs dequantized")
+    print(f"{'weights':<24}{'MB/token':>9}{'decode tok/s':>13}{'x f32':>7}{'prefill 512':>13}{'x f32':>7}")
+    for label, nbytes, tps, pre in rows:
+        dec = "-" if tps != tps else f"{tps:.1f}"
+        ratio = "-" if tps != tps else f"{tps / f32[2]:.2f}"
+        print(f"{label:<24}{nbytes / 1e6:>9.1f}{dec:>13}{ratio:>7}{pre:>12.2f}s{f32[3] / pre:>7.2f}")
 
 
 def kog_engine(model, prompt: list[int], new: int, repeats: int) -> tuple[list[tuple[float, float]], float]:
@@ -260,6 +293,7 @@ def main() -> None:
     ap.add_argument("--baseline-rounds", type=int, default=3)
     ap.add_argument("--prefill-only", action="store_true", help="with --baseline: only the prefill table")
     ap.add_argument("--prefill-child", help=argparse.SUPPRESS)
+    ap.add_argument("--quant-only", action="store_true", help="only the quantized-weights table")
     args = ap.parse_args()
     if args.prefill_child:
         prefill_child(args.prefill_child, args.repeats)
@@ -271,6 +305,9 @@ def main() -> None:
         return
     f32 = load_model(dtype=torch.float32)
     prompt = f32.tokenizer.encode("The history of the city begins in the Middle Ages, when a small " * 4)[:32]
+    if args.quant_only:
+        quant_table(prompt, args.new_tokens, args.repeats)
+        return
     bw = triad_gbs()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -316,6 +353,7 @@ def main() -> None:
             ratio = "-" if lcpp_tps is None else f"{kog_tps / lcpp_tps:.2f}x"
             print(f"{c:>8}{kog_tps:>11.1f}{lc:>11}{ratio:>17}")
 
+    quant_table(prompt, args.new_tokens, args.repeats)
     if args.baseline:
         prefill_vs_baseline(args.baseline, args.baseline_rounds, args.repeats)
 

@@ -32,6 +32,12 @@ struct KernelTable {
   void (*paged_attention_prefill)(const PagedAttentionParams&);
   void (*sample)(const SampleParams&);  // one thread; rows in order (csrc/ops/sample.h)
   void (*linear_quant)(const LinearQuantParams&);  // parallel over output rows (csrc/ops/linear_quant.h)
+  // linear_quant's share of thread `part` inside a region (as linear_part): x quantized once
+  // per thread into p.scratch (the thread's own, linear_quant_scratch_bytes(m, k)), then row
+  // chunks from the queue.
+  void (*linear_quant_part)(const LinearQuantParams&, RowQueue& queue, uint32_t epoch, int part);
+  // Parallel over rows when there is enough work (csrc/ops/linear_quant.h).
+  void (*dequantize_rows)(const DequantizeRowsParams&);
 };
 
 namespace generic { const KernelTable& kernel_table(); }

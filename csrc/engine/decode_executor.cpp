@@ -186,6 +186,10 @@ void DecodeExecutor::exec(const Op& op, const DecodeStep& s) {
     case Opcode::kEmbed: embed(op, s); break;
     case Opcode::kRmsNorm: rmsnorm(op, B); break;
     case Opcode::kLinear: {  // outside a region: the kernel's own threads
+      if (op.w_type != schedule::kWeightRunDtype) {
+        k.linear_quant(linear_quant_params(op, B, scratch_.data()));
+        break;
+      }
       const LinearParams p = linear_params(op, B);
       k.linear(p, scratch_.data());
       break;
@@ -220,6 +224,14 @@ void DecodeExecutor::exec(const Op& op, const DecodeStep& s) {
 void DecodeExecutor::embed(const Op& op, const DecodeStep& s) {
   const int64_t row = d_.hidden * elem_;
   const int32_t* tokens = reinterpret_cast<const int32_t*>(buf(int(Buffer::kTokens)));
+  if (op.w_type != schedule::kWeightRunDtype) {  // f32 run (validate_program): one row dequantized per token
+    for (int64_t b = 0; b < s.batch; ++b) {
+      const int64_t id = tokens[b];
+      cpu::kernels().dequantize_rows({reinterpret_cast<float*>(buf(op.out) + b * row),
+                                      static_cast<const uint8_t*>(op.w0), &id, 1, d_.hidden, QuantType(op.w_type)});
+    }
+    return;
+  }
   for (int64_t b = 0; b < s.batch; ++b)
     std::memcpy(buf(op.out) + b * row, static_cast<const char*>(op.w0) + tokens[b] * row, size_t(row));
 }
@@ -249,7 +261,23 @@ LinearParams DecodeExecutor::linear_params(const Op& op, int64_t batch) {
   return LinearParams{buf(op.out), buf(op.in), op.w0, op.w1, batch, n, kdim, kdim, n, d_.dtype};
 }
 
+LinearQuantParams DecodeExecutor::linear_quant_params(const Op& op, int64_t batch, float* scratch) {
+  // f32 run (validate_program), so out is the f32 buffer itself and the bias f32.
+  const int64_t n = width(Buffer(op.out)), kdim = width(Buffer(op.in));
+  LinearQuantParams p{reinterpret_cast<float*>(buf(op.out)), buf(op.in), static_cast<const uint8_t*>(op.w0),
+                      scratch, batch, n, kdim, kdim, n, d_.dtype, QuantType(op.w_type)};
+  p.bias = static_cast<const float*>(op.w1);
+  p.x_stages = kQuantXStages;
+  return p;
+}
+
 void DecodeExecutor::linear_part(const Op& op, int64_t batch, uint32_t epoch, int part) {
+  if (op.w_type != schedule::kWeightRunDtype) {
+    // The thread's float scratch slice holds its quantized x: 1.5 m k x_stages bytes <= 4 m k.
+    cpu::kernels().linear_quant_part(linear_quant_params(op, batch, scratch_.data() + part * scratch_stride_),
+                                     *row_queue_, epoch, part);
+    return;
+  }
   cpu::kernels().linear_part(linear_params(op, batch), scratch_.data() + part * scratch_stride_, *row_queue_,
                              epoch, part);
 }

@@ -16,6 +16,7 @@
 #include "common/dtype.h"
 #include "cpu/row_queue.h"
 #include "ops/linear.h"
+#include "ops/linear_quant.h"
 #include "schedule/program.h"
 
 namespace kog::engine {
@@ -37,6 +38,12 @@ struct DecodeStep {
   float* logits;                // [B, vocab] f32 output
   int64_t* sampled;             // [B] greedy tokens (SAMPLE), or null to skip
 };
+
+// x stages of the quantized LINEARs (LinearQuantParams::x_stages). NOTE: 2, the residual stage
+// too: with x quantized once, SmolLM2's Q4_1 logits were up to 1.6 away from the same weights
+// in fp32 and greedy tokens split early on most chat prompts; with the residual, 0.035 (the
+// prefill interpreter uses the same, kog.program.interpreter.QUANT_X_STAGES).
+constexpr int kQuantXStages = 2;
 
 class DecodeExecutor {
  public:
@@ -68,6 +75,8 @@ class DecodeExecutor {
   // LINEAR as thread `part` of the region's team, rows from row_queue_ (epoch: see run).
   void linear_part(const Op& op, int64_t batch, uint32_t epoch, int part);
   LinearParams linear_params(const Op& op, int64_t batch);
+  // A LINEAR over quantized weights (w_type a QuantType); scratch: linear_quant_scratch_bytes.
+  LinearQuantParams linear_quant_params(const Op& op, int64_t batch, float* scratch);
   // Ops that run outside the step's parallel region (long-context attention).
   bool runs_alone(const Op& op) const;
   void attention(const Op& op, const DecodeStep& s);

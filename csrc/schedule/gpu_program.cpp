@@ -136,6 +136,11 @@ std::vector<int32_t> rmsnorm_prologue_fusions(std::vector<Op>& ops) {
 
 std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDims& dims) {
   validate_program(ops_in, dims);
+  // NOTE: the persistent kernel has no quantized GEMV or embedding yet (issue 17, a later item).
+  for (size_t i = 0; i < ops_in.size(); ++i)
+    KOG_CHECK(ops_in[i].w_type == kWeightRunDtype, "GPU decode program: op ", i,
+              " reads a quantized weight (ggml type ", ops_in[i].w_type,
+              "), which the GPU kernel does not run yet; load the model with dtype=\"bfloat16\"");
   std::vector<Op> ops = ops_in;
   fuse_residual_adds(ops);
   const std::vector<int32_t> norm_consumer = rmsnorm_prologue_fusions(ops);

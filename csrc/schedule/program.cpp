@@ -15,6 +15,23 @@ bool needs_weight(Opcode op) {
   return op == Opcode::kEmbed || op == Opcode::kRmsNorm || op == Opcode::kLinear || op == Opcode::kQkNorm;
 }
 
+// A quantized weight: a type this build has kernels for, on EMBED or LINEAR, rows of whole
+// blocks (k = the input width; EMBED's rows are hidden wide), in an f32 run.
+void check_weight_type(const Op& o, size_t i, const ModelDims& d) {
+  if (o.w_type == kWeightRunDtype) return;
+  const QuantTypeInfo info = quant_type_info(QuantType(o.w_type));
+  KOG_CHECK(info.name != nullptr, "program: op ", i, " has weight type ", o.w_type,
+            " (supported: the run dtype or Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+  const auto op = Opcode(o.op);
+  KOG_CHECK(op == Opcode::kEmbed || op == Opcode::kLinear, "program: op ", i, " (opcode ", o.op,
+            ") cannot read a ", info.name, " weight: only EMBED and LINEAR take quantized weights");
+  KOG_CHECK(d.dtype == DType::kF32, "program: op ", i, " reads a ", info.name, " weight but the run dtype is ",
+            dtype_name(d.dtype), " (quantized weights run with f32 activations)");
+  const int64_t k = op == Opcode::kEmbed ? d.hidden : buffer_width(d, o.in);
+  KOG_CHECK(k % info.elems == 0, "program: op ", i, " has rows of ", k, " elements, not whole ", info.name,
+            " blocks of ", info.elems);
+}
+
 void check_op(const Op& o, size_t i, const ModelDims& d) {
   KOG_CHECK(o.op >= 0 && o.op < int32_t(Opcode::kNumOpcodes), "program: op ", i, " has opcode ", o.op);
   const auto op = Opcode(o.op);
@@ -30,6 +47,7 @@ void check_op(const Op& o, size_t i, const ModelDims& d) {
   KOG_CHECK(op != Opcode::kQkNorm || o.w1 != nullptr, "program: op ", i, " needs q and k norm weights");
   KOG_CHECK(op != Opcode::kLinear || o.out != int32_t(Buffer::kTokens), "program: op ", i,
             " writes the token buffer");
+  check_weight_type(o, i, d);
   KOG_CHECK(o.n_deps >= 0 && o.n_deps <= kMaxDeps, "program: op ", i, " has ", o.n_deps, " deps (at most ",
             kMaxDeps, ")");
   for (int k = 0; k < o.n_deps; ++k) {

@@ -17,6 +17,7 @@
 
 #include "common/dtype.h"
 #include "common/host_device.h"
+#include "ops/quant.h"
 #include "schedule/opcodes.h"
 
 namespace kog::schedule {
@@ -44,6 +45,10 @@ struct KVCacheDesc {
   int64_t block_size;
 };
 
+// Op::w_type of a weight stored in the run dtype (every weight of a float model; norms and
+// biases always). Any other value is a ggml QuantType id (csrc/ops/quant.h).
+constexpr int32_t kWeightRunDtype = -1;
+
 // Most ops one op may wait for. schedule.py's Llama-family ops have at most 4.
 constexpr int kMaxDeps = 8;
 
@@ -56,10 +61,16 @@ struct Op {
   int32_t out;            // Buffer written, -1 if none (KV_APPEND writes the layer's cache)
   int32_t n_deps;         // 0..kMaxDeps
   const void* w0;         // EMBED: [vocab, hidden]; LINEAR: [n, k]; norms: [width]; QK_NORM: q_norm [head_dim]
-  const void* w1;         // LINEAR: bias [n] or null; QK_NORM: k_norm [head_dim]
+                          // (EMBED/LINEAR with a quant w_type: uint8 [rows, k / elems * bytes] GGUF blocks)
+  const void* w1;         // LINEAR: bias [n] (run dtype) or null; QK_NORM: k_norm [head_dim]
   int32_t deps[kMaxDeps]; // [n_deps] indices of earlier ops that must complete first, ascending
-  const void* w2;         // GPU expanded program only (null in a program): a GEMV's RMSNorm prologue
-                          // weight [width(in)]: x = rmsnorm(in) * w2 (expand_gpu_program)
+  // GPU expanded program only (null in a program): a GEMV's RMSNorm prologue weight [width(in)]:
+  // x = rmsnorm(in) * w2 (expand_gpu_program).
+  const void* w2 = nullptr;
+  // Storage of w0: kWeightRunDtype, or a QuantType (EMBED and LINEAR only, run dtype f32: the
+  // quant GEMV writes f32). w2 and w_type come last, with defaults, so aggregate initializers
+  // that predate them keep meaning a float weight and no prologue.
+  int32_t w_type = kWeightRunDtype;
 };
 
 // Elements per batch row of buffer b (TOKENS: one int32 id; LOGITS: vocab in the run dtype).

@@ -79,5 +79,15 @@ def run(args: argparse.Namespace, llm=None, out: TextIO = sys.stdout, err: TextI
     out.write("\n")
     ttft = (first - start) if first else float("nan")
     decode_rate = (n_tokens - 1) / (end - first) if first and end and end > first else float("nan")
-    print(f"[kog] {n_tokens} tokens ({finish}) · TTFT {ttft * 1e3:.0f} ms · {decode_rate:.1f} tok/s", file=err)
+    print(f"[kog] {n_tokens} tokens ({finish}) · TTFT {ttft * 1e3:.0f} ms · {decode_rate:.1f} tok/s"
+          f"{_weights_note(llm)}", file=err)
     return 0
+
+
+def _weights_note(llm) -> str:
+    """' · weights: N MB resident (file M MB)' where the engine's runner reports its weights."""
+    resident = getattr(getattr(llm.engine, "runner", None), "weight_bytes", None)
+    if resident is None:
+        return ""
+    file_bytes = llm.model.file_weight_bytes
+    return f" · weights: {resident / 1e6:.0f} MB resident" + (f" (file {file_bytes / 1e6:.0f} MB)" if file_bytes else "")

@@ -34,8 +34,9 @@ def hugepages_enabled() -> bool:
         return False
 
 
-def to_hugepages(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same tensors (names, shapes, dtypes, values) in one huge-page-backed arena.
+def to_hugepages(weights: dict) -> dict:
+    """The same tensors (names, shapes, dtypes, values) in one huge-page-backed arena; values
+    are torch tensors or kog.quantized.QuantizedWeight.
 
     Empties `weights` as it goes (each original is released once copied), so peak memory stays
     about one copy of the weights. Returns `weights` itself, untouched, when huge pages are not
@@ -43,6 +44,10 @@ def to_hugepages(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """
     if not weights or not hugepages_enabled() or any(t.device.type != "cpu" for t in weights.values()):
         return weights
+    # Quantized matrices (kog.quantized) move as their byte tensors and are rewrapped.
+    wrappers = {name: t for name, t in weights.items() if not isinstance(t, torch.Tensor)}
+    for name, w in wrappers.items():
+        weights[name] = w.data
     offsets, size, first_of = {}, 0, {}
     for name, t in weights.items():
         key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
@@ -54,6 +59,7 @@ def to_hugepages(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         size += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
     buf = _arena(size)
     if buf is None:
+        weights.update(wrappers)
         return weights
     out, placed = {}, {}
     for name in list(weights):
@@ -65,6 +71,8 @@ def to_hugepages(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         view = buf[offsets[name]: offsets[name] + nbytes].view(t.dtype).view(t.shape)
         view.copy_(t)
         out[name] = placed[offsets[name]] = view
+    for name, w in wrappers.items():
+        out[name] = w.with_data(out[name])
     return out
 
 

@@ -288,7 +288,7 @@ _QUANT_BY_ID = {v[0]: (name, v[1], v[2]) for name, v in QUANT_TYPES.items()}
 
 
 def linear_quant(x: torch.Tensor, weight: torch.Tensor, quant_type: int | str,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, x_stages: int = 1) -> torch.Tensor:
     """``x @ W.T`` with W given as GGUF quantized blocks, never dequantized (CPU).
 
     x is quantized per 32-element block to int8 (scale amax / 127) inside the kernel, so the
@@ -301,10 +301,14 @@ def linear_quant(x: torch.Tensor, weight: torch.Tensor, quant_type: int | str,
         quant_type: a ggml type id (``gguf.GGMLQuantizationType``) or name: Q4_0, Q4_1, Q8_0,
             Q4_K, Q5_K or Q6_K.
         out: optional [..., n] float32 output.
+        x_stages: 1, or 2 to also quantize and dot x's residual after the first int8 rounding
+            (the bound above divided by 254, for twice the integer work; the model runs 2).
 
     Returns:
         out: [..., n] float32.
     """
+    if x_stages not in (1, 2):
+        raise InvalidRequest(f"x_stages must be 1 or 2, got {x_stages!r}")
     if isinstance(quant_type, str):
         if quant_type not in QUANT_TYPES:
             raise InvalidRequest(f"unsupported quant type {quant_type!r} (supported: {', '.join(QUANT_TYPES)})")
@@ -331,7 +335,59 @@ def linear_quant(x: torch.Tensor, weight: torch.Tensor, quant_type: int | str,
         raise InvalidRequest(f"out must be float32 with shape {shape}, got {out.dtype} {tuple(out.shape)}")
     out_stride = _rows("out", out, n)[1]
     _C.linear_quant(out.data_ptr(), x.data_ptr(), weight.data_ptr(), weight.numel(), m, n, k, x_stride,
-                    out_stride, code, quant_type)
+                    out_stride, code, quant_type, x_stages)
+    return out
+
+
+def quant_type_name(quant_type: int) -> str:
+    """The name of a ggml type id Kog has kernels for; InvalidRequest for any other."""
+    if int(quant_type) not in _QUANT_BY_ID:
+        raise InvalidRequest(f"unsupported quant type {quant_type} (supported: {', '.join(QUANT_TYPES)})")
+    return _QUANT_BY_ID[int(quant_type)][0]
+
+
+def quant_row_bytes(quant_type: int, cols: int) -> int:
+    """Bytes of one row of `cols` elements in `quant_type` blocks (InvalidRequest if they do not fill blocks)."""
+    name, elems, nbytes = _QUANT_BY_ID[int(quant_type)] if int(quant_type) in _QUANT_BY_ID else (None, 0, 0)
+    if name is None:
+        quant_type_name(quant_type)
+    if cols <= 0 or cols % elems:
+        raise InvalidRequest(f"{cols} columns do not fill {name} blocks of {elems}")
+    return cols // elems * nbytes
+
+
+def dequantize_rows(weight: torch.Tensor, quant_type: int | str, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of a GGUF-quantized matrix as f32 (CPU), as ``gguf.quants.dequantize`` computes them.
+
+    Args:
+        weight: [rows, row_bytes] uint8, contiguous: GGUF blocks as stored.
+        quant_type: ggml type id or name (QUANT_TYPES).
+        ids: optional int64 [n] row indices (each in [0, rows)); None: every row.
+
+    Returns:
+        [n, k] float32 (n = len(ids) or rows; k = row_bytes / block_bytes * block_elems).
+    """
+    if isinstance(quant_type, str):
+        if quant_type not in QUANT_TYPES:
+            raise InvalidRequest(f"unsupported quant type {quant_type!r} (supported: {', '.join(QUANT_TYPES)})")
+        quant_type = QUANT_TYPES[quant_type][0]
+    name = quant_type_name(quant_type)
+    _, elems, nbytes = _QUANT_BY_ID[int(quant_type)]
+    if weight.dtype != torch.uint8 or weight.dim() != 2 or not weight.is_contiguous() or weight.device.type != "cpu":
+        raise InvalidRequest(f"weight must be a contiguous CPU uint8 [rows, row_bytes] tensor, got {weight.dtype} "
+                             f"{tuple(weight.shape)} on {weight.device}")
+    rows, row_bytes = weight.shape
+    if row_bytes % nbytes or row_bytes == 0:
+        raise InvalidRequest(f"{name} weight rows must be whole {nbytes}-byte blocks, got {row_bytes} bytes")
+    k = row_bytes // nbytes * elems
+    if ids is not None:
+        if ids.dtype != torch.int64 or ids.dim() != 1 or ids.device.type != "cpu":
+            raise InvalidRequest(f"ids must be a 1-D int64 CPU tensor, got {ids.dtype} {tuple(ids.shape)}")
+        ids = ids.contiguous()
+    n = rows if ids is None else ids.shape[0]
+    out = torch.empty(n, k, dtype=torch.float32)
+    _C.dequantize_rows(out.data_ptr(), weight.data_ptr(), weight.numel(), rows,
+                       0 if ids is None else ids.data_ptr(), n, k, int(quant_type))
     return out
 
 

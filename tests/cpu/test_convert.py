@@ -40,7 +40,7 @@ def test_tiny_convert_loads_in_transformers(tmp_path, family):
     config = tiny_config(family)
     gguf_path = write_gguf_model(tmp_path / "m.gguf", config, random_weights(config), qtype="Q8_0")
     out = convert_gguf(gguf_path, tmp_path / "hf", progress=False)
-    kog = load_model(gguf_path, progress=False)
+    kog = load_model(gguf_path, dtype="float32", progress=False)
     assert load_model(out).config == kog.config
     model, sd = _hf_state_dict(out)
     _assert_same_weights(kog.weights, sd, config.tie_word_embeddings)
@@ -84,7 +84,7 @@ def smollm2(tmp_path_factory):
 @pytest.mark.slow
 def test_smollm2_state_dict_equals_transformers(smollm2):
     gguf_path, out = smollm2
-    kog = load_model(gguf_path, progress=False)
+    kog = load_model(gguf_path, dtype="float32", progress=False)
     assert kog.config.num_hidden_layers == 30 and kog.config.tie_word_embeddings
     model, sd = _hf_state_dict(out)
     _assert_same_weights(kog.weights, sd, tied=True)
@@ -115,7 +115,7 @@ def test_smollm2_gguf_equals_transformers_gguf_loader():
     """transformers' own GGUF loader (its name map, q/k un-permutation, dequantization) agrees."""
     pytest.importorskip("accelerate")
     path = resolve_model(None)
-    kog = load_model(path, progress=False)
+    kog = load_model(path, dtype="float32", progress=False)
     model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     _assert_same_weights(kog.weights, model.state_dict(), tied=True)
 

@@ -1,5 +1,6 @@
 """kog.LLM and `kog generate` end to end on the real SmolLM2-135M-Instruct (fp32)."""
 
+import re
 import subprocess
 import sys
 
@@ -51,3 +52,6 @@ def test_kog_generate_cli_streams_an_answer():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip()
     assert "TTFT" in out.stderr and "tok/s" in out.stderr
+    # The default model runs its Q4_1 blocks: about the file's bytes resident.
+    resident, file_mb = re.search(r"weights: (\d+) MB resident \(file (\d+) MB\)", out.stderr).groups()
+    assert int(resident) <= 1.1 * int(file_mb)

@@ -5,6 +5,7 @@
 #include "cpu/kernels.h"
 #include "cpu/ops/quant_dot.h"
 
+#include <algorithm>
 #include <type_traits>
 
 namespace kog::cpu::KOG_ISA_NS {
@@ -19,31 +20,53 @@ constexpr std::integral_constant<int, 1> kSlot1{};
 
 // ---- x quantized per unit (the layout of LinearQuantParams::scratch) ----------------------------
 
-// q = round-to-nearest-even(x / d), d = amax / 127: |x - d q| <= d / 2 elementwise.
+// One unit of 32 floats: q = round-to-nearest-even(x / d), d = amax / 127: |x - d q| <= d / 2
+// elementwise. Writes q[0, 32), d, t = d * sum(q) and s[0, 2) = d * the sums of its halves.
+void quantize_unit(const float* xf, int8_t* q, float* d, float* t, float* s) {
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) {
+    const float a = __builtin_fabsf(xf[i]);
+    amax = a > amax || a != a ? a : amax;  // a NaN x makes d NaN, so its rows come out NaN
+  }
+  const float du = amax / 127.f, id = du != 0.f ? 1.f / du : 0.f;
+  int32_t sum[2] = {0, 0};
+  for (int i = 0; i < 32; ++i) {
+    // rint of the rounded product, as the reference does. NOTE: not the (v + 1.5 * 2^23) - 1.5 * 2^23
+    // trick: GCC contracts x * id + 1.5 * 2^23 into an FMA where the ISA has one, which rounds the
+    // exact product and so sometimes the other way.
+    const int32_t qi = int32_t(__builtin_rintf(xf[i] * id));
+    q[i] = int8_t(qi);
+    sum[i / 16] += qi;
+  }
+  *d = du;
+  *t = du * float(sum[0] + sum[1]);
+  s[0] = du * float(sum[0]);
+  s[1] = du * float(sum[1]);
+}
+
+// One row of x as `stages` quantized rows (QuantizedX rows stages * c + j): stage 0 is x, stage 1
+// (x_stages 2) the residual x - d0 q0 of stage 0, quantized the same way, so that
+// x = d0 q0 + d1 q1 + e with |e| <= amax / (2 * 127 * 254) per unit.
+// Where one quantized row of x is written (the mutable side of QRow).
+struct QRowOut {
+  int8_t* q;
+  float* d;
+  float* t;
+  float* s;
+};
+
 template <typename T>
-void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* t, float* s) {
+void quantize_row(const T* x, int64_t k, int stages, const QRowOut* rows) {
   for (int64_t u = 0; u < k / 32; ++u) {
     float xf[32];
-    float amax = 0.f;
-    for (int i = 0; i < 32; ++i) {
-      xf[i] = to_f32(x[32 * u + i]);
-      const float a = __builtin_fabsf(xf[i]);
-      amax = a > amax || a != a ? a : amax;  // a NaN x makes d NaN, so its rows come out NaN
+    for (int i = 0; i < 32; ++i) xf[i] = to_f32(x[32 * u + i]);
+    for (int j = 0; j < stages; ++j) {
+      const QRowOut& r = rows[j];
+      int8_t* q = r.q + 32 * u;
+      float* d = r.d + u;
+      quantize_unit(xf, q, d, r.t + u, r.s + 2 * u);
+      for (int i = 0; i < 32; ++i) xf[i] -= *d * float(q[i]);  // the residual, exact in f32 but for the rounding of d q
     }
-    const float du = amax / 127.f, id = du != 0.f ? 1.f / du : 0.f;
-    int32_t sum[2] = {0, 0};
-    for (int i = 0; i < 32; ++i) {
-      // rint of the rounded product, as the reference does. NOTE: not the (v + 1.5 * 2^23) - 1.5 * 2^23
-      // trick: GCC contracts x * id + 1.5 * 2^23 into an FMA where the ISA has one, which rounds the
-      // exact product and so sometimes the other way.
-      const int32_t qi = int32_t(__builtin_rintf(xf[i] * id));
-      q[32 * u + i] = int8_t(qi);
-      sum[i / 16] += qi;
-    }
-    d[u] = du;
-    t[u] = du * float(sum[0] + sum[1]);
-    s[2 * u] = du * float(sum[0]);
-    s[2 * u + 1] = du * float(sum[1]);
   }
 }
 
@@ -54,18 +77,23 @@ struct QuantizedX {
   float* s;   // [m, k / 16]
   int64_t k;
   QRow row(int64_t c) const { return {q + c * k, d + c * (k / 32), t + c * (k / 32), s + c * (k / 16)}; }
+  QRowOut out_row(int64_t c) const { return {q + c * k, d + c * (k / 32), t + c * (k / 32), s + c * (k / 16)}; }
 };
 
-QuantizedX quantize_x(const LinearQuantParams& p) {
+// x's rows quantized in p.x_stages stages each (scratch layout: linear_quant_scratch_bytes of
+// m * x_stages rows). parallel: split the rows of x over a region of their own when there are
+// enough of them.
+QuantizedX quantize_x(const LinearQuantParams& p, bool parallel = true) {
+  const int64_t rows = p.m * p.x_stages;
   int8_t* q = static_cast<int8_t*>(p.scratch);
-  float* d = reinterpret_cast<float*>(q + p.m * p.k);
-  QuantizedX qx{q, d, d + p.m * (p.k / 32), d + 2 * p.m * (p.k / 32), p.k};
-  for_each_row(p.m, p.m * p.k >= kParallelMinElems, [&](int64_t c) {
+  float* d = reinterpret_cast<float*>(q + rows * p.k);
+  QuantizedX qx{q, d, d + rows * (p.k / 32), d + 2 * rows * (p.k / 32), p.k};
+  for_each_row(p.m, parallel && p.m * p.k >= kParallelMinElems, [&](int64_t c) {
     dispatch_float(p.x_dtype, [&](auto tag) {
       using T = decltype(tag);
-      const int64_t units = p.k / 32;
-      quantize_row(static_cast<const T*>(p.x) + c * p.x_stride, p.k, qx.q + c * p.k, qx.d + c * units,
-                   qx.t + c * units, qx.s + 2 * c * units);
+      QRowOut r[2];
+      for (int j = 0; j < p.x_stages; ++j) r[j] = qx.out_row(c * p.x_stages + j);
+      quantize_row(static_cast<const T*>(p.x) + c * p.x_stride, p.k, p.x_stages, r);
     });
   });
   return qx;
@@ -129,6 +157,7 @@ KOG_QINLINE void dot_q4_1(const uint8_t* row, int64_t nb, Acc& acc) {
 
 // Q4_K/Q5_K sub-block scales and mins as floats: a[j] = d * sc[j], b[j] = -dmin * mn[j]. The 6-bit
 // packing (csrc/ops/quant.h) unpacked four sub-blocks at a time in 32-bit words (little endian).
+static_assert(kCols % 2 == 0, "a row's two stages share a column group");
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "k_scales reads bytes as little-endian words");
 KOG_QINLINE void k_scales(const uint8_t* s, float d, float dmin, float* a, float* b) {
   uint32_t w[3];
@@ -200,8 +229,11 @@ void quant_rows(const LinearQuantParams& p, const QuantizedX& qx, int64_t row_by
                 int64_t row_end) {
   for (int64_t r = row_begin; r < row_end; ++r) {
     const uint8_t* w = p.weight + r * row_bytes;
-    for (int64_t c0 = 0; c0 < p.m; c0 += kCols) {
-      const int nc = int(p.m - c0 < kCols ? p.m - c0 : kCols);
+    // Columns are x's quantized rows (x_stages per row of x; kCols is a multiple of 2, so a
+    // row's stages share a group).
+    const int64_t cols = p.m * p.x_stages;
+    for (int64_t c0 = 0; c0 < cols; c0 += kCols) {
+      const int nc = int(cols - c0 < kCols ? cols - c0 : kCols);
       QRow x[kCols];
       for (int c = 0; c < nc; ++c) x[c] = qx.row(c0 + c);
       float acc[kCols];
@@ -211,7 +243,12 @@ void quant_rows(const LinearQuantParams& p, const QuantizedX& qx, int64_t row_by
         case 3: dot_row<3>(p.type, w, p.k, x, acc); break;
         default: dot_row<kCols>(p.type, w, p.k, x, acc); break;
       }
-      for (int c = 0; c < nc; ++c) p.out[(c0 + c) * p.out_stride + r] = acc[c];
+      const float b = p.bias != nullptr ? p.bias[r] : 0.f;
+      if (p.x_stages == 1) {
+        for (int c = 0; c < nc; ++c) p.out[(c0 + c) * p.out_stride + r] = acc[c] + b;
+      } else {
+        for (int c = 0; c < nc; c += 2) p.out[(c0 + c) / 2 * p.out_stride + r] = acc[c] + acc[c + 1] + b;
+      }
     }
   }
 }
@@ -239,6 +276,19 @@ void linear_quant(const LinearQuantParams& p) {
   parallel_for(n_chunks, p.n * row_bytes >= kParallelMinBytes, [&](int64_t t) {
     quant_rows(p, qx, row_bytes, t * kChunk, (t + 1) * kChunk < p.n ? (t + 1) * kChunk : p.n);
   });
+}
+
+// NOTE: each thread quantizes all of x itself (m * k elements, a few microseconds for a decode
+// row) rather than thread 0 once behind a barrier: a barrier costs more than the work, and every
+// thread computes bit-identical integers, so the result does not depend on who did it.
+void linear_quant_part(const LinearQuantParams& p, RowQueue& queue, uint32_t epoch, int part) {
+  const QuantizedX qx = quantize_x(p, /*parallel=*/false);
+  const int64_t row_bytes = row_bytes_of(p);
+  // ~16 KB of weight rows per chunk, as the float linear_part (csrc/cpu/ops/linear.cpp).
+  const int64_t rows = std::max<int64_t>(1, (int64_t(16) << 10) / row_bytes);
+  queue.start(epoch, part, (p.n + rows - 1) / rows);
+  for (int64_t c; (c = queue.next(epoch, part)) >= 0;)
+    quant_rows(p, qx, row_bytes, c * rows, std::min(p.n, (c + 1) * rows));
 }
 
 }  // namespace kog::cpu::KOG_ISA_NS

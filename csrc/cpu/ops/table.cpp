@@ -16,11 +16,13 @@ void paged_attention_decode(const PagedAttentionParams& p);
 void paged_attention_prefill(const PagedAttentionParams& p);
 void sample(const SampleParams& p);
 void linear_quant(const LinearQuantParams& p);
+void linear_quant_part(const LinearQuantParams& p, RowQueue& queue, uint32_t epoch, int part);
+void dequantize_rows(const DequantizeRowsParams& p);
 
 const KernelTable& kernel_table() {
   static const KernelTable table{KOG_STR(KOG_ISA_NS), &rmsnorm, &rope, &silu_and_mul, &linear, &linear_part,
                                  &kv_append, &paged_attention_decode, &paged_attention_prefill, &sample,
-                                 &linear_quant};
+                                 &linear_quant, &linear_quant_part, &dequantize_rows};
   return table;
 }
 

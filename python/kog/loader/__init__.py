@@ -31,11 +31,12 @@ class LoadedModel:
 
     path: Path  # the .gguf file or the HF folder
     config: ModelConfig
-    weights: Weights  # HF names -> tensors in `dtype`; no lm_head.weight when embeddings are tied
-    dtype: torch.dtype
+    weights: Weights  # HF names -> tensors in `dtype` (or QuantizedWeight: a GGUF's blocks kept); no lm_head.weight when tied
+    dtype: torch.dtype  # run dtype of activations, KV cache and float weights
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None
     stop_token_ids: tuple[int, ...]  # end of turn: config eos ids, generation_config eos ids, tokenizer eos
+    file_weight_bytes: int | None = None  # bytes of the checkpoint's tensors as stored (GGUF data, safetensors files)
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -49,7 +50,8 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
 
     Args:
         name_or_path: see `resolve_model` (None: the default SmolLM2-135M-Instruct).
-        dtype: run dtype (float32 or bfloat16; None: bf16 for bf16 checkpoints, else f32).
+        dtype: run dtype (float32, bfloat16, float16; None or "auto": a quantized GGUF keeps its
+            blocks (QuantizedWeight) with f32 activations, bf16 for bf16 checkpoints, else f32).
         progress: progress bar while loading weights (None: only when stderr is a TTY).
         chat_template: Jinja text that replaces the model's own chat template.
     Raises:
@@ -59,11 +61,14 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
     if path.suffix == ".gguf":
         ckpt = GGUFCheckpoint(path)
         config = ckpt.config
-        dt = run_dtype(dtype, config)
-        weights = ckpt.load_weights(config, dt, progress)
+        # dtype None/"auto" keeps a quantized file's matrices as stored, activations in f32.
+        keep = dtype in (None, "auto") and ckpt.is_quantized
+        dt = torch.float32 if keep else run_dtype(dtype, config)
+        weights = ckpt.load_weights(config, dt, progress, keep_quantized=keep)
         tokenizer = tokenizer_from_gguf(ckpt.metadata, source=str(path))
         source = ckpt.get("tokenizer.chat_template")
         extra_stops: list[int] = []
+        file_bytes = sum(t.nbytes for t in ckpt.tensors.values())
     else:
         config = ModelConfig.from_hf_file(path)
         dt = run_dtype(dtype, config)
@@ -71,11 +76,12 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
         tokenizer = Tokenizer.from_folder(path)
         source = read_tokenizer_config(path).get("chat_template")
         extra_stops = _generation_config_eos(path)
+        file_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     template = _chat_template(source if chat_template is None else chat_template, tokenizer,
                               user_given=chat_template is not None)
     stops = [*config.eos_token_ids, *extra_stops, tokenizer.eos_token_id]
     return LoadedModel(path, config, weights, dt, tokenizer, template,
-                       tuple(dict.fromkeys(i for i in stops if i is not None)))
+                       tuple(dict.fromkeys(i for i in stops if i is not None)), file_bytes)
 
 
 def load_config(name_or_path: str | os.PathLike[str] | None = None) -> ModelConfig:

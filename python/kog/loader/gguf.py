@@ -2,7 +2,9 @@
 
 Three things differ from an HF folder and are undone here:
 - names: `blk.3.attn_q.weight` is HF's `model.layers.3.self_attn.q_proj.weight`;
-- quantization: blocks are dequantized with `gguf.quants.dequantize`;
+- quantization: with keep_quantized (kog.LLM's dtype=None/"auto" on a quantized file) each
+  quantized matrix stays in its blocks (kog.quantized.QuantizedWeight); otherwise blocks are
+  dequantized with `gguf.quants.dequantize` to the run dtype;
 - for the `llama` architecture, llama.cpp's converter reorders the rows of q and k inside each
   head (it interleaves the two RoPE halves); `_unpermute_rows` restores HF's order.
 """
@@ -22,6 +24,7 @@ import torch
 from kog.config import ModelConfig
 from kog.errors import ModelLoadError
 from kog.loader.gguf_file import GGUFFile, TensorInfo
+from kog.quantized import QuantizedWeight
 from kog.loader.weights import Weights, check_shape, expected_shapes, progress_bar, select_names
 
 # GGUF `general.architecture` -> Kog family. Mistral GGUFs are written with the llama architecture.
@@ -49,6 +52,7 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE factors, folded into config.rope_scaling
 
 _FILE_TYPE_DTYPE = {0: "float32", 1: "float16", 32: "bfloat16"}  # quantized files -> float32
+_FLOAT_TYPES = frozenset({0, 1, 30})  # GGML F32, F16, BF16: loaded as float tensors
 
 
 _HF_BLOCK_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
@@ -130,12 +134,21 @@ class GGUFCheckpoint:
             torch_dtype=_FILE_TYPE_DTYPE.get(self.get("general.file_type"), "float32"),
         )
 
-    def load_weights(self, config: ModelConfig, dtype: torch.dtype, progress: bool | None = None) -> Weights:
-        """Dequantizes every tensor into the run dtype, under HF names, in HF's layout.
+    @cached_property
+    def is_quantized(self) -> bool:
+        """True when some tensor is stored in a block-quantized type (not F32/F16/BF16)."""
+        return any(t.qtype not in _FLOAT_TYPES for t in self.tensors.values())
+
+    def load_weights(self, config: ModelConfig, dtype: torch.dtype, progress: bool | None = None,
+                     keep_quantized: bool = False) -> Weights:
+        """Every tensor under HF names, in HF's layout: in the run dtype, or with keep_quantized
+        each block-quantized matrix as a QuantizedWeight in its file layout (rows un-permuted
+        like the float ones); float tensors (norms, biases, F16 matrices) in the run dtype.
 
         Raises:
             ModelLoadError: naming the file and tensor that is missing, misshapen, of an
-                unsupported quantization, or unknown.
+                unsupported quantization (with keep_quantized: any type without Kog kernels,
+                listing those that have), or unknown.
         """
         by_hf = {}
         for name in self.tensors:
@@ -151,22 +164,44 @@ class GGUFCheckpoint:
         # NOTE: numpy releases the GIL inside dequantization, so threads use every core.
         with progress_bar(len(names), f"loading {self.path.name}", progress) as bar, \
                 ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            futures = {pool.submit(self._load_one, name, by_hf[name], config, dtype): name for name in names}
+            futures = {pool.submit(self._load_one, name, by_hf[name], config, dtype, keep_quantized): name
+                       for name in names}
             for future in as_completed(futures):
                 weights[futures[future]] = future.result()
                 bar.update()
         return {name: weights[name] for name in names}
 
-    def _load_one(self, name: str, gguf_name: str, config: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
+    def _load_one(self, name: str, gguf_name: str, config: ModelConfig, dtype: torch.dtype,
+                  keep_quantized: bool) -> torch.Tensor | QuantizedWeight:
         info = self.tensors[gguf_name]
-        w = self._dequantize(info, info.torch_shape).to(dtype)
-        if config.architecture == "llama" and ".self_attn.q_proj." in name:
-            return _unpermute_rows(w, config.num_attention_heads)
-        if config.architecture == "llama" and ".self_attn.k_proj." in name:
-            return _unpermute_rows(w, config.num_key_value_heads)
+        if keep_quantized and info.qtype not in _FLOAT_TYPES:
+            w: torch.Tensor | QuantizedWeight = self._quantized(info)
+        else:
+            w = self._dequantize(info, info.torch_shape).to(dtype)
+        heads = {".self_attn.q_proj.": config.num_attention_heads, ".self_attn.k_proj.": config.num_key_value_heads}
+        for part, n_heads in heads.items():
+            if config.architecture == "llama" and part in name:
+                # The permutation moves whole rows: on blocks it moves whole byte rows.
+                if isinstance(w, QuantizedWeight):
+                    return w.with_data(_unpermute_rows(w.data, n_heads))
+                return _unpermute_rows(w, n_heads)
         return w
 
     # ------------------------------------------------------------------ internal helpers
+
+    def _quantized(self, info: TensorInfo) -> QuantizedWeight:
+        """A block-quantized matrix as stored (a copy: the mapping is read-only)."""
+        from kog.ops import QUANT_TYPES
+
+        supported = {v[0] for v in QUANT_TYPES.values()}
+        if int(info.qtype) not in supported or len(info.torch_shape) != 2:
+            what = f"type {info.qtype.name}" if int(info.qtype) not in supported else f"{len(info.torch_shape)}-D shape"
+            raise ModelLoadError(f"{self.path}: tensor {info.name!r} has {what}, which Kog cannot keep quantized "
+                                 f"(native types: {', '.join(sorted(QUANT_TYPES))}, as 2-D matrices); "
+                                 f"load it with dtype='float32' to dequantize")
+        rows, cols = info.torch_shape
+        raw = self.file.data(info).reshape(rows, -1)  # uint8 [rows, row_bytes]
+        return QuantizedWeight(torch.from_numpy(raw.copy()), int(info.qtype), int(cols))
 
     def _dequantize(self, info: TensorInfo, shape: tuple[int, ...]) -> torch.Tensor:
         import gguf

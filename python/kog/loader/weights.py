@@ -35,7 +35,7 @@ def run_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dty
     float16 checkpoints load as float32 by default: Kog's kernels compute in f32 or bf16, and
     f16 -> bf16 would drop mantissa bits.
     """
-    if dtype is None:
+    if dtype is None or dtype == "auto":
         return torch.bfloat16 if config.torch_dtype == "bfloat16" else torch.float32
     if isinstance(dtype, torch.dtype):
         if dtype not in RUN_DTYPES.values():

@@ -18,6 +18,7 @@ from kog.config import ModelConfig
 from kog.errors import InvalidRequest
 from kog.ops import DTYPE_CODE
 from kog.program import Buffer, Instruction, Opcode, program_for
+from kog.quantized import QuantizedWeight
 
 # RoPE pairing of each family's checkpoints as Kog loads them: rotate_half, i.e. dims (i, i + R/2)
 # (HF Llama, Mistral and Qwen; GGUF llama weights are permuted back to it on load).
@@ -61,8 +62,12 @@ def lower(ins: Instruction, weights: dict[str, torch.Tensor]) -> _C.Op:
     if ins.opcode == Opcode.RMS_NORM and len(bufs_in) == 2:
         residual = int(bufs_in[1])
     ptrs = [weights[name].data_ptr() for name in ins.weights] + [0, 0]
+    w0 = weights[ins.weights[0]] if ins.weights else None
+    # The first weight's storage: a ggml type for a QuantizedWeight (EMBED, LINEAR), else the run dtype.
+    w_type = w0.qtype if isinstance(w0, QuantizedWeight) else _C.WEIGHT_RUN_DTYPE
     return _C.Op(int(ins.opcode), ins.layer, int(bufs_in[0]) if bufs_in else -1, residual,
-                 int(bufs_out[0]) if bufs_out else -1, ptrs[0], ptrs[1], sorted(ins.deps))
+                 int(bufs_out[0]) if bufs_out else -1, ptrs[0], ptrs[1], sorted(ins.deps),
+                 w_type=w_type)
 
 
 def lower_program(program: list[Instruction], weights: dict[str, torch.Tensor]) -> list[_C.Op]:
@@ -75,15 +80,17 @@ def build_executor(config: ModelConfig, weights: dict[str, torch.Tensor], kv: to
                    program: list[Instruction] | None = None) -> _C.DecodeExecutor:
     """Args:
         config: the model.
-        weights: prepared weights (kog.models.weights.prepare_weights), contiguous, run dtype.
+        weights: prepared weights (kog.models.weights.prepare_weights), contiguous, run dtype
+            (QuantizedWeight matrices: their ggml type goes into each op's w_type).
         kv: [num_layers, num_blocks, 2, n_kv_heads, block_size, head_dim] in the run dtype.
         block_size: tokens per KV block.
         inv_freq: [rotary_dim / 2] float32 RoPE frequencies.
         program: the ops to run (default: schedule_for(config)); any topological order of them.
     """
-    dtype = weights["model.embed_tokens.weight"].dtype
-    if kv.dtype != dtype or not kv.is_contiguous():
-        raise InvalidRequest(f"kv cache must be contiguous {dtype}, got {kv.dtype}")
+    dtype = kv.dtype  # the run dtype (quantized matrices run with f32 activations: validate_program)
+    float_weights = [w for w in weights.values() if not isinstance(w, QuantizedWeight)]
+    if not kv.is_contiguous() or any(w.dtype != dtype for w in float_weights):
+        raise InvalidRequest(f"kv cache must be contiguous and in the float weights' dtype, got {kv.dtype}")
     ops = lower_program(schedule_for(config) if program is None else program, weights)
     return _C.DecodeExecutor(model_dims(config, dtype), kv.data_ptr(), kv.shape[1], block_size,
                              inv_freq.float().tolist(), ops)

@@ -22,6 +22,7 @@ from kog import _C
 from kog.config import ModelConfig
 from kog.errors import BackendError, InvalidRequest
 from kog.models.decode import lower_program, model_dims, schedule_for
+from kog.quantized import QuantizedWeight
 
 # The field types of csrc/schedule/sampling_row.h SamplingRow; offsets and size come from C++.
 SAMPLING_ROW_FORMATS = {"temperature": "<f4", "top_k": "<i4", "top_p": "<f4", "min_p": "<f4", "seed": "<u8"}
@@ -79,6 +80,9 @@ class GpuDecoder:
             raise BackendError("the persistent decode kernel needs a GPU build of kog (KOG_BACKEND=cuda or rocm)")
         if kv.device.type != "cuda" or not kv.is_contiguous():
             raise InvalidRequest(f"kv cache must be a contiguous GPU tensor, got {kv.device}")
+        if any(isinstance(w, QuantizedWeight) for w in weights.values()):
+            raise InvalidRequest("the GPU decode kernel does not run quantized weights yet (issue 17); "
+                                 "load the GGUF with dtype=\"bfloat16\"")
         self.device = kv.device
         self.vocab_size = config.vocab_size
         self._inv_freq = inv_freq.to(self.device, torch.float32).contiguous()

@@ -25,7 +25,8 @@ from kog.kvcache import KVCacheStorage, KVLayout
 from kog.loader import LoadedModel
 from kog.models.decode import build_executor
 from kog.hugepages import to_hugepages
-from kog.models.weights import prepare_weights
+from kog.models.weights import prepare_weights, weight_bytes
+from kog.quantized import QuantizedWeight
 from kog.program import Buffer, TokenBatch, program_for
 from kog.program.interpreter import ProgramInterpreter
 
@@ -67,7 +68,11 @@ class ModelRunner:
             raise InvalidRequest(f"device must be 'cpu' or a GPU ('cuda', 'cuda:N'), got {device!r}")
         if self.device.type == "cuda" and (reason := gpu_unavailable_reason(self.device.index)) is not None:
             raise InvalidRequest(f"device {str(self.device)!r}: {reason}")
+        if self.device.type == "cuda" and any(isinstance(w, QuantizedWeight) for w in model.weights.values()):
+            raise InvalidRequest(f"device {str(self.device)!r}: the GPU backend does not run quantized weights yet "
+                                 f"(issue 17); load the GGUF with dtype=\"bfloat16\" to dequantize it")
         weights = prepare_weights(c, model.weights, self.dtype)
+        self.weight_bytes = weight_bytes(weights)  # resident bytes of the prepared weights
         if self.device.type == "cpu":
             self.weights = to_hugepages(weights)  # decode streams them: 2 MiB pages read faster
         else:

@@ -7,14 +7,18 @@ decode schedule (kog.program) refers to.
 
 from __future__ import annotations
 
+from typing import Union
+
 import torch
 
 from kog.config import ModelConfig
 from kog.errors import ModelLoadError
+from kog.quantized import QuantizedWeight, cat_rows
+
+Tensor = Union[torch.Tensor, QuantizedWeight]
 
 
-def prepare_weights(config: ModelConfig, weights: dict[str, torch.Tensor],
-                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
     """Fuses and converts a checkpoint's weights once, at load.
 
     Args:
@@ -28,30 +32,51 @@ def prepare_weights(config: ModelConfig, weights: dict[str, torch.Tensor],
         `self_attn.qkv_proj.weight` [(n_q + 2 n_kv) head_dim, hidden] (+ `.bias` with
         attention_bias), `self_attn.o_proj.weight`, `mlp.gate_up_proj.weight`
         [2 intermediate, hidden], `mlp.down_proj.weight`, and with qk_norm
-        `self_attn.q_norm.weight` / `self_attn.k_norm.weight`. All contiguous.
+        `self_attn.q_norm.weight` / `self_attn.k_norm.weight`. All contiguous. Matrices given as
+        QuantizedWeight stay so (fused by byte rows, see kog.quantized.cat_rows).
     """
 
-    def get(name: str) -> torch.Tensor:
+    def get(name: str) -> Tensor:
         if name not in weights:
             raise ModelLoadError(f"weight {name!r} is missing")
-        return weights[name].to(dtype)
+        w = weights[name]
+        return w if isinstance(w, QuantizedWeight) else w.to(dtype)
 
-    out = {"model.embed_tokens.weight": get("model.embed_tokens.weight").contiguous(),
+    def cat(parts: list[Tensor]) -> Tensor:
+        # NOTE: a fused matrix is quantized only when all its parts are (a float part among
+        # quantized ones -- an F16 attn_v, say -- makes the whole group float: exact, more bytes).
+        if all(isinstance(p, QuantizedWeight) for p in parts):
+            return cat_rows(parts)
+        return torch.cat([p.dequantize().to(dtype) if isinstance(p, QuantizedWeight) else p for p in parts])
+
+    out = {"model.embed_tokens.weight": _contiguous(get("model.embed_tokens.weight")),
            "model.norm.weight": get("model.norm.weight").contiguous()}
     if not config.tie_word_embeddings:
-        out["lm_head.weight"] = get("lm_head.weight").contiguous()
+        out["lm_head.weight"] = _contiguous(get("lm_head.weight"))
     for n in range(config.num_hidden_layers):
         p = f"model.layers.{n}."
         a, m = p + "self_attn.", p + "mlp."
-        out[a + "qkv_proj.weight"] = torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"]).contiguous()
+        out[a + "qkv_proj.weight"] = cat([get(a + f"{x}_proj.weight") for x in "qkv"])
         if config.attention_bias:
             out[a + "qkv_proj.bias"] = torch.cat([get(a + f"{x}_proj.bias") for x in "qkv"]).contiguous()
         if config.qk_norm:
             out[a + "q_norm.weight"] = get(a + "q_norm.weight").contiguous()
             out[a + "k_norm.weight"] = get(a + "k_norm.weight").contiguous()
-        out[a + "o_proj.weight"] = get(a + "o_proj.weight").contiguous()
-        out[m + "gate_up_proj.weight"] = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]).contiguous()
-        out[m + "down_proj.weight"] = get(m + "down_proj.weight").contiguous()
+        out[a + "o_proj.weight"] = _contiguous(get(a + "o_proj.weight"))
+        out[m + "gate_up_proj.weight"] = cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
+        out[m + "down_proj.weight"] = _contiguous(get(m + "down_proj.weight"))
         for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             out[p + norm] = get(p + norm).contiguous()
     return out
+
+
+def weight_bytes(weights: dict[str, Tensor]) -> int:
+    """Bytes the distinct tensors of a weight dict occupy (a tensor under two names counts once)."""
+    seen: dict[int, int] = {}
+    for w in weights.values():
+        seen[w.data_ptr()] = max(seen.get(w.data_ptr(), 0), w.nbytes)
+    return sum(seen.values())
+
+
+def _contiguous(w: Tensor) -> Tensor:
+    return w if isinstance(w, QuantizedWeight) else w.contiguous()

@@ -22,6 +22,7 @@ from kog.config import ModelConfig
 from kog.program.batch import TokenBatch
 from kog.program.opcodes import Buffer, Opcode
 from kog.program.program import Instruction, Rows
+from kog.quantized import QuantizedWeight
 
 
 @dataclass
@@ -63,7 +64,8 @@ class ProgramInterpreter:
     Args:
         config: the model (head counts and sizes split the QKV buffer; eps of the norms).
         program: the family's program (kog.program.program_for).
-        weights: prepared weights (kog.models.weights.prepare_weights) on the run device.
+        weights: prepared weights (kog.models.weights.prepare_weights) on the run device
+            (QuantizedWeight matrices: CPU only, f32 activations).
         kv: [num_layers, num_blocks, 2, n_kv_heads, block_size, head_dim], the paged cache.
         inv_freq: [rotary_dim / 2] float32 RoPE frequencies, on the run device.
     """
@@ -105,7 +107,11 @@ class ProgramInterpreter:
 
 
 def _embed(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
-    s.write(ins.writes[0], w[0][s.read(ins.reads[0], ins.rows)], ins.rows)
+    ids = s.read(ins.reads[0], ins.rows)  # [T] int64
+    if isinstance(w[0], QuantizedWeight):  # one row of blocks per token, f32 (the run dtype of quantized models)
+        s.write(ins.writes[0], w[0].dequantize(ids.cpu()).to(ids.device), ins.rows)
+        return
+    s.write(ins.writes[0], w[0][ids], ins.rows)
 
 
 def _rms_norm(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
@@ -119,7 +125,8 @@ def _rms_norm(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tupl
 
 def _linear(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
     x = s.read(ins.reads[0], ins.rows)
-    s.write(ins.writes[0], matmul(x, w[0], w[1] if len(w) > 1 else None), ins.rows)
+    mm = quant_matmul if isinstance(w[0], QuantizedWeight) else matmul
+    s.write(ins.writes[0], mm(x, w[0], w[1] if len(w) > 1 else None), ins.rows)
 
 
 def _qk_norm(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
@@ -162,6 +169,35 @@ _HANDLERS: dict[Opcode, Callable[[ProgramInterpreter, ProgramState, Instruction,
     Opcode.ROPE: _rope, Opcode.KV_APPEND: _kv_append, Opcode.ATTN_DECODE: _attention,
     Opcode.SILU_MUL: _silu_mul, Opcode.SAMPLE: _sample,
 }
+
+
+# Rows of x from which a quantized LINEAR dequantizes its weight tile by tile for torch's GEMM
+# instead of running the int8 GEMV kernel (measured: bench/cpu_decode.py's prefill column).
+QUANT_GEMM_MIN_ROWS = 32
+_QUANT_TILE_BYTES = 8 << 20
+# x stages of the int8 kernel: as the decode executor (csrc/engine/decode_executor.h kQuantXStages).
+QUANT_X_STAGES = 2  # f32 bytes of one dequantized weight tile: bounded, never the whole model
+
+
+def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias) over a matrix kept in GGUF blocks: [T, k] f32 -> [T, n] f32.
+
+    NOTE: few rows run the decode's kernel (x and its residual quantized per 32 to int8,
+    kog.ops.linear_quant with x_stages 2),
+    so a short prefill computes what decode computes; many rows dequantize the weight a tile of
+    rows at a time to f32 (at most _QUANT_TILE_BYTES live) and use torch's GEMM: exact products,
+    and each tile's dequantization is amortized over every row.
+    """
+    x = x.contiguous()
+    if x.shape[0] < QUANT_GEMM_MIN_ROWS:
+        out = ops.linear_quant(x, w.data, w.qtype, x_stages=QUANT_X_STAGES)
+    else:
+        n, k = w.shape
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        step = max(1, _QUANT_TILE_BYTES // (4 * k))
+        for r in range(0, n, step):
+            torch.matmul(x, w.dequantize(slice(r, r + step)).T, out=out[:, r:r + step])
+    return out if bias is None else out.add_(bias)
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,117 @@
+// Rows of GGUF blocks to f32 (the quantized EMBED and the prefill's weight tiles). Contract:
+// csrc/ops/linear_quant.h (DequantizeRowsParams); formats: csrc/ops/quant.h. Plain loops: one
+// row is a few KB, and a prefill dequantizes each tile once for hundreds of tokens.
+#include "cpu/kernels.h"
+#include "cpu/ops/quant_dot.h"
+
+namespace kog::cpu::KOG_ISA_NS {
+namespace {
+
+// Values multiply in the order gguf.quants does ((d * scale) * q - (dmin * min)), so the result
+// matches its reference to the rounding of a contracted multiply-add.
+void row_q8_0(const uint8_t* row, int64_t nb, float* y) {
+  const BlockQ8_0* b = reinterpret_cast<const BlockQ8_0*>(row);
+  for (int64_t i = 0; i < nb; ++i, y += kQuantBlock) {
+    const float d = half_to_f32(b[i].d);
+    for (int l = 0; l < kQuantBlock; ++l) y[l] = d * float(b[i].qs[l]);
+  }
+}
+
+template <bool kMin, class Block>
+void row_q4(const uint8_t* row, int64_t nb, float* y) {
+  const Block* b = reinterpret_cast<const Block*>(row);
+  for (int64_t i = 0; i < nb; ++i, y += kQuantBlock) {
+    const float d = half_to_f32(b[i].d);
+    for (int l = 0; l < kQuantBlock / 2; ++l) {
+      const int lo = b[i].qs[l] & 15, hi = b[i].qs[l] >> 4;
+      if constexpr (kMin) {
+        const float m = half_to_f32(reinterpret_cast<const BlockQ4_1&>(b[i]).m);
+        y[l] = d * float(lo) + m;
+        y[l + 16] = d * float(hi) + m;
+      } else {
+        y[l] = d * float(lo - 8);
+        y[l + 16] = d * float(hi - 8);
+      }
+    }
+  }
+}
+
+// Scale and min of sub-block j of a Q4_K/Q5_K super-block (the 6-bit packing of quant.h).
+void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
+  if (j < 4) {
+    sc = q[j] & 63, mn = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+    mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+template <bool kHigh, class Block>
+void row_k4(const uint8_t* row, int64_t nb, float* y) {
+  const Block* blocks = reinterpret_cast<const Block*>(row);
+  for (int64_t i = 0; i < nb; ++i) {
+    const Block& b = blocks[i];
+    const float d = half_to_f32(b.d), dmin = half_to_f32(b.dmin);
+    for (int j = 0; j < 8; ++j, y += kQuantBlock) {
+      int sc, mn;
+      scale_min_k4(j, b.scales, sc, mn);
+      const float a = d * float(sc), m = dmin * float(mn);
+      const uint8_t* qs = b.qs + 32 * (j / 2);
+      for (int l = 0; l < kQuantBlock; ++l) {
+        int q = (qs[l] >> (4 * (j % 2))) & 15;
+        if constexpr (kHigh) q += ((reinterpret_cast<const BlockQ5_K&>(b).qh[l] >> j) & 1) << 4;
+        y[l] = a * float(q) - m;
+      }
+    }
+  }
+}
+
+void row_q6_k(const uint8_t* row, int64_t nb, float* y) {
+  const BlockQ6_K* blocks = reinterpret_cast<const BlockQ6_K*>(row);
+  for (int64_t i = 0; i < nb; ++i, y += kSuperBlock) {
+    const BlockQ6_K& b = blocks[i];
+    const float d = half_to_f32(b.d);
+    for (int e = 0; e < kSuperBlock; ++e) {
+      const int h = e / 128, t = (e % 128) / 32, l = e % 32;
+      const int lo = (b.ql[64 * h + 32 * (t % 2) + l] >> (4 * (t / 2))) & 15;
+      const int hi = (b.qh[32 * h + l] >> (2 * t)) & 3;
+      y[e] = (d * float(b.scales[e / 16])) * float((lo | hi << 4) - 32);
+    }
+  }
+}
+
+// (elements, bytes) of one block. NOTE: not quant_type_info: an inline function shared by the
+// ISA builds could be linked from the AVX-512 one into the generic path (cmake/KogCpuIsa.cmake).
+void block_of(QuantType t, int64_t& elems, int64_t& bytes) {
+  switch (t) {
+    case QuantType::kQ8_0: elems = kQuantBlock, bytes = sizeof(BlockQ8_0); return;
+    case QuantType::kQ4_0: elems = kQuantBlock, bytes = sizeof(BlockQ4_0); return;
+    case QuantType::kQ4_1: elems = kQuantBlock, bytes = sizeof(BlockQ4_1); return;
+    case QuantType::kQ4_K: elems = kSuperBlock, bytes = sizeof(BlockQ4_K); return;
+    case QuantType::kQ5_K: elems = kSuperBlock, bytes = sizeof(BlockQ5_K); return;
+    case QuantType::kQ6_K: elems = kSuperBlock, bytes = sizeof(BlockQ6_K); return;
+  }
+  elems = 1, bytes = 0;
+}
+
+}  // namespace
+
+void dequantize_rows(const DequantizeRowsParams& p) {
+  int64_t elems, bytes;
+  block_of(p.type, elems, bytes);
+  const int64_t nb = p.k / elems, row_bytes = nb * bytes;
+  for_each_row(p.n_ids, p.n_ids * p.k >= kParallelMinElems, [&](int64_t r) {
+    const uint8_t* w = p.weight + (p.ids != nullptr ? p.ids[r] : r) * row_bytes;
+    float* y = p.out + r * p.k;
+    switch (p.type) {
+      case QuantType::kQ8_0: row_q8_0(w, nb, y); break;
+      case QuantType::kQ4_0: row_q4<false, BlockQ4_0>(w, nb, y); break;
+      case QuantType::kQ4_1: row_q4<true, BlockQ4_1>(w, nb, y); break;
+      case QuantType::kQ4_K: row_k4<false, BlockQ4_K>(w, nb, y); break;
+      case QuantType::kQ5_K: row_k4<true, BlockQ5_K>(w, nb, y); break;
+      case QuantType::kQ6_K: row_q6_k(w, nb, y); break;
+    }
+  });
+}
+
+}  // namespace kog::cpu::KOG_ISA_NS
