@@ -1,7 +1,7 @@
 """GPU decode roofline: a MODEL of the persistent decode kernel's step, not a measurement.
 
 For each op of the model program (kog.program.program_for, expanded for the GPU by
-kog._C.expand_gpu_program: ATTN_DECODE -> partial + combine) of Llama-3.2-1B and Llama-3.1-8B
+kog._C.expand_gpu_program: norms, SiLU-mul, RoPE and KV append fused into GEMVs) of Llama-3.2-1B and Llama-3.1-8B
 shapes on H200 and MI300X specifications: bytes moved, the bandwidth floor, work items, dependency
 edges and the modeled cost of synchronization; prints predicted µs/token and the fraction of
 bandwidth. It is a design target, stated as such: no number here was timed on a GPU.
@@ -100,8 +100,8 @@ ASSUMPTIONS = [
     "KV: attention reads each sequence's K and V once per KV head (GQA group shares it); KV_APPEND writes one row.",
     "Items as the kernel splits them (kog.testing.sync_program.items_of mirrors items_of): LINEAR "
     "ceil(out_rows / (warps * 2)); attention partial per (sequence, KV head, partition), the partition "
-    "halved from 256 tokens (down to 16) until there are two items per workgroup; combine per "
-    "(sequence, q head); small ops split rows into 512-element chunks / 4 RoPE heads / a KV head; "
+    "halved from 256 tokens (down to 16) until there are two items per workgroup, the last item of each "
+    "(sequence, KV head) merging the group's partials (re-read from memory, charged) into ATTN; small ops split rows into 512-element chunks / 4 RoPE heads / a KV head; "
     "residual adds fused into o_proj and down_proj, every RMSNorm into the prologue of the GEMV that reads it "
     "(its weight counted with the GEMV's; each warp's re-read of the row for the scale stays in cache, not "
     "charged), SiLU-mul into gate/up (one output row a warp), RoPE "
@@ -151,15 +151,15 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def gpu_program(config: ModelConfig) -> list[tuple[_C.Op, tuple[str, ...]]]:
-    """The expanded GPU program: (op, weight names) per op; the GPU-only phases (attention
-    combine, sample partial) carry no weights."""
+    """The expanded GPU program: (op, weight names) per op; the GPU-only sample partial carries
+    no weights."""
     program = program_for(config)
     # expand_gpu_program validates but never dereferences weight addresses: placeholders do.
     fake = {n: _Address(16 * (i + 1)) for i, n in enumerate(weight_shapes(config))}
     ops = _C.expand_gpu_program(lower_program(program, fake), model_dims(config, torch.bfloat16))
     out, it = [], iter(program)
     for op in ops:
-        gpu_only = op.opcode in (_C.GPU_OP_ATTN_COMBINE, _C.GPU_OP_SAMPLE_PARTIAL)
+        gpu_only = op.opcode == _C.GPU_OP_SAMPLE_PARTIAL
         norm = next(it).weights if op.w2 else ()  # the RMS_NORM folded into its prologue comes first
         out.append((op, () if gpu_only else next(it).weights + norm))
         if op.opcode == _C.GPU_OP_LINEAR_SILU_MUL:
@@ -204,10 +204,8 @@ def op_costs(config: ModelConfig, device: Device, batch: int, context: int) -> l
             act = 2 * batch * (nq + nkv) * hd * ELEM
         elif code == Opcode.KV_APPEND:
             act = kv_w = batch * 2 * nkv * hd * ELEM
-        elif code == Opcode.ATTN_DECODE:
-            act, kv_r, items = batch * nq * hd * ELEM + partials, batch * context * 2 * nkv * hd * ELEM, batch * nkv * parts
-        elif code == _C.GPU_OP_ATTN_COMBINE:
-            act, items = partials + batch * nq * hd * ELEM, batch * nq
+        elif code == Opcode.ATTN_DECODE:  # q in, partials out and back in (the merging items), ATTN out
+            act, kv_r, items = 2 * batch * nq * hd * ELEM + 2 * partials, batch * context * 2 * nkv * hd * ELEM, batch * nkv * parts
         elif code == Opcode.SILU_MUL:
             act = batch * 3 * config.intermediate_size * ELEM
         elif code == _C.GPU_OP_SAMPLE_PARTIAL:  # bf16 logits in, f32 copy and chunk summaries out
@@ -291,8 +289,6 @@ def _work_us(nbytes: float, items: int, device: Device) -> float:
 
 
 def _op_name(code: int, weights: tuple[str, ...]) -> str:
-    if code == _C.GPU_OP_ATTN_COMBINE:
-        return "ATTN_COMBINE"
     if code == _C.GPU_OP_SAMPLE_PARTIAL:
         return "SAMPLE_PARTIAL"
     if code == _C.GPU_OP_LINEAR_SILU_MUL:
@@ -300,7 +296,7 @@ def _op_name(code: int, weights: tuple[str, ...]) -> str:
     if code == _C.GPU_OP_LINEAR_ROPE_KV:
         return "LINEAR qkv+rope+kv_append"
     if code == Opcode.ATTN_DECODE:
-        return "ATTN_PARTIAL"
+        return "ATTN_DECODE"
     if code == Opcode.LINEAR:
         w = weights[0]
         return "LINEAR " + ("lm_head" if "lm_head" in w or "embed" in w else w.split(".")[-2])

@@ -166,8 +166,8 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
   // produced[i]: the expanded index whose completion means op i's output is complete.
   std::vector<int32_t> produced(ops.size(), -1);
   std::vector<Op> out;
-  out.reserve(ops.size() + size_t(dims.n_layers) + 1);
-  int32_t last_combine = -1;
+  out.reserve(ops.size() + 1);
+  int32_t last_attn = -1;
   for (size_t i = 0; i < ops.size(); ++i) {
     if (fused_into[i] >= 0) {  // folded into an earlier LINEAR: its dependents wait for that one
       produced[i] = produced[size_t(fused_into[i])];
@@ -182,7 +182,7 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
       add_dep(o, d);
     }
     const bool attn = Opcode(o.op) == Opcode::kAttnDecode;
-    if (attn && last_combine >= 0) add_dep(o, last_combine);
+    if (attn && last_attn >= 0) add_dep(o, last_attn);
     if (Opcode(o.op) == Opcode::kSample) {
       Op partial = o;
       partial.op = kOpSamplePartial;
@@ -192,15 +192,7 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
     out.push_back(o);
     produced[i] = int32_t(out.size()) - 1;
     if (folded_norm[i] >= 0) produced[size_t(folded_norm[i])] = produced[i];  // completes with its consumer
-    if (attn) {
-      // Partials go to the executor's own scratch; the combine writes the attention output.
-      Op combine = o;
-      combine.op = kOpAttnCombine;
-      combine.n_deps = 1;
-      combine.deps[0] = produced[i];
-      out.push_back(combine);
-      produced[i] = last_combine = int32_t(out.size()) - 1;
-    }
+    if (attn) last_attn = produced[i];
   }
   return out;
 }

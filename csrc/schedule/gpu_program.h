@@ -1,5 +1,5 @@
-// The program as the GPU persistent kernel runs it: the validated program (program.h) with the
-// second phase of every ATTN_DECODE inserted after it and the first phase of SAMPLE before it.
+// The program as the GPU persistent kernel runs it: the validated program (program.h) with ops
+// fused into their GEMVs and the first phase of SAMPLE inserted before it.
 // Plain C++ (built in every backend, tested on the CPU).
 #pragma once
 #include <cstdint>
@@ -10,9 +10,8 @@
 
 namespace kog::schedule {
 
-// GPU-only opcode: the second phase of Opcode::kAttnDecode, the log-sum-exp merge of the
-// context partitions. Program opcodes keep their values.
-constexpr int32_t kOpAttnCombine = 100;
+// GPU-only opcodes (program opcodes keep their values). 100 was the attention combine, now the
+// tail of ATTN_DECODE's last item per (sequence, KV head) (gpu/decode/persistent_decode.cu).
 // GPU-only opcode: the first phase of Opcode::kSample, per (sequence, chunk of the vocabulary):
 // the f32 logits output and the chunk summaries the draw reads (ops/sample_chunks.h).
 constexpr int32_t kOpSamplePartial = 101;
@@ -36,12 +35,10 @@ KOG_HOST_DEVICE inline bool is_gemv(const Op& o) {
 // that reads its output (the LINEAR reads the norm's input, w2 = the norm's weight, and takes
 // the norm's deps; ops that depended on the norm depend on the LINEAR), fuses each SILU_MUL into the LINEAR that feeds it (kOpLinearSiluMul:
 // the fused op keeps the LINEAR's place, takes the SILU_MUL's output and deps, and ops that
-// depended on the SILU_MUL depend on it), inserts a combine after every ATTN_DECODE:
-//   - the combine depends on its partial phase (it reads the partials the partial phase wrote);
-//   - every op that depended on an ATTN_DECODE depends on its combine (which writes ATTN);
-//   - every partial phase after the first also depends on the previous combine: both use the
-//     one partials scratch (a WAR hazard the Python program does not name);
-// and a sample partial before SAMPLE, with SAMPLE's deps (it reads LOGITS); SAMPLE keeps its
+// depended on the SILU_MUL depend on it), makes every ATTN_DECODE after the first depend on the
+// previous one (both use the one partials scratch: a WAR hazard the Python program does not
+// name; the kernel's ATTN_DECODE writes its partials there and its last item per (sequence,
+// KV head) merges them into ATTN), and inserts a sample partial before SAMPLE, with SAMPLE's deps (it reads LOGITS); SAMPLE keeps its
 // deps and gains the partial (it reads the f32 logits and summaries the partial wrote).
 // Deps are renumbered to the expanded indices. Throws kog::Error(kInvalidArgument) naming the
 // first bad op of the input program.

@@ -54,7 +54,7 @@ constexpr int kMaxDeps = 8;
 
 // One operation of the program with its operands resolved. Buffers not used are -1.
 struct Op {
-  int32_t op;             // Opcode value (or, in the GPU's expanded program, kOpAttnCombine)
+  int32_t op;             // Opcode value (or, in the GPU's expanded program, a GPU-only opcode: gpu_program.h)
   int32_t layer;          // -1 for model-level ops
   int32_t in;             // Buffer read (RMS_NORM: x; LINEAR: x; ...)
   int32_t residual;       // RMS_NORM only: the residual stream it adds x to and normalizes, or -1

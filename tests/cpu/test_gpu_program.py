@@ -50,18 +50,18 @@ def rope_kv_folded(ops, i) -> bool:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_attention_gets_a_combine_phase_and_deps_follow_it(arch):
+def test_expanded_program_fuses_and_deps_follow_the_fusions(arch):
     ops, dims, _ = lowered(arch)
     out = _C.expand_gpu_program(ops, dims)
     folded = sum(rope_kv_folded(ops, i) for i in range(len(ops)))
     assert folded == (0 if arch == "qwen3" else 2 * dims.n_layers)  # QK_NORM needs whole heads: not fused
     norms = sum(o.opcode == Opcode.RMS_NORM for o in ops)
     assert norms == 2 * dims.n_layers + 1 and not any(o.opcode == Opcode.RMS_NORM for o in out)
-    # + a combine per layer + the sample partial - a SILU_MUL per layer - the folded ROPE / KV_APPEND
-    # - every RMS_NORM (in its consumer's prologue)
-    assert len(out) == len(ops) + 1 - folded - norms
+    # + the sample partial - a SILU_MUL per layer - the folded ROPE / KV_APPEND - every RMS_NORM (in its
+    # consumer's prologue); attention keeps one op (its last item per group combines the partials)
+    assert len(out) == len(ops) + 1 - dims.n_layers - folded - norms
     new_index, produced, j = [], [], 0
-    for i, op in enumerate(ops):  # the same order (residual adds, SILU_MULs fused), a combine after each attention
+    for i, op in enumerate(ops):  # the same order (residual adds, SILU_MULs fused)
         if op.opcode == Opcode.RMS_NORM:  # folded forward into the LINEAR right after it: lands at j
             assert ops[i + 1].opcode == Opcode.LINEAR and ops[i + 1].in_ == op.out
             new_index.append(j)
@@ -93,15 +93,10 @@ def test_attention_gets_a_combine_phase_and_deps_follow_it(arch):
         new_index.append(j)
         produced.append(j)
         if op.opcode == Opcode.ATTN_DECODE:
-            combine = out[j + 1]
-            assert combine.opcode == _C.GPU_OP_ATTN_COMBINE
-            assert fields(combine)[1:5] == fields(op)[1:5]  # same layer and buffers: reads QKV, writes ATTN
-            assert (combine.in_, combine.out) == (Buffer.QKV, Buffer.ATTN)
-            assert combine.deps == [j]
-            produced[-1] = j + 1
-            j += 1
+            assert (out[j].in_, out[j].out) == (Buffer.QKV, Buffer.ATTN)
         j += 1
-    combines = [k for k, o in enumerate(out) if o.opcode == _C.GPU_OP_ATTN_COMBINE]
+    attentions = [k for k, o in enumerate(out) if o.opcode == Opcode.ATTN_DECODE]
+    assert len(attentions) == dims.n_layers
     for i, op in enumerate(ops):
         if op.opcode in (Opcode.SILU_MUL, Opcode.RMS_NORM) or rope_kv_folded(ops, i):
             continue  # its deps are the fused op's, checked with the LINEAR
@@ -113,8 +108,8 @@ def test_attention_gets_a_combine_phase_and_deps_follow_it(arch):
         for f in (i + 1, i + 2):
             if f < len(ops) and rope_kv_folded(ops, f):
                 want |= {produced[d] for d in ops[f].deps if d not in (i, i + 1)}
-        earlier = [c for c in combines if c < new_index[i]]
-        if op.opcode == Opcode.ATTN_DECODE and earlier:  # the partials scratch: after the previous combine
+        earlier = [c for c in attentions if c < new_index[i]]
+        if op.opcode == Opcode.ATTN_DECODE and earlier:  # the partials scratch: after the previous attention
             want.add(earlier[-1])
         got = set(out[new_index[i]].deps)
         if op.opcode == Opcode.SAMPLE:
@@ -133,7 +128,7 @@ def run_program(program, dims, weights: dict, tokens, order) -> dict:
     LINEAR, RMS_NORM (with or without a residual), EMBED, SILU_MUL and SAMPLE are exact; the
     attention-side ops are deterministic stand-ins over the same buffers (QK_NORM/ROPE rescale
     QKV in place, KV_APPEND copies it to the layer's cache, ATTN_DECODE reads QKV and that cache
-    and writes ATTN, the combine passes); the sample partial copies LOGITS to "logits_out",
+    and writes ATTN); the sample partial copies LOGITS to "logits_out",
     which SAMPLE reads. What is checked is who reads and writes what."""
     import numpy as np
 

@@ -2,6 +2,8 @@
 (kog.testing.sync_model): every family's expanded program under seeded random workgroup
 interleavings reads only completed data and cannot deadlock; broken protocols are caught."""
 
+import dataclasses
+import re
 from functools import lru_cache
 
 import pytest
@@ -12,7 +14,7 @@ from kog.models.decode import lower_program, model_dims, schedule_for
 from kog.models.weights import prepare_weights
 from kog.program import Buffer, Opcode
 from kog.testing.sync_model import CounterReuse, Deadlock, Hazard, Launch, Protocol, SyncViolation, run_launches
-from kog.testing.sync_program import ATTN_COMBINE, PARTIALS, SyncOp, kv_cache, sync_ops, with_dep, without_dep
+from kog.testing.sync_program import PARTIALS, SyncOp, kv_cache, sync_ops, with_dep, without_dep
 from kog.testing.tiny_models import random_weights, tiny_config
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -55,10 +57,12 @@ def test_items_and_accesses_follow_run_item():
     by_name = {o.name: o for o in p.ops}
     qkv = by_name["LINEAR L0 RESIDUAL->QKV"]  # its RMSNorm prologue reads the residual stream
     assert qkv.n_items == 128 // 16 and qkv.reads == {"buf.RESIDUAL"}  # (4 + 2 + 2) heads x 16 rows / 16
-    attn, combine = by_name["ATTN_DECODE L1 QKV->ATTN"], by_name["ATTN_COMBINE L1 QKV->ATTN"]
-    assert (attn.n_items, combine.n_items) == (3 * 2 * 2, 3 * 4)  # (batch, KV head, part); (batch, head)
+    attn = by_name["ATTN_DECODE L1 QKV->ATTN"]
+    assert attn.n_items == 3 * 2 * 2  # (batch, KV head, part)
     assert attn.writes == {PARTIALS} and kv_cache(1) in attn.reads  # the partial phase never writes ATTN
-    assert combine.reads == {PARTIALS, "seq_lens"} and combine.writes == {"buf.ATTN"}
+    # the last of a (sequence, KV head)'s parts merges them into ATTN
+    assert attn.group_items == 2 and attn.tail_reads == {PARTIALS, "seq_lens"} and attn.tail_writes == {"buf.ATTN"}
+    assert not any(o.group_items for o in p.ops if o is not attn and not o.name.startswith("ATTN_DECODE"))
     assert by_name["KV_APPEND L1 QKV->kv.1"].writes == {kv_cache(1)}
     # residual adds fused into the LINEARs that produced their input (schedule::fuse_residual_adds),
     # the norms then into the prologues of the GEMVs that read them: NORMED is never written
@@ -83,11 +87,11 @@ def test_random_interleavings_read_only_completed_data_and_never_deadlock(arch, 
         assert (blocked > 0) == (grid > 1), (grid, blocked)
 
 
-def test_dropping_the_o_proj_wait_on_the_combine_is_a_hazard():
+def test_dropping_the_o_proj_wait_on_the_attention_is_a_hazard():
     p = protocol("llama", batch=1)
     o_proj = index_of(p, "LINEAR L0 ATTN->RESIDUAL")  # adds into RESIDUAL (fused)
-    combine = index_of(p, "ATTN_COMBINE L0 QKV->ATTN")
-    broken = Protocol(tuple(without_dep(p.ops, o_proj, combine)), p.sinks)
+    attn = index_of(p, "ATTN_DECODE L0 QKV->ATTN")
+    broken = Protocol(tuple(without_dep(p.ops, o_proj, attn)), p.sinks)
     found = violations(broken, Launch(grid=3, n_steps=1, batch=1))
     assert found and all(isinstance(e, Hazard) for e in found)
     assert all(f"RAW on buf.ATTN: step 0 op {o_proj}" in str(e) for e in found), str(found[0])
@@ -123,10 +127,30 @@ def test_a_step_that_does_not_wait_for_the_previous_steps_sinks_is_a_hazard():
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_waiting_for_more_items_than_an_op_has_deadlocks(arch):
     p = protocol(arch, batch=1)
-    combine = next(j for j, o in enumerate(p.ops) if o.name.startswith("ATTN_COMBINE"))
-    found = violations(Protocol(p.ops, p.sinks, target_bonus={combine: 1}), Launch(3, 2, 1), seeds=range(4))
+    attn = next(j for j, o in enumerate(p.ops) if o.name.startswith("ATTN_DECODE"))
+    found = violations(Protocol(p.ops, p.sinks, target_bonus={attn: 1}), Launch(3, 2, 1), seeds=range(4))
     assert len(found) == 4 and all(isinstance(e, Deadlock) for e in found)
-    assert f"op {combine} (ATTN_COMBINE L0 QKV->ATTN): counter 4 < 5" in str(found[0]), str(found[0])
+    assert f"op {attn} (ATTN_DECODE L0 QKV->ATTN): counter 4 < 5" in str(found[0]), str(found[0])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_group_tail_before_all_its_parts_is_caught(arch):
+    # The last part to finish merges the group: with the count's target one short, the first
+    # part to finish merges a group that still misses one.
+    p = protocol(arch, batch=2)
+    assert not violations(p, Launch(3, 2, 2), seeds=range(4))
+    found = violations(dataclasses.replace(p, group_target_bonus=-1), Launch(3, 2, 2), seeds=range(4))
+    assert len(found) == 4 and all(isinstance(e, Hazard) for e in found), found[:1]
+    assert re.search(r"ATTN_DECODE L0 QKV->ATTN\) group \d+'s tail ran on workgroup \d+ with 1/2 of its items done",
+                     str(found[0])), str(found[0])
+
+
+def test_a_group_counter_left_set_is_caught():
+    # Without the reset, the next layer's parts count on from where this layer's stopped.
+    p = protocol("llama", batch=1, max_parts=2, reset_group_counts=False)
+    found = violations(p, Launch(3, 1, 1), seeds=range(3))
+    assert len(found) == 3 and all(isinstance(e, CounterReuse) for e in found)
+    assert "ATTN_DECODE L1" in str(found[0]) and "counter is 3 > 2" in str(found[0]), str(found[0])
 
 
 def test_a_dep_on_a_later_op_deadlocks():

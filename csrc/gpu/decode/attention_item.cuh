@@ -4,7 +4,8 @@
 //       kAttnPartition or, in the persistent kernel, smaller for short contexts) ->
 //       per head an unnormalized accumulator, running max and exp-sum:
 //       partials[query, h, part, :hd + 2] for h in [g * G, (g + 1) * G);
-//   combine (query, h): merges the partitions by log-sum-exp and stores the head's output.
+//   combine (query, heads): merges the partitions by log-sum-exp and stores the heads' output
+//       (attn_combine_heads; the persistent kernel runs it in the last partial item of a group).
 // A decode query sees its whole context; a prefill query at position p sees keys [0, p] (causal).
 // Used by the persistent decode kernel and by the standalone kog::gpu::paged_attention.
 //
@@ -189,24 +190,28 @@ __device__ void attn_partial_item(const T* q, const T* kv_layer, const int32_t* 
   }
 }
 
-// out [hd] = the log-sum-exp merge of partials [n_parts, hd + 2].
+// out [n_heads, hd] = per head j the log-sum-exp merge of its partials [n_parts, hd + 2] at
+// partials + j * head_stride: one thread per (head, dim), each computing its head's max and
+// denominator over the parts (cached re-reads; no block-wide sync).
 template <typename T>
-__device__ void attn_combine_item(const float* partials, int n_parts, T* out, int hd) {
-  float big_m = -FLT_MAX;
-  for (int p = 0; p < n_parts; ++p)
-    if (partials[p * (hd + 2) + hd + 1] > 0.f) big_m = fmaxf(big_m, partials[p * (hd + 2) + hd]);
-  float denom = 0.f;
-  for (int p = 0; p < n_parts; ++p) {
-    const float* st = partials + p * (hd + 2);
-    if (st[hd + 1] > 0.f) denom += st[hd + 1] * expf(st[hd] - big_m);
-  }
-  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-    float num = 0.f;
+__device__ void attn_combine_heads(const float* partials, int64_t head_stride, int n_heads, int n_parts, T* out,
+                                   int hd) {
+  for (int x = threadIdx.x; x < n_heads * hd; x += blockDim.x) {
+    const int j = x / hd, d = x % hd;
+    const float* ph = partials + j * head_stride;
+    float big_m = -FLT_MAX;
+    for (int p = 0; p < n_parts; ++p)
+      if (ph[p * (hd + 2) + hd + 1] > 0.f) big_m = fmaxf(big_m, ph[p * (hd + 2) + hd]);
+    float denom = 0.f, num = 0.f;
     for (int p = 0; p < n_parts; ++p) {
-      const float* st = partials + p * (hd + 2);
-      if (st[hd + 1] > 0.f) num += st[d] * expf(st[hd] - big_m);
+      const float* st = ph + p * (hd + 2);
+      if (st[hd + 1] > 0.f) {
+        const float f = expf(st[hd] - big_m);
+        denom += st[hd + 1] * f;
+        num += st[d] * f;
+      }
     }
-    store_f32(out + d, num / denom);
+    store_f32(out + x, num / denom);
   }
 }
 

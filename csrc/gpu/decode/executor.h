@@ -79,7 +79,7 @@ class GpuDecodeExecutor {
   int32_t* sinks_ = nullptr;        // device [n_sinks_] (schedule::program_sinks)
   char* arena_ = nullptr;           // device: activation buffers for kMaxBatch rows
   char* buffers_[int(schedule::Buffer::kNumBuffers)] = {};
-  unsigned* counters_ = nullptr;    // device [kMaxLoopSteps * n_ops + 1]
+  unsigned* counters_ = nullptr;    // device [kMaxLoopSteps * n_ops + 1 + kMaxBatch * n_kv_heads] (params.h)
   float* partials_ = nullptr;       // device
   int32_t* next_linear_ = nullptr;  // device [n_ops]
   char* sample_scratch_ = nullptr;  // device: the sample partial's summaries and candidate slots

@@ -10,7 +10,6 @@
 
 namespace kog::gpu::decode {
 
-using schedule::kOpAttnCombine;
 using schedule::kOpLinearRopeKv;
 using schedule::kOpLinearSiluMul;
 using schedule::kOpSamplePartial;
@@ -75,6 +74,8 @@ struct PersistentDecodeParams {
   // synchronization (device, zero before the first launch; the kernel leaves them zero)
   unsigned* counters;          // [n_steps * n_ops] work items completed per op
   unsigned* exit_count;        // [1] blocks that finished this launch
+  unsigned* attn_group_counts; // [kMaxBatch * n_kv_heads] partial items of (sequence, KV head) done in the
+                               // running attention op; its last item combines and resets it to 0
   // watchdog: a wait longer than wait_timeout_ticks (gpu_wall_ticks; 0: no limit) records where
   // in *timeout (host-mapped) and traps, so a lost signal fails instead of hanging
   WaitTimeout* timeout;

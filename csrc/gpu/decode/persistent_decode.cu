@@ -86,7 +86,6 @@ __device__ inline int64_t items_of(const PersistentDecodeParams& p, const Op& op
     case kOpLinearSiluMul:  // fused: a pair of rows per warp
     case kOpLinearRopeKv: return linear_items(gemv_rows(p, op), op.op != int32_t(Opcode::kLinear));
     case int32_t(Opcode::kAttnDecode): return int64_t(p.batch) * p.dims.n_kv_heads * p.max_parts;
-    case kOpAttnCombine: return int64_t(p.batch) * p.dims.n_q_heads;
     case kOpSamplePartial: return int64_t(p.batch) * sample_chunks(p.dims.vocab);
     default: return int64_t(p.batch) * parts_per_row(p, op);
   }
@@ -141,17 +140,28 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
     case int32_t(Opcode::kAttnDecode): {  // item = (b, kv head g, part): the GQA group of g
       const int part = int(item % p.max_parts), g = int(item / p.max_parts % p.dims.n_kv_heads);
       const int sb = int(item / (int64_t(p.max_parts) * p.dims.n_kv_heads));
-      // partials [B, n_q_heads, max_parts, hd + 2]: this item's part of head 0 of sequence sb
-      float* dst = p.attn_partials + (int64_t(sb) * p.dims.n_q_heads * p.max_parts + part) * (p.dims.head_dim + 2);
+      const int group = int(p.dims.n_q_heads / p.dims.n_kv_heads), hd = int(p.dims.head_dim);
+      const int64_t head_stride = int64_t(p.max_parts) * (hd + 2);
+      // partials [B, n_q_heads, max_parts, hd + 2]: head 0 of sequence sb, then this item's part
+      float* seq_partials = p.attn_partials + int64_t(sb) * p.dims.n_q_heads * head_stride;
       attn_partial_item<T>(buf(op.in) + sb * qkv_w, kv_layer, p.block_tables + int64_t(sb) * p.max_blocks,
-                           p.seq_lens[sb], g, dst, int64_t(p.max_parts) * (p.dims.head_dim + 2), as, part,
-                           p.attn_partition, smem);
-      break;
-    }
-    case kOpAttnCombine: {  // item = (b, h)
-      const int sb = int(item / p.dims.n_q_heads), h = int(item % p.dims.n_q_heads);
-      attn_combine_item<T>(p.attn_partials + item * p.max_parts * (p.dims.head_dim + 2), attn_parts(p.seq_lens[sb], p.attn_partition),
-                           buf(op.out) + sb * int64_t(p.dims.n_q_heads) * p.dims.head_dim + int64_t(h) * p.dims.head_dim, p.dims.head_dim);
+                           p.seq_lens[sb], g, seq_partials + part * (hd + 2), head_stride, as, part,
+                           p.attn_partition, smem);  // ends with __syncthreads: smem is free
+      // The group's last item to finish merges its parts (FlashDecoding's combine, without an op
+      // and a grid-wide wait of its own): count with release, then acquire, like a dependency wait.
+      unsigned* count = p.attn_group_counts + int64_t(sb) * p.dims.n_kv_heads + g;
+      if (threadIdx.x == 0) {
+        __threadfence();
+        smem[0] = atomicAdd(count, 1u) == unsigned(p.max_parts - 1) ? 1.f : 0.f;
+      }
+      __syncthreads();
+      if (smem[0] != 0.f) {  // uniform over the workgroup
+        fence_acquire();
+        attn_combine_heads<T>(seq_partials + int64_t(g) * group * head_stride, head_stride, group,
+                              attn_parts(p.seq_lens[sb], p.attn_partition),
+                              buf(op.out) + (int64_t(sb) * p.dims.n_q_heads + int64_t(g) * group) * hd, hd);
+        if (threadIdx.x == 0) *count = 0;  // for the next attention op (it starts after this one's signals)
+      }
       break;
     }
     case int32_t(Opcode::kSiluMul):
@@ -395,7 +405,9 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
   sample_summaries_ = reinterpret_cast<SampleChunk*>(sample_scratch_);
   sample_values_ = reinterpret_cast<float*>(sample_scratch_ + summary_bytes);
   sample_indices_ = reinterpret_cast<int32_t*>(sample_scratch_ + summary_bytes + slot_bytes);
-  const size_t counter_bytes = (size_t(kMaxLoopSteps) * ops.size() + 1) * sizeof(unsigned);
+  // per-op counters, exit_count, then the attention group counts
+  const size_t counter_bytes =
+      (size_t(kMaxLoopSteps) * ops.size() + 1 + size_t(kMaxBatch) * size_t(dims.n_kv_heads)) * sizeof(unsigned);
   KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&counters_), counter_bytes));
   KOG_GPU_CHECK(gpuMemsetAsync(counters_, 0, counter_bytes, nullptr));
   KOG_GPU_CHECK(gpuStreamSynchronize(nullptr));
@@ -506,6 +518,7 @@ void GpuDecodeExecutor::run(const GpuDecodeStep& s, void* stream) {
   p.out_tokens = s.out_tokens, p.finished = s.finished;
   p.counters = counters_;
   p.exit_count = counters_ + size_t(kMaxLoopSteps) * n_ops_;
+  p.attn_group_counts = p.exit_count + 1;
   p.timeout = timeout_device_;
   p.wait_timeout_ticks = wait_timeout_ticks_;
   p.debug_skip_signal_op = debug_skip_signal_op_;

@@ -56,8 +56,9 @@ __global__ void __launch_bounds__(kThreads) attention_combine_kernel(PagedAttent
   const int64_t h = item % p.n_q_heads, i = item / p.n_q_heads;
   int64_t seq, kv_len;
   locate(p, i, seq, kv_len);
-  decode::attn_combine_item<T>(partials + item * max_parts * (p.head_dim + 2), decode::attn_parts(kv_len, decode::kAttnPartition),
-                               static_cast<T*>(p.out) + i * p.out_stride + h * p.head_dim, int(p.head_dim));
+  decode::attn_combine_heads<T>(partials + item * max_parts * (p.head_dim + 2), 0, 1,
+                                decode::attn_parts(kv_len, decode::kAttnPartition),
+                                static_cast<T*>(p.out) + i * p.out_stride + h * p.head_dim, int(p.head_dim));
 }
 
 }  // namespace

@@ -7,12 +7,17 @@
 Each workgroup is a generator that yields before every action: a wait (it stays blocked until
 the counter reaches the target), an item (its reads and writes happen at once, then its data
 counts as complete), a signal (counter += 1), the flag check at the top of a step > 0, the exit
-increment, and the counter zeroing by the last workgroup out. A seeded scheduler with skewed,
+increment, and the counter zeroing by the last workgroup out. An op with groups
+(SyncOp.group_items: attention's items per (sequence, KV head)) also counts each item on its
+group's counter; the item that brings it to group_items runs the group's tail (its reads and
+writes) and resets the counter, before the item's signal. A seeded scheduler with skewed,
 changing per-workgroup speeds picks the next workgroup among the runnable ones. It raises:
   Hazard       an item touched a resource while a program-earlier conflicting access (RAW, WAR
                or WAW, at whole-resource granularity) was not complete;
   Deadlock     no workgroup can move and some have not exited;
-  CounterReuse a counter was read after the zeroing, or a launch ended with counters not zero.
+  CounterReuse a counter was read after the zeroing, a launch ended with counters not zero, or a
+               group counter went past group_items;
+  Hazard also  a group's tail ran before every item of its group had run.
 Memory ordering is assumed correct (release before each count, acquire after each wait): the
 model checks the order the counters impose, not the fences that make it visible.
 """
@@ -54,6 +59,8 @@ class Protocol:
     sinks: tuple[int, ...]             # ops a step > 0 waits for in the previous step (program_sinks)
     target_bonus: Mapping[int, int] = field(default_factory=dict)  # op -> added to its wait target
     zero_at_exit: int | None = None    # exit count whose workgroup zeroes (None: the last, = grid)
+    reset_group_counts: bool = True    # whether a group's tail zeroes its group counter
+    group_target_bonus: int = 0        # added to group_items where an item decides it runs the tail
 
 
 @dataclass(frozen=True)
@@ -87,23 +94,29 @@ def run_launches(protocol: Protocol, launch: Launch, seed: int, n_launches: int 
     rng = random.Random(seed)
     n_ops = len(protocol.ops)
     counters = [0] * (launch.n_steps * n_ops + 1)  # the last one is exit_count, as in the kernel
+    group_counts: dict[int, int] = {}  # group -> its counter, shared by every grouped op, every step
     stats = Stats()
     for k in range(n_launches):
         # A row stops at a random step (or never); finished flags start clear.
         stop_at = [rng.randrange(launch.n_steps + 1) for _ in range(launch.batch)]
-        _Run(protocol, launch, counters, stop_at, rng, stats, k, check_flag_reads).run()
+        _Run(protocol, launch, counters, group_counts, stop_at, rng, stats, k, check_flag_reads).run()
         if any(counters):
             raise CounterReuse(f"launch {k} left counters not zero: "
                                f"{[(i, c) for i, c in enumerate(counters) if c][:8]}")
+        if any(group_counts.values()):
+            raise CounterReuse(f"launch {k} left group counters not zero: "
+                               f"{sorted((g, c) for g, c in group_counts.items() if c)[:8]}")
     return stats
 
 
 class _Run:
     """One launch: workgroup generators, counters and the ground truth of completed items."""
 
-    def __init__(self, protocol: Protocol, launch: Launch, counters: list[int], stop_at: list[int],
-                 rng: random.Random, stats: Stats, index: int, check_flag_reads: bool) -> None:
+    def __init__(self, protocol: Protocol, launch: Launch, counters: list[int], group_counts: dict[int, int],
+                 stop_at: list[int], rng: random.Random, stats: Stats, index: int, check_flag_reads: bool) -> None:
         self.p, self.l, self.counters, self.stop_at, self.rng = protocol, launch, counters, stop_at, rng
+        self.group_counts = group_counts
+        self.group_done: dict[tuple[int, int, int], int] = {}  # (step, op, group) -> items whose part ran
         self.stats, self.index = stats, index
         self.n_ops = len(protocol.ops)
         self.width = self.n_ops + 1  # instance (step, op) -> step * width + op + 1; op -1 = flag check
@@ -114,6 +127,7 @@ class _Run:
         self.left_at: set[int] = set()  # how many steps each workgroup ran before leaving
         self.recent: deque = deque(maxlen=RECENT_ACTIONS)
         self.conflicts = _conflicts(protocol.ops, check_flag_reads)
+        self.conflicts_tail = _conflicts(protocol.ops, check_flag_reads, tails=True)
 
     # -- the scheduler ------------------------------------------------------------------------
     def run(self) -> None:
@@ -174,6 +188,12 @@ class _Run:
                         ready = True
                     yield None
                     self._run_item(w, step, j, item)
+                    if op.group_items:
+                        yield None
+                        if self._count_group(step, j, item):
+                            yield None
+                            self._run_tail(w, step, j, item)
+                    self.done[step * self.width + j + 1] += 1  # the item, tail included, is complete
                     yield None
                     self.counters[step * self.n_ops + j] += 1
         self.left_at.add(steps_run)
@@ -197,8 +217,33 @@ class _Run:
 
     def _run_item(self, w: int, step: int, j: int, item: int) -> None:
         self._access(w, step, j, item)
+        op = self.p.ops[j]
+        if op.group_items:
+            key = (step, j, item // op.group_items)
+            self.group_done[key] = self.group_done.get(key, 0) + 1
         if j == self.n_ops - 1 and self.stop_at[item % self.l.batch] == step:
             self.finished[item % self.l.batch] = True  # SAMPLE (the last op) sampled a stop id
+
+    def _count_group(self, step: int, j: int, item: int) -> bool:
+        """The item's atomic increment of its group counter; whether it was the group's last."""
+        op = self.p.ops[j]
+        g = item // op.group_items
+        self.group_counts[g] = self.group_counts.get(g, 0) + 1
+        if self.group_counts[g] > op.group_items:
+            raise CounterReuse(f"launch {self.index}: step {step} {self._name(j)} item {item}: group {g}'s counter "
+                               f"is {self.group_counts[g]} > {op.group_items} items" + self._trace())
+        return self.group_counts[g] == op.group_items + self.p.group_target_bonus
+
+    def _run_tail(self, w: int, step: int, j: int, item: int) -> None:
+        op = self.p.ops[j]
+        g = item // op.group_items
+        got = self.group_done.get((step, j, g), 0)
+        if got < op.group_items:
+            raise Hazard(f"launch {self.index}: step {step} {self._name(j)} group {g}'s tail ran on workgroup {w} "
+                         f"with {got}/{op.group_items} of its items done" + self._trace())
+        self._check(w, step, j, item, self.conflicts_tail[j])
+        if self.p.reset_group_counts:
+            self.group_counts[g] = 0
 
     # -- hazards -----------------------------------------------------------------------------
     def _n_items(self, step: int, k: int) -> int:
@@ -208,7 +253,13 @@ class _Run:
 
     def _access(self, w: int, step: int, k: int, item: int) -> None:
         self.recent.append((w, step, k, item))
-        for k2, resource, kind in self.conflicts[k]:
+        self._check(w, step, k, item, self.conflicts[k])
+        if k == FLAG_CHECK:
+            self.done[step * self.width + k + 1] += 1  # an op's item counts once complete (_workgroup)
+
+    def _check(self, w: int, step: int, k: int, item: int, conflicts: list[tuple[int, str, str]]) -> None:
+        """Hazard unless every program-earlier access that conflicts is complete."""
+        for k2, resource, kind in conflicts:
             for s2 in range(step + 1):
                 if (s2, k2) >= (step, k):
                     break
@@ -217,7 +268,6 @@ class _Run:
                     raise Hazard(f"launch {self.index}: {kind} on {resource}: step {step} {self._name(k)} item "
                                  f"{item} ran on workgroup {w} while step {s2} {self._name(k2)} had "
                                  f"{got}/{self._n_items(s2, k2)} items done" + self._trace())
-        self.done[step * self.width + k + 1] += 1
 
     # -- reports -----------------------------------------------------------------------------
     def _name(self, k: int) -> str:
@@ -241,14 +291,19 @@ class _Run:
         return f"launch {self.index}: deadlock{never}\n" + "\n".join(lines)
 
 
-def _conflicts(ops: tuple[SyncOp, ...], check_flag_reads: bool) -> dict[int, list[tuple[int, str, str]]]:
+def _conflicts(ops: tuple[SyncOp, ...], check_flag_reads: bool,
+               tails: bool = False) -> dict[int, list[tuple[int, str, str]]]:
     """op k -> (k2, resource, kind) for every op k2 whose access to resource conflicts with k's
-    (at least one writes). The flag check (FLAG_CHECK) reads `finished`, or nothing when its
-    reads are not checked."""
+    (at least one writes). An op's access is its items' and its tails' together (an item is
+    complete once its tail, if it ran one, is); with tails=True, k's side is its tail's access
+    alone. The flag check (FLAG_CHECK) reads `finished`, or nothing when its reads are not checked."""
     access = {FLAG_CHECK: (frozenset({FINISHED} if check_flag_reads else ()), frozenset())}
-    access |= {k: (o.reads, o.writes) for k, o in enumerate(ops)}
+    access |= {k: (o.reads | o.tail_reads, o.writes | o.tail_writes) for k, o in enumerate(ops)}
+    mine = dict(access)
+    if tails:
+        mine |= {k: (o.tail_reads, o.tail_writes) for k, o in enumerate(ops)}
     out: dict[int, list[tuple[int, str, str]]] = {k: [] for k in access}
-    for k, (reads, writes) in access.items():
+    for k, (reads, writes) in mine.items():
         for k2, (reads2, writes2) in access.items():
             for r in sorted(reads & writes2):
                 out[k].append((k2, r, "RAW"))

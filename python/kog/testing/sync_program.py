@@ -8,8 +8,9 @@ other (each writes its own rows or chunk; an RMS_NORM that still read-modify-wri
 runs as one item per row).
 
 What an op touches is read off run_item in csrc/gpu/decode/persistent_decode.cu, not off the
-op's buffer fields alone: the partial phase of attention writes the partials scratch (not its
-`out`, ATTN), the combine reads that scratch (not its `in_`, QKV), the sample partial writes the
+op's buffer fields alone: an attention item writes the partials scratch, and the last item of
+each (sequence, KV head) group reads the group's partials and writes ATTN (SyncOp.group_items:
+the model runs that tail and its group counter), the sample partial writes the
 f32 logits and the chunk summaries that SAMPLE reads (not LOGITS), and SAMPLE in loop mode
 writes the token, the stop flags and the next step's position, seq_len and slot.
 """
@@ -22,7 +23,6 @@ from typing import Sequence
 from kog import _C
 from kog.program.opcodes import Buffer, Opcode
 
-ATTN_COMBINE = _C.GPU_OP_ATTN_COMBINE
 SAMPLE_PARTIAL = _C.GPU_OP_SAMPLE_PARTIAL
 LINEAR_SILU_MUL = _C.GPU_OP_LINEAR_SILU_MUL
 LINEAR_ROPE_KV = _C.GPU_OP_LINEAR_ROPE_KV
@@ -31,6 +31,7 @@ LINEAR_ROPE_KV = _C.GPU_OP_LINEAR_ROPE_KV
 POSITIONS, SEQ_LENS, SLOTS = "positions", "seq_lens", "slots"
 FINISHED, OUT_TOKENS, LOGITS_OUT = "finished", "out_tokens", "logits_out"
 PARTIALS = "attn_partials"  # the one scratch every layer's attention shares
+GROUP_COUNTS = "attn_group_counts"  # partial items done per (sequence, KV head), shared by every layer
 SAMPLE_SUMMARIES = "sample_summaries"  # the sample partial's chunk summaries and candidates
 
 # Op index of the step's flag check (every workgroup reads `finished` at the top of a step > 0),
@@ -47,6 +48,11 @@ class SyncOp:
     deps: tuple[int, ...]      # indices of ops of the same step it waits for
     reads: frozenset[str]
     writes: frozenset[str]
+    # > 0: consecutive runs of this many items form a group whose last item to finish also runs
+    # the group's tail (attention: item = group * max_parts + part; the tail merges the parts)
+    group_items: int = 0
+    tail_reads: frozenset[str] = frozenset()
+    tail_writes: frozenset[str] = frozenset()
 
 
 def buffer(b: int) -> str:
@@ -75,8 +81,6 @@ def items_of(op: _C.Op, dims: _C.ModelDims, batch: int, max_parts: int, rows_per
         return ceil(dims.buffer_width(op.out) // 2, rows_per_item // 2)
     if code == Opcode.ATTN_DECODE:  # (sequence, KV head, partition): the head's GQA group
         return batch * dims.n_kv_heads * max_parts
-    if code == ATTN_COMBINE:
-        return batch * dims.n_q_heads
     if code == SAMPLE_PARTIAL:  # (sequence, chunk of the vocabulary)
         return batch * ceil(dims.vocab, _C.SAMPLE_CHUNK)
     if code == Opcode.RMS_NORM:
@@ -111,8 +115,6 @@ def accesses(op: _C.Op) -> tuple[set[str], set[str]]:
         return {i, SLOTS}, {kv_cache(op.layer)}
     if code == Opcode.ATTN_DECODE:  # the partial phase: q from `in`, keys and values of its layer
         return {i, kv_cache(op.layer), SEQ_LENS}, {PARTIALS}
-    if code == ATTN_COMBINE:
-        return {PARTIALS, SEQ_LENS}, {o}
     if code == SAMPLE_PARTIAL:
         return {i}, {LOGITS_OUT, SAMPLE_SUMMARIES}
     if code == Opcode.SAMPLE:
@@ -123,7 +125,7 @@ def accesses(op: _C.Op) -> tuple[set[str], set[str]]:
 
 
 def op_name(op: _C.Op) -> str:
-    code = ({ATTN_COMBINE: "ATTN_COMBINE", SAMPLE_PARTIAL: "SAMPLE_PARTIAL", LINEAR_SILU_MUL: "LINEAR_SILU_MUL",
+    code = ({SAMPLE_PARTIAL: "SAMPLE_PARTIAL", LINEAR_SILU_MUL: "LINEAR_SILU_MUL",
              LINEAR_ROPE_KV: "LINEAR_ROPE_KV"}.get(op.opcode) or Opcode(op.opcode).name)
     layer = f" L{op.layer}" if op.layer >= 0 else ""
     src = Buffer(op.in_).name if op.in_ >= 0 else "-"
@@ -147,8 +149,12 @@ def sync_ops(expanded: Sequence[_C.Op], dims: _C.ModelDims, batch: int, max_part
     out = []
     for op in expanded:
         reads, writes = accesses(op)
+        tail = {}
+        if op.opcode == Opcode.ATTN_DECODE:  # the group's last item merges the parts into ATTN
+            tail = dict(group_items=max_parts, tail_reads=frozenset({PARTIALS, SEQ_LENS}),
+                        tail_writes=frozenset({buffer(op.out)}))
         out.append(SyncOp(op_name(op), items_of(op, dims, batch, max_parts, rows_per_item), tuple(op.deps),
-                          frozenset(reads), frozenset(writes)))
+                          frozenset(reads), frozenset(writes), **tail))
     return out
 
 
