@@ -105,8 +105,10 @@ ASSUMPTIONS = [
     "residual adds fused into o_proj and down_proj, every RMSNorm into the prologue of the GEMV that reads it "
     "(its weight counted with the GEMV's; each warp's re-read of the row for the scale stays in cache, not "
     "charged), SiLU-mul into gate/up (one output row a warp), RoPE "
-    "and KV append into qkv (one RoPE pair a warp); SAMPLE a partial per (sequence, 4096-logit chunk), "
-    "then one item per sequence over the chunk summaries (the full-row fallback is not modelled).",
+    "and KV append into qkv (one RoPE pair a warp); SAMPLE's first phase in the tail of "
+    "the LM head's last item per 4096-logit chunk (its bytes charged to the LM head, its latency after the "
+    "last wave not), then one item per sequence over the chunk summaries (the full-row fallback is not "
+    "modelled).",
     "Per item: latency + item_bytes / (32 KiB in flight per workgroup / latency) (Little's law, "
     "256 threads x 8 x 16-byte loads, kLinearUnrollBatch1); workgroups: 1 per SM on H200 (registers), "
     "2 per CU on MI300X.",
@@ -151,17 +153,15 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def gpu_program(config: ModelConfig) -> list[tuple[_C.Op, tuple[str, ...]]]:
-    """The expanded GPU program: (op, weight names) per op; the GPU-only sample partial carries
-    no weights."""
+    """The expanded GPU program: (op, weight names) per op."""
     program = program_for(config)
     # expand_gpu_program validates but never dereferences weight addresses: placeholders do.
     fake = {n: _Address(16 * (i + 1)) for i, n in enumerate(weight_shapes(config))}
     ops = _C.expand_gpu_program(lower_program(program, fake), model_dims(config, torch.bfloat16))
     out, it = [], iter(program)
     for op in ops:
-        gpu_only = op.opcode == _C.GPU_OP_SAMPLE_PARTIAL
         norm = next(it).weights if op.w2 else ()  # the RMS_NORM folded into its prologue comes first
-        out.append((op, () if gpu_only else next(it).weights + norm))
+        out.append((op, next(it).weights + norm))
         if op.opcode == _C.GPU_OP_LINEAR_SILU_MUL:
             next(it)  # the SILU_MUL it absorbed
         if op.opcode == _C.GPU_OP_LINEAR_ROPE_KV:
@@ -192,9 +192,11 @@ def op_costs(config: ModelConfig, device: Device, batch: int, context: int) -> l
             act = batch * (4 + 2 * h * ELEM)
         elif code == Opcode.RMS_NORM:  # each chunk item reads the whole row (its scale), writes its chunk
             act = h * ELEM * (items + batch) if op.residual < 0 else batch * h * ELEM * 4
-        elif code == Opcode.LINEAR:  # a fused residual add reads and writes the residual rows
-            n, k = width(op.out), width(op.in_)
+        elif code in (Opcode.LINEAR, _C.GPU_OP_LINEAR_SAMPLE_PARTIAL):  # a fused residual add reads and
+            n, k = width(op.out), width(op.in_)                           # writes the residual rows
             act = batch * (n * (2 if op.residual >= 0 else 1) + k) * ELEM
+            if code == _C.GPU_OP_LINEAR_SAMPLE_PARTIAL:  # the tails: logits back in, f32 copy and summaries out
+                act += batch * (config.vocab_size * (ELEM + 4) + summaries)
         elif code == _C.GPU_OP_LINEAR_SILU_MUL:  # x in, silu(gate) * up out
             act = batch * (width(op.in_) + config.intermediate_size) * ELEM
         elif code == _C.GPU_OP_LINEAR_ROPE_KV:  # x in, qkv out, k and v into the cache
@@ -208,8 +210,6 @@ def op_costs(config: ModelConfig, device: Device, batch: int, context: int) -> l
             act, kv_r, items = 2 * batch * nq * hd * ELEM + 2 * partials, batch * context * 2 * nkv * hd * ELEM, batch * nkv * parts
         elif code == Opcode.SILU_MUL:
             act = batch * 3 * config.intermediate_size * ELEM
-        elif code == _C.GPU_OP_SAMPLE_PARTIAL:  # bf16 logits in, f32 copy and chunk summaries out
-            act = batch * (config.vocab_size * (ELEM + 4) + summaries)
         elif code == Opcode.SAMPLE:  # the summaries (candidate slots included) in, the token out
             act = batch * (summaries + 4)
         edges = len(op.deps) if code != Opcode.EMBED else 1  # EMBED waits on the previous step
@@ -289,8 +289,8 @@ def _work_us(nbytes: float, items: int, device: Device) -> float:
 
 
 def _op_name(code: int, weights: tuple[str, ...]) -> str:
-    if code == _C.GPU_OP_SAMPLE_PARTIAL:
-        return "SAMPLE_PARTIAL"
+    if code == _C.GPU_OP_LINEAR_SAMPLE_PARTIAL:
+        return "LINEAR lm_head+sample_partial"
     if code == _C.GPU_OP_LINEAR_SILU_MUL:
         return "LINEAR gate_up+silu_mul"
     if code == _C.GPU_OP_LINEAR_ROPE_KV:

@@ -69,7 +69,7 @@ void bind_gpu_decode(py::module_& m) {
       "The program as the GPU persistent kernel runs it (ATTN_DECODE split into partial + combine, deps renumbered).");
   m.def("program_sinks", &kog::schedule::program_sinks, arg("ops"),
         "Ops no later op depends on (a new GPU step waits on these).");
-  m.attr("GPU_OP_SAMPLE_PARTIAL") = kog::schedule::kOpSamplePartial;
+  m.attr("GPU_OP_LINEAR_SAMPLE_PARTIAL") = kog::schedule::kOpLinearSamplePartial;
   m.attr("GPU_OP_LINEAR_SILU_MUL") = kog::schedule::kOpLinearSiluMul;
   m.attr("GPU_OP_LINEAR_ROPE_KV") = kog::schedule::kOpLinearRopeKv;
 #ifdef KOG_WITH_GPU

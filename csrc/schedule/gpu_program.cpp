@@ -183,11 +183,14 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
     }
     const bool attn = Opcode(o.op) == Opcode::kAttnDecode;
     if (attn && last_attn >= 0) add_dep(o, last_attn);
-    if (Opcode(o.op) == Opcode::kSample) {
-      Op partial = o;
-      partial.op = kOpSamplePartial;
-      out.push_back(partial);
-      add_dep(o, int32_t(out.size()) - 1);
+    if (Opcode(o.op) == Opcode::kSample) {  // its first phase runs in the tails of the LM head's items
+      int32_t head = int32_t(out.size()) - 1;
+      while (head >= 0 && out[size_t(head)].out != o.in) --head;
+      bool waits = false;
+      for (int k = 0; k < o.n_deps; ++k) waits |= o.deps[k] == head;
+      KOG_CHECK(head >= 0 && Opcode(out[size_t(head)].op) == Opcode::kLinear && out[size_t(head)].residual < 0 && waits,
+                "GPU decode program: op ", i, " (SAMPLE) must read the output of a LINEAR it depends on (the LM head)");
+      out[size_t(head)].op = kOpLinearSamplePartial;
     }
     out.push_back(o);
     produced[i] = int32_t(out.size()) - 1;

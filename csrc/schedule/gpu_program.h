@@ -1,5 +1,5 @@
 // The program as the GPU persistent kernel runs it: the validated program (program.h) with ops
-// fused into their GEMVs and the first phase of SAMPLE inserted before it.
+// fused into their GEMVs and the first phase of SAMPLE in the LM head's item tails.
 // Plain C++ (built in every backend, tested on the CPU).
 #pragma once
 #include <cstdint>
@@ -10,11 +10,9 @@
 
 namespace kog::schedule {
 
-// GPU-only opcodes (program opcodes keep their values). 100 was the attention combine, now the
-// tail of ATTN_DECODE's last item per (sequence, KV head) (gpu/decode/persistent_decode.cu).
-// GPU-only opcode: the first phase of Opcode::kSample, per (sequence, chunk of the vocabulary):
-// the f32 logits output and the chunk summaries the draw reads (ops/sample_chunks.h).
-constexpr int32_t kOpSamplePartial = 101;
+// GPU-only opcodes (program opcodes keep their values). Retired: 100, the attention combine (now
+// the tail of ATTN_DECODE's last item per (sequence, KV head)), and 101, the sample partial op
+// (now the tail of kOpLinearSamplePartial).
 // GPU-only opcode: a LINEAR into GATE_UP fused with the SILU_MUL that reads it: out (ACT)[b, g] =
 // T(silu(T(x . w_g)) * T(x . w_{inter + g})), the rounding of the unfused pair; w0 the gate/up
 // weight [2 * intermediate, hidden].
@@ -24,10 +22,16 @@ constexpr int32_t kOpLinearSiluMul = 102;
 // row's position, writes QKV and, for k and v, the layer's cache at the row's slot. layer: the
 // KV_APPEND's.
 constexpr int32_t kOpLinearRopeKv = 104;
+// GPU-only opcode: the LM head (the LINEAR into LOGITS that SAMPLE reads) with SAMPLE's first
+// phase as the tail of its items: the last item to finish of each chunk of kSampleChunk rows
+// writes, for every sequence, the chunk's f32 logits output and its summary (ops/sample_chunks.h)
+// that SAMPLE draws from. A plain LINEAR otherwise (rows, epilogue, staging).
+constexpr int32_t kOpLinearSamplePartial = 105;
 
 // Whether the GPU kernel runs op o as a GEMV over o.w0 (LINEAR and the fused LINEAR + SILU_MUL).
 KOG_HOST_DEVICE inline bool is_gemv(const Op& o) {
-  return Opcode(o.op) == Opcode::kLinear || o.op == kOpLinearSiluMul || o.op == kOpLinearRopeKv;
+  return Opcode(o.op) == Opcode::kLinear || o.op == kOpLinearSiluMul || o.op == kOpLinearRopeKv ||
+         o.op == kOpLinearSamplePartial;
 }
 
 // Validates the program (validate_program), moves residual adds into their producers
@@ -38,8 +42,9 @@ KOG_HOST_DEVICE inline bool is_gemv(const Op& o) {
 // depended on the SILU_MUL depend on it), makes every ATTN_DECODE after the first depend on the
 // previous one (both use the one partials scratch: a WAR hazard the Python program does not
 // name; the kernel's ATTN_DECODE writes its partials there and its last item per (sequence,
-// KV head) merges them into ATTN), and inserts a sample partial before SAMPLE, with SAMPLE's deps (it reads LOGITS); SAMPLE keeps its
-// deps and gains the partial (it reads the f32 logits and summaries the partial wrote).
+// KV head) merges them into ATTN), and turns the LINEAR that writes SAMPLE's input (LOGITS) into
+// kOpLinearSamplePartial (SAMPLE already depends on it; it reads the f32 logits and summaries
+// the LINEAR's tails write).
 // Deps are renumbered to the expanded indices. Throws kog::Error(kInvalidArgument) naming the
 // first bad op of the input program.
 std::vector<Op> expand_gpu_program(const std::vector<Op>& ops, const ModelDims& dims);

@@ -32,6 +32,8 @@ def fused_fields(op, prev) -> tuple:
         f[3] = f[4] = int(Buffer.RESIDUAL)
     if op.opcode == Opcode.LINEAR and op.out == Buffer.GATE_UP:
         f[0], f[4] = _C.GPU_OP_LINEAR_SILU_MUL, int(Buffer.ACT)
+    if op.opcode == Opcode.LINEAR and op.out == Buffer.LOGITS:  # the LM head: SAMPLE's first phase in its tails
+        f[0] = _C.GPU_OP_LINEAR_SAMPLE_PARTIAL
     if op.opcode == Opcode.LINEAR and prev.opcode == Opcode.RMS_NORM:
         assert op.in_ == prev.out == Buffer.NORMED
         f[2], f[7] = int(Buffer.RESIDUAL), prev.w0
@@ -57,9 +59,10 @@ def test_expanded_program_fuses_and_deps_follow_the_fusions(arch):
     assert folded == (0 if arch == "qwen3" else 2 * dims.n_layers)  # QK_NORM needs whole heads: not fused
     norms = sum(o.opcode == Opcode.RMS_NORM for o in ops)
     assert norms == 2 * dims.n_layers + 1 and not any(o.opcode == Opcode.RMS_NORM for o in out)
-    # + the sample partial - a SILU_MUL per layer - the folded ROPE / KV_APPEND - every RMS_NORM (in its
-    # consumer's prologue); attention keeps one op (its last item per group combines the partials)
-    assert len(out) == len(ops) + 1 - dims.n_layers - folded - norms
+    # - a SILU_MUL per layer - the folded ROPE / KV_APPEND - every RMS_NORM (in its consumer's
+    # prologue); attention and the LM head keep one op each (their last item per group runs the
+    # merge / the sample partial)
+    assert len(out) == len(ops) - dims.n_layers - folded - norms
     new_index, produced, j = [], [], 0
     for i, op in enumerate(ops):  # the same order (residual adds, SILU_MULs fused)
         if op.opcode == Opcode.RMS_NORM:  # folded forward into the LINEAR right after it: lands at j
@@ -80,12 +83,9 @@ def test_expanded_program_fuses_and_deps_follow_the_fusions(arch):
             new_index.append(j - 1)
             produced.append(j - 1)
             continue
-        if op.opcode == Opcode.SAMPLE:  # its first phase before it: reads LOGITS, after SAMPLE's deps
-            partial = out[j]
-            assert partial.opcode == _C.GPU_OP_SAMPLE_PARTIAL and partial.in_ == Buffer.LOGITS
-            assert set(partial.deps) == {produced[d] for d in op.deps}
-            assert j in out[j + 1].deps
-            j += 1
+        if op.opcode == Opcode.SAMPLE:  # its first phase in the tails of the LM head, which it waits for
+            assert out[j - 1].opcode == _C.GPU_OP_LINEAR_SAMPLE_PARTIAL and out[j - 1].out == Buffer.LOGITS
+            assert j - 1 in out[j].deps
         want = fused_fields(op, ops[i - 1])
         if i + 1 < len(ops) and rope_kv_folded(ops, i + 1):
             want = (_C.GPU_OP_LINEAR_ROPE_KV,) + want[1:]
@@ -112,8 +112,6 @@ def test_expanded_program_fuses_and_deps_follow_the_fusions(arch):
         if op.opcode == Opcode.ATTN_DECODE and earlier:  # the partials scratch: after the previous attention
             want.add(earlier[-1])
         got = set(out[new_index[i]].deps)
-        if op.opcode == Opcode.SAMPLE:
-            got.discard(new_index[i] - 1)  # the partial, checked above
         if fused_fields(op, ops[i - 1])[3] != fields(op)[3] and op.opcode == Opcode.LINEAR:  # writes RESIDUAL too
             extra = got - want
             assert len(extra) <= 1 and all(Buffer.RESIDUAL in (out[d].in_, out[d].out) for d in extra), (i, op)
@@ -128,13 +126,12 @@ def run_program(program, dims, weights: dict, tokens, order) -> dict:
     LINEAR, RMS_NORM (with or without a residual), EMBED, SILU_MUL and SAMPLE are exact; the
     attention-side ops are deterministic stand-ins over the same buffers (QK_NORM/ROPE rescale
     QKV in place, KV_APPEND copies it to the layer's cache, ATTN_DECODE reads QKV and that cache
-    and writes ATTN); the sample partial copies LOGITS to "logits_out",
-    which SAMPLE reads. What is checked is who reads and writes what."""
+    and writes ATTN); the LM head's sample tail copies LOGITS to "logits_out", which SAMPLE reads. What is checked is who reads and writes what."""
     import numpy as np
 
     w = {t.data_ptr(): t.double().numpy() for t in weights.values()}
     bufs, kv = {int(Buffer.TOKENS): np.asarray(tokens)}, {}
-    split_sample = any(o.opcode == _C.GPU_OP_SAMPLE_PARTIAL for o in program)
+    split_sample = any(o.opcode == _C.GPU_OP_LINEAR_SAMPLE_PARTIAL for o in program)
     for i in order:
         o = program[i]
         x = bufs.get(o.in_)
@@ -147,9 +144,11 @@ def run_program(program, dims, weights: dict, tokens, order) -> dict:
                 bufs[o.residual] = bufs[o.residual] + x
                 x = bufs[o.residual]
             bufs[o.out] = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * w[o.w0]
-        elif o.opcode == Opcode.LINEAR:
+        elif o.opcode in (Opcode.LINEAR, _C.GPU_OP_LINEAR_SAMPLE_PARTIAL):
             y = x @ w[o.w0].T + (w[o.w1] if o.w1 else 0.0)
             bufs[o.out] = bufs[o.out] + y if o.residual >= 0 else y
+            if o.opcode == _C.GPU_OP_LINEAR_SAMPLE_PARTIAL:
+                bufs["logits_out"] = bufs[o.out].copy()
         elif o.opcode == _C.GPU_OP_LINEAR_ROPE_KV:  # the LINEAR into QKV, then ROPE's and KV_APPEND's stand-ins
             y = x @ w[o.w0].T + (w[o.w1] if o.w1 else 0.0)
             bufs[o.out] = y * 0.75 + 0.125 * int(Opcode.ROPE)
@@ -167,8 +166,6 @@ def run_program(program, dims, weights: dict, tokens, order) -> dict:
         elif o.opcode == Opcode.SILU_MUL:
             g, u = np.split(x, 2, axis=-1)
             bufs[o.out] = g / (1 + np.exp(-g)) * u
-        elif o.opcode == _C.GPU_OP_SAMPLE_PARTIAL:
-            bufs["logits_out"] = x.copy()
         elif o.opcode == Opcode.SAMPLE:
             bufs[o.out] = (bufs["logits_out"] if split_sample else x).argmax(-1)
     return bufs
@@ -243,6 +240,9 @@ def test_bad_programs_are_refused_naming_the_op():
         _C.expand_gpu_program(with_op(i, w0=0, w1=0), dims)
     with pytest.raises(kog.InvalidRequest, match="SAMPLE"):
         _C.expand_gpu_program(ops[:-1], dims)
+    last = len(ops) - 1  # SAMPLE no longer waiting for the LM head: its tails could not feed it
+    with pytest.raises(kog.InvalidRequest, match=f"op {last} \\(SAMPLE\\) must read the output of a LINEAR it depends on"):
+        _C.expand_gpu_program(with_op(last, deps=[d for d in ops[last].deps if d != last - 1]), dims)
     j = next(i for i, o in enumerate(ops) if o.opcode == Opcode.KV_APPEND)
     with pytest.raises(kog.InvalidRequest, match=f"op {j} names layer"):
         _C.expand_gpu_program(with_op(j, layer=dims.n_layers + 3), dims)

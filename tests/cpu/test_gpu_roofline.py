@@ -88,6 +88,9 @@ def test_attention_items_are_kv_heads_times_partitions():
     long = roofline.op_costs(c, roofline.DEVICES["h200"], batch=2, context=100_000)
     assert {x.items for x in long if x.name == "ATTN_DECODE"} == {2 * c.num_key_value_heads * 391}  # 256-token
     assert not any("COMBINE" in x.name for x in costs)  # merged by each group's last item
+    head = [x for x in costs if x.name == "LINEAR lm_head+sample_partial"]  # SAMPLE's first phase in its tails
+    assert len(head) == 1 and head[0].items == -(-c.vocab_size // 16) and head[0].weight_bytes > 0
+    assert [x.name for x in costs[-2:]] == ["LINEAR lm_head+sample_partial", "SAMPLE"]
     qkv = next(x for x in costs if x.name == "LINEAR qkv+rope+kv_append")
     assert qkv.items == (32 + 2 * 8) * 128 // 2 // 8  # H200: 8 warps x one RoPE pair (2 rows) per item
 

@@ -62,7 +62,12 @@ def test_items_and_accesses_follow_run_item():
     assert attn.writes == {PARTIALS} and kv_cache(1) in attn.reads  # the partial phase never writes ATTN
     # the last of a (sequence, KV head)'s parts merges them into ATTN
     assert attn.group_items == 2 and attn.tail_reads == {PARTIALS, "seq_lens"} and attn.tail_writes == {"buf.ATTN"}
-    assert not any(o.group_items for o in p.ops if o is not attn and not o.name.startswith("ATTN_DECODE"))
+    # the LM head's last item of each vocabulary chunk summarizes it for SAMPLE (400 logits: one chunk)
+    head = by_name["LINEAR_SAMPLE_PARTIAL RESIDUAL->LOGITS"]
+    assert head.n_items == 400 // 16 and head.group_items == _C.SAMPLE_CHUNK // 16
+    assert head.tail_reads == {"buf.LOGITS"} and head.tail_writes == {"logits_out", "sample_summaries"}
+    assert head.group_counter != attn.group_counter
+    assert {o.name.split()[0] for o in p.ops if o.group_items} == {"ATTN_DECODE", "LINEAR_SAMPLE_PARTIAL"}
     assert by_name["KV_APPEND L1 QKV->kv.1"].writes == {kv_cache(1)}
     # residual adds fused into the LINEARs that produced their input (schedule::fuse_residual_adds),
     # the norms then into the prologues of the GEMVs that read them: NORMED is never written
@@ -139,10 +144,32 @@ def test_a_group_tail_before_all_its_parts_is_caught(arch):
     # part to finish merges a group that still misses one.
     p = protocol(arch, batch=2)
     assert not violations(p, Launch(3, 2, 2), seeds=range(4))
-    found = violations(dataclasses.replace(p, group_target_bonus=-1), Launch(3, 2, 2), seeds=range(4))
-    assert len(found) == 4 and all(isinstance(e, Hazard) for e in found), found[:1]
-    assert re.search(r"ATTN_DECODE L0 QKV->ATTN\) group \d+'s tail ran on workgroup \d+ with 1/2 of its items done",
-                     str(found[0])), str(found[0])
+    attn = next(j for j, o in enumerate(p.ops) if o.name.startswith("ATTN_DECODE"))
+    found = violations(dataclasses.replace(p, group_target_bonus={attn: -1}), Launch(3, 2, 2), seeds=range(4))
+    # a merge with a part missing (or, where the missing part ran just before the count, a
+    # counter left set by the second merge's count)
+    assert len(found) == 4 and all(isinstance(e, (Hazard, CounterReuse)) for e in found), found[:1]
+    assert any(re.search(r"ATTN_DECODE L0 QKV->ATTN\) group \d+'s tail ran on workgroup \d+ with 1/2 of its items "
+                         r"done", str(e)) for e in found), str(found[0])
+
+
+def test_groups_of_unequal_size_wait_for_exactly_their_items():
+    # A vocabulary of several chunks whose last is partial: the LM head's 25 items in groups of
+    # 10, 10 and 5 (the kernel: 256 items a chunk on CUDA, the last chunk what is left).
+    p = protocol("qwen2", batch=2)
+    head = next(j for j, o in enumerate(p.ops) if o.name.startswith("LINEAR_SAMPLE_PARTIAL"))
+    p = dataclasses.replace(p, ops=p.ops[:head] + (dataclasses.replace(p.ops[head], group_items=10),) + p.ops[head + 1:])
+    assert p.ops[head].n_items == 25
+    assert not violations(p, Launch(7, 2, 2), seeds=range(6))
+    # (had the model waited for 10 in the last group, its tail would never run and its counter
+    # would be left at 5: a CounterReuse above)
+    found = violations(dataclasses.replace(p, group_target_bonus={head: -1}), Launch(7, 1, 2), seeds=range(4))
+    assert found and all(isinstance(e, (Hazard, CounterReuse)) for e in found), found[:1]
+    assert all("LINEAR_SAMPLE_PARTIAL" in str(e) for e in found), str(found[0])
+    # one workgroup runs the items in order: the tail fires after 9 of group 0's 10
+    found = violations(dataclasses.replace(p, group_target_bonus={head: -1}), Launch(1, 1, 2), seeds=range(1))
+    assert len(found) == 1 and isinstance(found[0], Hazard)
+    assert "group 0's tail ran on workgroup 0 with 9/10 of its items done" in str(found[0]), str(found[0])
 
 
 def test_a_group_counter_left_set_is_caught():
@@ -150,7 +177,7 @@ def test_a_group_counter_left_set_is_caught():
     p = protocol("llama", batch=1, max_parts=2, reset_group_counts=False)
     found = violations(p, Launch(3, 1, 1), seeds=range(3))
     assert len(found) == 3 and all(isinstance(e, CounterReuse) for e in found)
-    assert "ATTN_DECODE L1" in str(found[0]) and "counter is 3 > 2" in str(found[0]), str(found[0])
+    assert "ATTN_DECODE L1" in str(found[0]) and "attn_group_counts[0] is 3 > 2 items" in str(found[0]), str(found[0])
 
 
 def test_a_dep_on_a_later_op_deadlocks():

@@ -12,7 +12,7 @@ namespace kog::gpu::decode {
 
 using schedule::kOpLinearRopeKv;
 using schedule::kOpLinearSiluMul;
-using schedule::kOpSamplePartial;
+using schedule::kOpLinearSamplePartial;
 using schedule::ModelDims;
 using schedule::Op;
 using schedule::SamplingRow;
@@ -43,7 +43,7 @@ struct PersistentDecodeParams {
   // activations: buffers[b] is [B, buffer_width(b)] in dtype (LOGITS too); TOKENS is int32 [B]
   char* buffers[int(schedule::Buffer::kNumBuffers)];
   float* logits_out;           // [B, vocab] f32: the sample partial converts LOGITS rows into it
-  // the sample partial's output, SAMPLE's input (ops/sample_chunks.h); chunks = sample_chunks(vocab)
+  // the LM head's tails' output, SAMPLE's input (ops/sample_chunks.h); chunks = sample_chunks(vocab)
   SampleChunk* sample_summaries;  // [B, chunks]
   float* sample_values;        // [B, chunks, kSampleCandidateSlots] candidate logits, row order
   int32_t* sample_indices;     // [B, chunks, kSampleCandidateSlots] their ids
@@ -76,6 +76,8 @@ struct PersistentDecodeParams {
   unsigned* exit_count;        // [1] blocks that finished this launch
   unsigned* attn_group_counts; // [kMaxBatch * n_kv_heads] partial items of (sequence, KV head) done in the
                                // running attention op; its last item combines and resets it to 0
+  unsigned* sample_chunk_counts; // [sample_chunks(vocab)] LM-head items of the chunk done; the last summarizes
+                                 // the chunk for every sequence and resets it to 0
   // watchdog: a wait longer than wait_timeout_ticks (gpu_wall_ticks; 0: no limit) records where
   // in *timeout (host-mapped) and traps, so a lost signal fails instead of hanging
   WaitTimeout* timeout;

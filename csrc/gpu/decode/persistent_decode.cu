@@ -83,15 +83,39 @@ __device__ inline int64_t parts_per_row(const PersistentDecodeParams& p, const O
 __device__ inline int64_t items_of(const PersistentDecodeParams& p, const Op& op) {
   switch (op.op) {
     case int32_t(Opcode::kLinear):
+    case kOpLinearSamplePartial:
     case kOpLinearSiluMul:  // fused: a pair of rows per warp
-    case kOpLinearRopeKv: return linear_items(gemv_rows(p, op), op.op != int32_t(Opcode::kLinear));
+    case kOpLinearRopeKv:
+      return linear_items(gemv_rows(p, op), op.op == kOpLinearSiluMul || op.op == kOpLinearRopeKv);
     case int32_t(Opcode::kAttnDecode): return int64_t(p.batch) * p.dims.n_kv_heads * p.max_parts;
-    case kOpSamplePartial: return int64_t(p.batch) * sample_chunks(p.dims.vocab);
     default: return int64_t(p.batch) * parts_per_row(p, op);
   }
 }
 
 // st / stage: for a LINEAR, the stage holding the item's first weight vectors (landed).
+// The LM head's item tail: the last of a chunk's items to finish writes, for every sequence,
+// the chunk's f32 logits output and its summary (SAMPLE's first phase, without an op and a
+// grid-wide wait of its own). Item i holds logit rows [i * rows, (i + 1) * rows), rows =
+// linear_rows_per_item(), so chunk c's items are [c * per_chunk, (c + 1) * per_chunk).
+template <typename T>
+__device__ inline void sample_partial_tail(const PersistentDecodeParams& p, const T* logits, int64_t item,
+                                           float* smem) {
+  static_assert(kSampleChunk % (kWarps * kLinearRowsPerWarp) == 0, "a sample chunk is whole LM-head items");
+  constexpr int64_t per_chunk = kSampleChunk / (kWarps * kLinearRowsPerWarp);
+  const int64_t chunk = item / per_chunk, n_chunks = sample_chunks(p.dims.vocab);
+  const int64_t left = linear_items(p.dims.vocab) - chunk * per_chunk, in_chunk = left < per_chunk ? left : per_chunk;
+  if (!last_of_group(p.sample_chunk_counts + chunk, unsigned(in_chunk), smem)) return;
+#pragma unroll 1
+  for (int b = 0; b < p.batch; ++b) {
+    const int64_t s = int64_t(b) * n_chunks + chunk;  // [B, chunks]
+    sample_chunk_item<T>(logits + int64_t(b) * p.dims.vocab, p.logits_out + int64_t(b) * p.dims.vocab, p.dims.vocab,
+                         chunk, p.sampling[b].temperature, p.sample_summaries + s,
+                         p.sample_values + s * kSampleCandidateSlots, p.sample_indices + s * kSampleCandidateSlots,
+                         smem);
+    __syncthreads();  // the next row reuses smem
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const Op& op, int64_t item, int step,
                          const WeightStages<T>& st, int stage, float* smem) {
@@ -116,6 +140,7 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
                               p.dims.rms_eps, b, part, smem);
       break;
     case int32_t(Opcode::kLinear):
+    case kOpLinearSamplePartial:  // the LM head, then (last item of a chunk) SAMPLE's first phase
     case kOpLinearRopeKv:      // QKV's rows, a RoPE pair per warp -> QKV (q, k rotated) and the cache
     case kOpLinearSiluMul: {   // GATE_UP's rows [2 * inter, hidden] -> ACT [B, inter]
       const int64_t k = buffer_width(p, op.in);
@@ -148,35 +173,16 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
                            p.seq_lens[sb], g, seq_partials + part * (hd + 2), head_stride, as, part,
                            p.attn_partition, smem);  // ends with __syncthreads: smem is free
       // The group's last item to finish merges its parts (FlashDecoding's combine, without an op
-      // and a grid-wide wait of its own): count with release, then acquire, like a dependency wait.
-      unsigned* count = p.attn_group_counts + int64_t(sb) * p.dims.n_kv_heads + g;
-      if (threadIdx.x == 0) {
-        __threadfence();
-        smem[0] = atomicAdd(count, 1u) == unsigned(p.max_parts - 1) ? 1.f : 0.f;
-      }
-      __syncthreads();
-      if (smem[0] != 0.f) {  // uniform over the workgroup
-        fence_acquire();
+      // and a grid-wide wait of its own).
+      if (last_of_group(p.attn_group_counts + int64_t(sb) * p.dims.n_kv_heads + g, unsigned(p.max_parts), smem))
         attn_combine_heads<T>(seq_partials + int64_t(g) * group * head_stride, head_stride, group,
                               attn_parts(p.seq_lens[sb], p.attn_partition),
                               buf(op.out) + (int64_t(sb) * p.dims.n_q_heads + int64_t(g) * group) * hd, hd);
-        if (threadIdx.x == 0) *count = 0;  // for the next attention op (it starts after this one's signals)
-      }
       break;
     }
     case int32_t(Opcode::kSiluMul):
       silu_mul_item<T>(buf(op.in), buf(op.out), p.dims.intermediate, b, part);
       break;
-    case kOpSamplePartial: {  // item = (b, chunk): LOGITS (run dtype, as on the CPU) -> f32 + summary
-      const int64_t n_chunks = sample_chunks(p.dims.vocab);
-      const int sb = int(item / n_chunks);
-      const int64_t chunk = item % n_chunks;
-      sample_chunk_item<T>(buf(op.in) + int64_t(sb) * p.dims.vocab, p.logits_out + int64_t(sb) * p.dims.vocab,
-                           p.dims.vocab, chunk, p.sampling[sb].temperature, p.sample_summaries + item,
-                           p.sample_values + item * kSampleCandidateSlots,
-                           p.sample_indices + item * kSampleCandidateSlots, smem);
-      break;
-    }
     case int32_t(Opcode::kSample): {  // item = b: the draw from the partial's summaries
       const int64_t n_chunks = sample_chunks(p.dims.vocab), first = int64_t(b) * n_chunks;
       const int token = sample_from_summaries(p.sample_summaries + first, int(n_chunks),
@@ -323,6 +329,8 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(Persiste
           st.release(stage);
           stage_next<T>(p, st, j, item + gridDim.x, step);  // into the stage just freed (AMD: the only one)
         }
+        if (op.op == kOpLinearSamplePartial)  // after the staging: the next weights load during the tail
+          sample_partial_tail<T>(p, reinterpret_cast<const T*>(p.buffers[op.out]), item, smem);
         if (g == p.debug_skip_signal_op) continue;  // tests: a lost signal (uniform over the workgroup)
         signal_done(&p.counters[g]);
       }
@@ -405,9 +413,9 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
   sample_summaries_ = reinterpret_cast<SampleChunk*>(sample_scratch_);
   sample_values_ = reinterpret_cast<float*>(sample_scratch_ + summary_bytes);
   sample_indices_ = reinterpret_cast<int32_t*>(sample_scratch_ + summary_bytes + slot_bytes);
-  // per-op counters, exit_count, then the attention group counts
-  const size_t counter_bytes =
-      (size_t(kMaxLoopSteps) * ops.size() + 1 + size_t(kMaxBatch) * size_t(dims.n_kv_heads)) * sizeof(unsigned);
+  // per-op counters, exit_count, the attention group counts, then the sample chunk counts
+  const size_t counter_bytes = (size_t(kMaxLoopSteps) * ops.size() + 1 + size_t(kMaxBatch) * size_t(dims.n_kv_heads) +
+                                size_t(sample_chunks(dims.vocab))) * sizeof(unsigned);
   KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&counters_), counter_bytes));
   KOG_GPU_CHECK(gpuMemsetAsync(counters_, 0, counter_bytes, nullptr));
   KOG_GPU_CHECK(gpuStreamSynchronize(nullptr));
@@ -519,6 +527,7 @@ void GpuDecodeExecutor::run(const GpuDecodeStep& s, void* stream) {
   p.counters = counters_;
   p.exit_count = counters_ + size_t(kMaxLoopSteps) * n_ops_;
   p.attn_group_counts = p.exit_count + 1;
+  p.sample_chunk_counts = p.attn_group_counts + size_t(kMaxBatch) * size_t(d_.n_kv_heads);
   p.timeout = timeout_device_;
   p.wait_timeout_ticks = wait_timeout_ticks_;
   p.debug_skip_signal_op = debug_skip_signal_op_;

@@ -105,10 +105,10 @@ __device__ inline int sample_row(const float* x, int vocab, const SamplingRow& s
 }
 
 // ---- the chunked sampler (ops/sample_chunks.h) ---------------------------------------------
-// SAMPLE is two ops in the decode kernel: kOpSamplePartial, one item per (row, chunk of
-// kSampleChunk logits), converts the chunk to the f32 logits output and summarizes it; SAMPLE,
-// one item per row, draws from the summaries (sample_from_chunks), or, where they do not decide,
-// runs sample_row over the f32 row.
+// SAMPLE is two phases in the decode kernel: the tail of the LM head's last item per chunk of
+// kSampleChunk logits (kOpLinearSamplePartial) converts the chunk to the f32 logits output and
+// summarizes it, for each row; SAMPLE, one item per row, draws from the summaries
+// (sample_from_chunks), or, where they do not decide, runs sample_row over the f32 row.
 
 constexpr int kSampleRadixBins = 256;  // 8-bit digits of the radix select, one bin per thread
 static_assert(kThreads == kSampleRadixBins && kSampleChunk % kThreads == 0, "sample_chunk_item's thread layout");
@@ -155,7 +155,7 @@ __device__ inline unsigned select_key(const float (&x)[kPer], int n, int rank, u
   return prefix;
 }
 
-// One (row, chunk) item of kOpSamplePartial: logits_out[v] = row[v] as f32 for the chunk's v,
+// One (row, chunk) of the LM head's sample tail: logits_out[v] = row[v] as f32 for the chunk's v,
 // *summary and the chunk's candidate slots values / indices [kSampleCandidateSlots] as
 // summarize_chunk (ops/sample_chunks.h) computes them. smem: kSampleChunkSmemFloats floats.
 template <typename T>

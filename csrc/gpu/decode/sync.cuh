@@ -52,6 +52,26 @@ __device__ __forceinline__ bool spin_until(const unsigned* counter, unsigned tar
   return true;
 }
 
+// Every thread calls it after its stores of one work item of a group of n items (an op's tail
+// runs on the group's last item to finish: the attention merge, the LM head's sample partial).
+// Counts the item on *count with release; true on every thread of the last item, which then has
+// acquired the group's stores and has reset *count to 0 for the group's next op (that op starts
+// after this one's signals, which publish the reset). flag: one shared float, free on return.
+__device__ __forceinline__ bool last_of_group(unsigned* count, unsigned n, float* flag) {
+  __syncthreads();  // every warp's stores of the item
+  if (threadIdx.x == 0) {
+    __threadfence();  // release: the item's stores before the count
+    const bool last = atomicAdd(count, 1u) == n - 1;
+    if (last) *count = 0;
+    *flag = last ? 1.f : 0.f;
+  }
+  __syncthreads();
+  const bool last = *flag != 0.f;
+  __syncthreads();  // every thread read the flag: its shared float may be reused
+  if (last) fence_acquire();
+  return last;
+}
+
 // Every thread calls it after its stores of one work item.
 __device__ __forceinline__ void signal_done(unsigned* counter) {
   __syncthreads();

@@ -60,7 +60,8 @@ class Protocol:
     target_bonus: Mapping[int, int] = field(default_factory=dict)  # op -> added to its wait target
     zero_at_exit: int | None = None    # exit count whose workgroup zeroes (None: the last, = grid)
     reset_group_counts: bool = True    # whether a group's tail zeroes its group counter
-    group_target_bonus: int = 0        # added to group_items where an item decides it runs the tail
+    group_target_bonus: Mapping[int, int] = field(default_factory=dict)  # op -> added to its group size
+                                       # where an item decides whether it runs the tail
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def run_launches(protocol: Protocol, launch: Launch, seed: int, n_launches: int 
     rng = random.Random(seed)
     n_ops = len(protocol.ops)
     counters = [0] * (launch.n_steps * n_ops + 1)  # the last one is exit_count, as in the kernel
-    group_counts: dict[int, int] = {}  # group -> its counter, shared by every grouped op, every step
+    group_counts: dict[tuple[str, int], int] = {}  # (array, group) -> its counter, kept across ops and steps
     stats = Stats()
     for k in range(n_launches):
         # A row stops at a random step (or never); finished flags start clear.
@@ -116,7 +117,7 @@ class _Run:
                  stop_at: list[int], rng: random.Random, stats: Stats, index: int, check_flag_reads: bool) -> None:
         self.p, self.l, self.counters, self.stop_at, self.rng = protocol, launch, counters, stop_at, rng
         self.group_counts = group_counts
-        self.group_done: dict[tuple[int, int, int], int] = {}  # (step, op, group) -> items whose part ran
+        self.group_done: dict[tuple[int, int, int], int] = {}  # (step, op, group) -> its items that ran
         self.stats, self.index = stats, index
         self.n_ops = len(protocol.ops)
         self.width = self.n_ops + 1  # instance (step, op) -> step * width + op + 1; op -1 = flag check
@@ -224,26 +225,33 @@ class _Run:
         if j == self.n_ops - 1 and self.stop_at[item % self.l.batch] == step:
             self.finished[item % self.l.batch] = True  # SAMPLE (the last op) sampled a stop id
 
+    @staticmethod
+    def _group(op: SyncOp, item: int) -> tuple[int, int]:
+        """(group, its item count) of an item of a grouped op; the last group holds what is left."""
+        g = item // op.group_items
+        return g, min(op.group_items, op.n_items - g * op.group_items)
+
     def _count_group(self, step: int, j: int, item: int) -> bool:
         """The item's atomic increment of its group counter; whether it was the group's last."""
         op = self.p.ops[j]
-        g = item // op.group_items
-        self.group_counts[g] = self.group_counts.get(g, 0) + 1
-        if self.group_counts[g] > op.group_items:
-            raise CounterReuse(f"launch {self.index}: step {step} {self._name(j)} item {item}: group {g}'s counter "
-                               f"is {self.group_counts[g]} > {op.group_items} items" + self._trace())
-        return self.group_counts[g] == op.group_items + self.p.group_target_bonus
+        g, size = self._group(op, item)
+        key = (op.group_counter, g)
+        self.group_counts[key] = self.group_counts.get(key, 0) + 1
+        if self.group_counts[key] > size:
+            raise CounterReuse(f"launch {self.index}: step {step} {self._name(j)} item {item}: {op.group_counter}[{g}] "
+                               f"is {self.group_counts[key]} > {size} items" + self._trace())
+        return self.group_counts[key] == size + self.p.group_target_bonus.get(j, 0)
 
     def _run_tail(self, w: int, step: int, j: int, item: int) -> None:
         op = self.p.ops[j]
-        g = item // op.group_items
+        g, size = self._group(op, item)
         got = self.group_done.get((step, j, g), 0)
-        if got < op.group_items:
+        if got < size:
             raise Hazard(f"launch {self.index}: step {step} {self._name(j)} group {g}'s tail ran on workgroup {w} "
-                         f"with {got}/{op.group_items} of its items done" + self._trace())
+                         f"with {got}/{size} of its items done" + self._trace())
         self._check(w, step, j, item, self.conflicts_tail[j])
         if self.p.reset_group_counts:
-            self.group_counts[g] = 0
+            self.group_counts[(op.group_counter, g)] = 0
 
     # -- hazards -----------------------------------------------------------------------------
     def _n_items(self, step: int, k: int) -> int:

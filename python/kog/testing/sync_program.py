@@ -10,8 +10,9 @@ runs as one item per row).
 What an op touches is read off run_item in csrc/gpu/decode/persistent_decode.cu, not off the
 op's buffer fields alone: an attention item writes the partials scratch, and the last item of
 each (sequence, KV head) group reads the group's partials and writes ATTN (SyncOp.group_items:
-the model runs that tail and its group counter), the sample partial writes the
-f32 logits and the chunk summaries that SAMPLE reads (not LOGITS), and SAMPLE in loop mode
+the model runs that tail and its group counter), the last LM-head item of each vocabulary chunk
+reads the chunk's LOGITS and writes the f32 logits and the chunk summaries that SAMPLE reads
+(not LOGITS), and SAMPLE in loop mode
 writes the token, the stop flags and the next step's position, seq_len and slot.
 """
 
@@ -23,7 +24,7 @@ from typing import Sequence
 from kog import _C
 from kog.program.opcodes import Buffer, Opcode
 
-SAMPLE_PARTIAL = _C.GPU_OP_SAMPLE_PARTIAL
+LINEAR_SAMPLE_PARTIAL = _C.GPU_OP_LINEAR_SAMPLE_PARTIAL
 LINEAR_SILU_MUL = _C.GPU_OP_LINEAR_SILU_MUL
 LINEAR_ROPE_KV = _C.GPU_OP_LINEAR_ROPE_KV
 
@@ -32,7 +33,8 @@ POSITIONS, SEQ_LENS, SLOTS = "positions", "seq_lens", "slots"
 FINISHED, OUT_TOKENS, LOGITS_OUT = "finished", "out_tokens", "logits_out"
 PARTIALS = "attn_partials"  # the one scratch every layer's attention shares
 GROUP_COUNTS = "attn_group_counts"  # partial items done per (sequence, KV head), shared by every layer
-SAMPLE_SUMMARIES = "sample_summaries"  # the sample partial's chunk summaries and candidates
+CHUNK_COUNTS = "sample_chunk_counts"  # LM-head items done per chunk of the vocabulary
+SAMPLE_SUMMARIES = "sample_summaries"  # the LM head's tails' chunk summaries and candidates
 
 # Op index of the step's flag check (every workgroup reads `finished` at the top of a step > 0),
 # modelled as an op before op 0 with one item per workgroup.
@@ -48,9 +50,12 @@ class SyncOp:
     deps: tuple[int, ...]      # indices of ops of the same step it waits for
     reads: frozenset[str]
     writes: frozenset[str]
-    # > 0: consecutive runs of this many items form a group whose last item to finish also runs
-    # the group's tail (attention: item = group * max_parts + part; the tail merges the parts)
+    # > 0: consecutive runs of this many items (the last group: what is left) form a group whose
+    # last item to finish also runs the group's tail, counted on the group's counter in the
+    # group_counter array (attention: item = group * max_parts + part, the tail merges the parts;
+    # the LM head: a chunk of the vocabulary, the tail summarizes it for SAMPLE)
     group_items: int = 0
+    group_counter: str = ""
     tail_reads: frozenset[str] = frozenset()
     tail_writes: frozenset[str] = frozenset()
 
@@ -73,7 +78,7 @@ def items_of(op: _C.Op, dims: _C.ModelDims, batch: int, max_parts: int, rows_per
         return -(-a // b)
 
     code = op.opcode
-    if code == Opcode.LINEAR:
+    if code in (Opcode.LINEAR, LINEAR_SAMPLE_PARTIAL):
         return ceil(dims.buffer_width(op.out), rows_per_item)
     if code == LINEAR_SILU_MUL:  # one output row (a gate row and its up row) per warp
         return ceil(dims.intermediate, rows_per_item // 2)
@@ -81,8 +86,6 @@ def items_of(op: _C.Op, dims: _C.ModelDims, batch: int, max_parts: int, rows_per
         return ceil(dims.buffer_width(op.out) // 2, rows_per_item // 2)
     if code == Opcode.ATTN_DECODE:  # (sequence, KV head, partition): the head's GQA group
         return batch * dims.n_kv_heads * max_parts
-    if code == SAMPLE_PARTIAL:  # (sequence, chunk of the vocabulary)
-        return batch * ceil(dims.vocab, _C.SAMPLE_CHUNK)
     if code == Opcode.RMS_NORM:
         parts = 1 if op.residual >= 0 else ceil(dims.buffer_width(op.out), ROW_CHUNK)
     else:
@@ -102,7 +105,7 @@ def accesses(op: _C.Op) -> tuple[set[str], set[str]]:
         return {i, o}, {o}
     if code == LINEAR_ROPE_KV:  # QKV (q, k rotated) and the layer's cache at the row's slot
         return {i, POSITIONS, SLOTS}, {o, kv_cache(op.layer)}
-    if code in (Opcode.EMBED, Opcode.LINEAR, Opcode.SILU_MUL, LINEAR_SILU_MUL):
+    if code in (Opcode.EMBED, Opcode.LINEAR, Opcode.SILU_MUL, LINEAR_SILU_MUL, LINEAR_SAMPLE_PARTIAL):
         return {i}, {o}
     if code == Opcode.RMS_NORM:  # with a residual: residual += in, out = norm(residual)
         res = {buffer(op.residual)} if op.residual >= 0 else set()
@@ -115,8 +118,6 @@ def accesses(op: _C.Op) -> tuple[set[str], set[str]]:
         return {i, SLOTS}, {kv_cache(op.layer)}
     if code == Opcode.ATTN_DECODE:  # the partial phase: q from `in`, keys and values of its layer
         return {i, kv_cache(op.layer), SEQ_LENS}, {PARTIALS}
-    if code == SAMPLE_PARTIAL:
-        return {i}, {LOGITS_OUT, SAMPLE_SUMMARIES}
     if code == Opcode.SAMPLE:
         # NOTE: the position/seq_len/slot advance happens only when another step follows; the
         # model counts it as written every step, which only adds hazards to look for.
@@ -125,7 +126,7 @@ def accesses(op: _C.Op) -> tuple[set[str], set[str]]:
 
 
 def op_name(op: _C.Op) -> str:
-    code = ({SAMPLE_PARTIAL: "SAMPLE_PARTIAL", LINEAR_SILU_MUL: "LINEAR_SILU_MUL",
+    code = ({LINEAR_SAMPLE_PARTIAL: "LINEAR_SAMPLE_PARTIAL", LINEAR_SILU_MUL: "LINEAR_SILU_MUL",
              LINEAR_ROPE_KV: "LINEAR_ROPE_KV"}.get(op.opcode) or Opcode(op.opcode).name)
     layer = f" L{op.layer}" if op.layer >= 0 else ""
     src = Buffer(op.in_).name if op.in_ >= 0 else "-"
@@ -151,8 +152,11 @@ def sync_ops(expanded: Sequence[_C.Op], dims: _C.ModelDims, batch: int, max_part
         reads, writes = accesses(op)
         tail = {}
         if op.opcode == Opcode.ATTN_DECODE:  # the group's last item merges the parts into ATTN
-            tail = dict(group_items=max_parts, tail_reads=frozenset({PARTIALS, SEQ_LENS}),
-                        tail_writes=frozenset({buffer(op.out)}))
+            tail = dict(group_items=max_parts, group_counter=GROUP_COUNTS,
+                        tail_reads=frozenset({PARTIALS, SEQ_LENS}), tail_writes=frozenset({buffer(op.out)}))
+        if op.opcode == LINEAR_SAMPLE_PARTIAL:  # a chunk's last item summarizes its logits for SAMPLE
+            tail = dict(group_items=_C.SAMPLE_CHUNK // rows_per_item, group_counter=CHUNK_COUNTS,
+                        tail_reads=frozenset({buffer(op.out)}), tail_writes=frozenset({LOGITS_OUT, SAMPLE_SUMMARIES}))
         out.append(SyncOp(op_name(op), items_of(op, dims, batch, max_parts, rows_per_item), tuple(op.deps),
                           frozenset(reads), frozenset(writes), **tail))
     return out
