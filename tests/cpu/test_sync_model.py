@@ -135,7 +135,7 @@ def test_waiting_for_more_items_than_an_op_has_deadlocks(arch):
     attn = next(j for j, o in enumerate(p.ops) if o.name.startswith("ATTN_DECODE"))
     found = violations(Protocol(p.ops, p.sinks, target_bonus={attn: 1}), Launch(3, 2, 1), seeds=range(4))
     assert len(found) == 4 and all(isinstance(e, Deadlock) for e in found)
-    assert f"op {attn} (ATTN_DECODE L0 QKV->ATTN): counter 4 < 5" in str(found[0]), str(found[0])
+    assert f"op {attn} (ATTN_DECODE L0 QKV->ATTN): counter 3 < 4" in str(found[0]), str(found[0])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -178,6 +178,17 @@ def test_a_group_counter_left_set_is_caught():
     found = violations(p, Launch(3, 1, 1), seeds=range(3))
     assert len(found) == 3 and all(isinstance(e, CounterReuse) for e in found)
     assert "ATTN_DECODE L1" in str(found[0]) and "attn_group_counts[0] is 3 > 2 items" in str(found[0]), str(found[0])
+
+
+def test_a_workgroup_signalling_before_its_last_item_is_a_hazard():
+    # One signal per workgroup and op: sent after its first item instead of its last, a waiter
+    # passes while that workgroup's later items of the op are still to run.
+    p = protocol("llama", batch=2)
+    assert not violations(p, Launch(3, 2, 2), seeds=range(4))
+    found = violations(dataclasses.replace(p, signal_after_first_item=True), Launch(3, 2, 2), seeds=range(4))
+    assert len(found) == 4 and all(isinstance(e, Hazard) for e in found), found[:1]
+    # one workgroup per item everywhere (the largest op has 25 items): first item = last, no hazard
+    assert not violations(dataclasses.replace(p, signal_after_first_item=True), Launch(25, 2, 2), seeds=range(2))
 
 
 def test_a_dep_on_a_later_op_deadlocks():

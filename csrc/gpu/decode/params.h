@@ -72,7 +72,7 @@ struct PersistentDecodeParams {
   int32_t* finished;           // [B] in/out: 1 once a sequence sampled a stop id; later steps skip it
 
   // synchronization (device, zero before the first launch; the kernel leaves them zero)
-  unsigned* counters;          // [n_steps * n_ops] work items completed per op
+  unsigned* counters;          // [n_steps * n_ops] workgroups done with all their items of the op
   unsigned* exit_count;        // [1] blocks that finished this launch
   unsigned* attn_group_counts; // [kMaxBatch * n_kv_heads] partial items of (sequence, KV head) done in the
                                // running attention op; its last item combines and resets it to 0

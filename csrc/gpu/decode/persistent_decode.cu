@@ -211,6 +211,13 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
   }
 }
 
+// Workgroups that run items of op, each signalling once when its last item of op is done: the
+// op's counter target.
+__device__ __forceinline__ unsigned signalling_workgroups(const PersistentDecodeParams& p, const Op& op) {
+  const int64_t n = items_of(p, op);
+  return unsigned(n < int64_t(gridDim.x) ? n : int64_t(gridDim.x));
+}
+
 // Every thread of the workgroup calls it; returns once each op ops[i] of the step whose counters
 // start at step_base completed all of its items (thread 0 spins, then one sync and acquire).
 // A wait past p.wait_timeout_ticks records (op, counter, target, block) in p.timeout and traps.
@@ -219,7 +226,7 @@ __device__ __forceinline__ void wait_for_ops(const PersistentDecodeParams& p, co
   if (threadIdx.x == 0)
     for (int32_t k = 0; k < n; ++k) {
       const int32_t d = ops[k];
-      const unsigned target = unsigned(items_of(p, p.program[d]));
+      const unsigned target = signalling_workgroups(p, p.program[d]);
       const unsigned* counter = &p.counters[step_base + d];
       if (!spin_until(counter, target, p.wait_timeout_ticks)) {
         WaitTimeout* t = p.timeout;
@@ -331,9 +338,12 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(Persiste
         }
         if (op.op == kOpLinearSamplePartial)  // after the staging: the next weights load during the tail
           sample_partial_tail<T>(p, reinterpret_cast<const T*>(p.buffers[op.out]), item, smem);
-        if (g == p.debug_skip_signal_op) continue;  // tests: a lost signal (uniform over the workgroup)
-        signal_done(&p.counters[g]);
+        __syncthreads();  // the next item may reuse shared memory (the signal's barrier did this)
       }
+      // One signal per workgroup that ran items of the op, after its last (one release fence
+      // instead of one per item: the LM head's ~60 items per workgroup on an H200), so an op is
+      // complete at signalling_workgroups(). Tests skip it to lose a signal (uniform over the grid).
+      if (blockIdx.x < n_items && g != p.debug_skip_signal_op) signal_done(&p.counters[g]);
     }
   }
   st.reset();  // a look-ahead into the next step may still be in flight

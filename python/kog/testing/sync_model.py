@@ -6,7 +6,8 @@
 
 Each workgroup is a generator that yields before every action: a wait (it stays blocked until
 the counter reaches the target), an item (its reads and writes happen at once, then its data
-counts as complete), a signal (counter += 1), the flag check at the top of a step > 0, the exit
+counts as complete), a signal (counter += 1, once per workgroup and op, after its last item of
+the op: the target is min(items, grid)), the flag check at the top of a step > 0, the exit
 increment, and the counter zeroing by the last workgroup out. An op with groups
 (SyncOp.group_items: attention's items per (sequence, KV head)) also counts each item on its
 group's counter; the item that brings it to group_items runs the group's tail (its reads and
@@ -60,6 +61,7 @@ class Protocol:
     target_bonus: Mapping[int, int] = field(default_factory=dict)  # op -> added to its wait target
     zero_at_exit: int | None = None    # exit count whose workgroup zeroes (None: the last, = grid)
     reset_group_counts: bool = True    # whether a group's tail zeroes its group counter
+    signal_after_first_item: bool = False  # a broken kernel: a workgroup signals after its first item
     group_target_bonus: Mapping[int, int] = field(default_factory=dict)  # op -> added to its group size
                                        # where an item decides whether it runs the tail
 
@@ -195,6 +197,10 @@ class _Run:
                             yield None
                             self._run_tail(w, step, j, item)
                     self.done[step * self.width + j + 1] += 1  # the item, tail included, is complete
+                    if self.p.signal_after_first_item and item == w:
+                        yield None
+                        self.counters[step * self.n_ops + j] += 1
+                if w < op.n_items and not self.p.signal_after_first_item:  # once, after its last item
                     yield None
                     self.counters[step * self.n_ops + j] += 1
         self.left_at.add(steps_run)
@@ -210,7 +216,7 @@ class _Run:
     def _wait(self, step: int, d: int) -> tuple[int, int]:
         if not 0 <= d < self.n_ops:
             raise ValueError(f"dep {d} is not an op of the program")
-        return step * self.n_ops + d, self.p.ops[d].n_items + self.p.target_bonus.get(d, 0)
+        return step * self.n_ops + d, min(self.p.ops[d].n_items, self.l.grid) + self.p.target_bonus.get(d, 0)
 
     def _flag_check(self, w: int, step: int) -> bool:
         self._access(w, step, FLAG_CHECK, w)

@@ -46,7 +46,7 @@ class SyncOp:
     """One op of the expanded program, reduced to what the protocol and its hazards need."""
 
     name: str                  # e.g. "LINEAR L0 NORMED->QKV", for reports
-    n_items: int               # items_of(op): the counter target a wait compares against
+    n_items: int               # items_of(op); a wait targets min(n_items, grid) workgroup signals
     deps: tuple[int, ...]      # indices of ops of the same step it waits for
     reads: frozenset[str]
     writes: frozenset[str]
