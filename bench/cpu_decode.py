@@ -22,6 +22,10 @@ A quantized-weights table (`--quant-only` prints only it): the shipped Q4_1 GGUF
 blocks kept (kog's default) next to the same file dequantized to f32 and bf16, decode tok/s,
 512-token prefill (both prefill paths of the quantized model) and weight bytes per token.
 
+`--llama-cpp-only`: Kog next to llama.cpp (llama-cpp-python) on the same GGUF files -- Q4_1 as
+shipped, Q8_0 and Q4_K written by `kog convert` -- decode tok/s, 512-token prefill, MB per token
+and % of the triad, the engines alternating run by run, the same thread count.
+
 A second table: bf16 decode after longer prompts (an agent's context: system prompt, tool
 schemas, history), Kog next to llama.cpp F16 (KV cache F16), where attention reads a growing
 share of each step's bytes.
@@ -102,6 +106,102 @@ def quant_table(prompt: list[int], new: int, repeats: int) -> None:
         dec = "-" if tps != tps else f"{tps:.1f}"
         ratio = "-" if tps != tps else f"{tps / f32[2]:.2f}"
         print(f"{label:<24}{nbytes / 1e6:>9.1f}{dec:>13}{ratio:>7}{pre:>12.2f}s{f32[3] / pre:>7.2f}")
+
+
+def vs_llama_cpp_table(prompt: list[int], new: int, repeats: int) -> None:
+    """Kog (blocks kept, dtype None) next to llama.cpp on the same GGUF files: the shipped Q4_1,
+    and Q8_0 and Q4_K written by `kog convert` (requantize_gguf). Per file the two engines
+    alternate run by run (decode, then the 512-token prefill), each decode run between two
+    triads; the same thread count for both."""
+    import llama_cpp
+
+    from kog.loader import resolve_model
+    from kog.loader.gguf_write import requantize_gguf
+
+    threads, rows = torch.get_num_threads(), []
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {"Q4_1": resolve_model(None)}
+        for outtype in ("q8_0", "q4_k"):
+            files[outtype.upper()] = Path(tmp) / f"smollm2-{outtype}.gguf"
+            requantize_gguf(files["Q4_1"], files[outtype.upper()], outtype)
+        for name, path in files.items():
+            model = load_model(path, progress=False)
+            nbytes, types = weight_bytes_per_token(model), file_matrix_types(path)
+            kog_decode, kog_prefill = kog_runs(model, prompt, new)
+            llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_batch=512, n_threads=threads,
+                                  n_threads_batch=threads, verbose=False)
+            lc_decode, lc_prefill = llama_cpp_runs(llm, prompt, new)
+            runs = {"kog": [], "llama.cpp": []}
+            pre = {"kog": float("inf"), "llama.cpp": float("inf")}
+            for _ in range(repeats):  # alternate: a drift of the host hits both engines
+                for eng, dec, prf in (("kog", kog_decode, kog_prefill), ("llama.cpp", lc_decode, lc_prefill)):
+                    runs[eng] += paired_runs(dec, 1)
+                    pre[eng] = min(pre[eng], _timed(prf))
+            rows.append((f"{name} ({types})", nbytes, runs, pre))
+            del llm
+    bw = max([triad_gbs()] + [t for r in rows for e in r[2].values() for _, t in e])
+    print(f"\nSmolLM2-135M GGUF, batch 1, {threads} threads, Kog vs llama.cpp {llama_cpp.__version__} on the same "
+          f"files; decode {new} tokens after {len(prompt)}, best of {repeats} alternating; triad {bw:.1f} GB/s")
+    print(f"{'file (matrix types, by bytes)':<30}{'MB/tok':>7}{'kog tok/s':>10}{'lcpp tok/s':>11}{'kog/lcpp':>9}{'kog %bw':>8}{'lcpp %bw':>9}"
+          f"{'kog pre512':>11}{'lcpp pre512':>12}{'kog/lcpp':>9}")
+    for name, nbytes, runs, pre in rows:
+        k, lc = (max(t for t, _ in runs[e]) for e in ("kog", "llama.cpp"))
+        pct = lambda tps: 100 * tps * nbytes / 1e9 / bw  # noqa: E731
+        print(f"{name:<30}{nbytes / 1e6:>7.1f}{k:>10.1f}{lc:>11.1f}{k / lc:>8.2f}x{pct(k):>7.0f}%{pct(lc):>8.0f}%"
+              f"{pre['kog']:>10.3f}s{pre['llama.cpp']:>11.3f}s{pre['llama.cpp'] / pre['kog']:>8.2f}x")
+    print("MB/tok: matrix bytes of one decode step as Kog holds them (the LM head = the tied embedding), "
+          "%bw = MB/tok x tok/s / triad for both engines. kog/lcpp > 1: Kog faster (prefill: time ratio "
+          "llama.cpp / Kog).")
+
+
+def file_matrix_types(path) -> str:
+    """The quant types of a GGUF's matrices, by bytes, largest first: 'Q8_0 71% Q4_K 29%'. NOTE:
+    `kog convert --outtype q4_k` keeps 576-column matrices in Q8_0 (not a multiple of 256), as
+    llama.cpp's quantize falls back on them."""
+    from kog.loader.gguf import GGUFCheckpoint
+
+    by: dict[str, int] = {}
+    for t in GGUFCheckpoint(path).tensors.values():
+        if len(t.torch_shape) == 2:
+            by[t.qtype.name] = by.get(t.qtype.name, 0) + t.nbytes
+    total = sum(by.values())
+    return " ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(by.items(), key=lambda kv: -kv[1]))
+
+
+def kog_runs(model, prompt: list[int], new: int):
+    """(decode_run -> tok/s, prefill_512 -> None) over one runner of the model."""
+    bs = 16
+    runner = ModelRunner(model, num_kv_blocks=40, block_size=bs)
+    table = np.arange(40, dtype=np.int32)
+    slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
+
+    def decode_run() -> float:
+        runner.prefill([PrefillChunk(prompt, 0, table, slot(np.arange(len(prompt))))])
+        tok, start = np.array([1]), time.perf_counter()
+        for i in range(new):
+            p = len(prompt) + i
+            runner.decode(tok, [p], table[None], [p + 1], [slot(p)], sampled=tok)
+        return new / (time.perf_counter() - start)
+
+    long = (prompt * 64)[:512]
+    return decode_run, lambda: runner.prefill([PrefillChunk(long, 0, table, slot(np.arange(512)))])
+
+
+def llama_cpp_runs(llm, prompt: list[int], new: int):
+    """The same two measurements through llama-cpp-python (greedy next token from its scores)."""
+    def decode_run() -> float:
+        llm.reset()
+        llm.eval(prompt)
+        start = time.perf_counter()
+        for _ in range(new):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        return new / (time.perf_counter() - start)
+
+    def prefill() -> None:
+        llm.reset()
+        llm.eval((prompt * 64)[:512])
+
+    return decode_run, prefill
 
 
 def kog_engine(model, prompt: list[int], new: int, repeats: int) -> tuple[list[tuple[float, float]], float]:
@@ -294,6 +394,8 @@ def main() -> None:
     ap.add_argument("--prefill-only", action="store_true", help="with --baseline: only the prefill table")
     ap.add_argument("--prefill-child", help=argparse.SUPPRESS)
     ap.add_argument("--quant-only", action="store_true", help="only the quantized-weights table")
+    ap.add_argument("--llama-cpp-only", action="store_true",
+                    help="only the Kog vs llama.cpp table on Q4_1 / Q8_0 / Q4_K GGUF files")
     args = ap.parse_args()
     if args.prefill_child:
         prefill_child(args.prefill_child, args.repeats)
@@ -307,6 +409,9 @@ def main() -> None:
     prompt = f32.tokenizer.encode("The history of the city begins in the Middle Ages, when a small " * 4)[:32]
     if args.quant_only:
         quant_table(prompt, args.new_tokens, args.repeats)
+        return
+    if args.llama_cpp_only:
+        vs_llama_cpp_table(prompt, args.new_tokens, args.repeats)
         return
     bw = triad_gbs()
     rows = []
@@ -354,6 +459,10 @@ def main() -> None:
             print(f"{c:>8}{kog_tps:>11.1f}{lc:>11}{ratio:>17}")
 
     quant_table(prompt, args.new_tokens, args.repeats)
+    try:
+        vs_llama_cpp_table(prompt, args.new_tokens, args.repeats)
+    except ImportError:
+        print("llama.cpp: llama-cpp-python not importable, quantized comparison not measured")
     if args.baseline:
         prefill_vs_baseline(args.baseline, args.baseline_rounds, args.repeats)
 
