@@ -22,6 +22,9 @@ A quantized-weights table (`--quant-only` prints only it): the shipped Q4_1 GGUF
 blocks kept (kog's default) next to the same file dequantized to f32 and bf16, decode tok/s,
 512-token prefill (both prefill paths of the quantized model) and weight bytes per token.
 
+`--ttft-only`: time to first token of short chat prompts, the Q4_1 file's blocks kept (this
+tree's prefill paths and the previous ones) next to the same file in f32.
+
 `--llama-cpp-only`: Kog next to llama.cpp (llama-cpp-python) on the same GGUF files -- Q4_1 as
 shipped, Q8_0 and Q4_K written by `kog convert` -- decode tok/s, 512-token prefill, MB per token
 and % of the triad, the engines alternating run by run, the same thread count.
@@ -34,6 +37,7 @@ share of each step's bytes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -83,7 +87,8 @@ def weight_bytes_per_token(model) -> int:
 def quant_table(prompt: list[int], new: int, repeats: int) -> None:
     """The shipped Q4_1 GGUF with its blocks kept (dtype None), against the same file
     dequantized to f32 and bf16, in this run: decode tok/s, 512-token prefill (the quantized
-    model both ways: f32 weight tiles + GEMM, the int8 GEMV kernel), weight bytes per token."""
+    model three ways: x in f32 through in-cache weight tiles -- the default below 1536 rows --,
+    f32 weight tiles + torch's GEMM, the int8 GEMV kernel), weight bytes per token."""
     from kog.program import interpreter
 
     rows = []
@@ -92,20 +97,18 @@ def quant_table(prompt: list[int], new: int, repeats: int) -> None:
         nbytes = weight_bytes_per_token(model)
         runs, pre = kog_engine(model, prompt, new, repeats)
         rows.append((label, nbytes, max(t for t, _ in runs), pre))
-        if dtype is None:
-            saved, interpreter.QUANT_GEMM_MIN_ROWS = interpreter.QUANT_GEMM_MIN_ROWS, 1 << 30
-            try:
-                runs, pre = kog_engine(load_model(dtype=None), prompt, 4, repeats)
-            finally:
-                interpreter.QUANT_GEMM_MIN_ROWS = saved
-            rows.append(("  (prefill: int8 GEMV)", nbytes, float("nan"), pre))
-    f32 = rows[2] if rows[2][0] == "float32" else rows[1]
+        if dtype is None:  # the other prefill paths of the quantized LINEAR, forced for every row count
+            for path, limits in (("f32 tiles + torch GEMM", (2, 1)), ("int8 GEMV, x in 2 stages", (1 << 30,) * 2)):
+                with prefill_paths(*limits):
+                    runs, pre = kog_engine(load_model(dtype=None), prompt, 4, repeats)
+                rows.append((f"  (prefill: {path})", nbytes, float("nan"), pre))
+    f32 = next(r for r in rows if r[0] == "float32")
     print(f"\nSmolLM2-135M GGUF Q4_1, batch 1, {torch.get_num_threads()} threads: weights kept as stored vs dequantized")
-    print(f"{'weights':<24}{'MB/token':>9}{'decode tok/s':>13}{'x f32':>7}{'prefill 512':>13}{'x f32':>7}")
+    print(f"{'weights':<38}{'MB/token':>9}{'decode tok/s':>13}{'x f32':>7}{'prefill 512':>13}{'x f32':>7}")
     for label, nbytes, tps, pre in rows:
         dec = "-" if tps != tps else f"{tps:.1f}"
         ratio = "-" if tps != tps else f"{tps / f32[2]:.2f}"
-        print(f"{label:<24}{nbytes / 1e6:>9.1f}{dec:>13}{ratio:>7}{pre:>12.2f}s{f32[3] / pre:>7.2f}")
+        print(f"{label:<38}{nbytes / 1e6:>9.1f}{dec:>13}{ratio:>7}{pre:>12.2f}s{f32[3] / pre:>7.2f}")
 
 
 def vs_llama_cpp_table(prompt: list[int], new: int, repeats: int) -> None:
@@ -202,6 +205,52 @@ def llama_cpp_runs(llm, prompt: list[int], new: int):
         llm.eval((prompt * 64)[:512])
 
     return decode_run, prefill
+
+
+@contextlib.contextmanager
+def prefill_paths(f32_x_min_rows: int, gemm_min_rows: int):
+    """The quantized LINEAR's row thresholds (kog.program.interpreter) set for a block."""
+    from kog.program import interpreter as it
+
+    saved = it.QUANT_F32_X_MIN_ROWS, it.QUANT_GEMM_MIN_ROWS
+    it.QUANT_F32_X_MIN_ROWS, it.QUANT_GEMM_MIN_ROWS = f32_x_min_rows, gemm_min_rows
+    try:
+        yield
+    finally:
+        it.QUANT_F32_X_MIN_ROWS, it.QUANT_GEMM_MIN_ROWS = saved
+
+
+# The prefill policy before the f32-x kernel (commit 3e18e8b): int8 GEMV below 32 rows, f32 tiles
+# and torch's GEMM from 32.
+OLD_PATHS = (1 << 30, 32)
+
+
+def ttft_table(repeats: int) -> None:
+    """Time to first token of short chat prompts through kog.LLM (generate, max_tokens=1; the
+    prompt's prefill plus one sample): the Q4_1 GGUF with its blocks kept -- this tree's prefill
+    paths and the previous policy (OLD_PATHS) -- and the same file in f32, alternating, best of
+    `repeats`."""
+    import kog
+
+    q, f = kog.LLM(max_num_seqs=1, max_model_len=1024), kog.LLM(None, "float32", max_num_seqs=1, max_model_len=1024)
+    questions = ["Tell me about cats.", "What is the capital of France?",
+                 "Explain in two sentences why the sky is blue, and mention Rayleigh scattering."]
+    greedy = kog.SamplingParams(max_tokens=1, temperature=0)
+    engines = {"Q4_1 (this tree)": (q, None), "Q4_1 (previous paths)": (q, OLD_PATHS), "float32": (f, None)}
+    print(f"\nTTFT, SmolLM2-135M, {torch.get_num_threads()} threads, kog.LLM.generate(max_tokens=1), "
+          f"prefix cache off by fresh prompts; best of {repeats} alternating, ms")
+    print(f"{'prompt tokens':>14}" + "".join(f"{name:>24}" for name in engines) + f"{'f32 / this tree':>17}")
+    for i, question in enumerate(questions):
+        best = {name: float("inf") for name in engines}
+        for r in range(repeats):
+            for name, (llm, paths) in engines.items():
+                # A different system line each time: no cached prefix block is reused.
+                ids = llm.encode_chat([{"role": "system", "content": f"Session {r} {name}."},
+                                       {"role": "user", "content": question}])
+                with prefill_paths(*paths) if paths else contextlib.nullcontext():
+                    best[name] = min(best[name], _timed(lambda: llm.generate({"prompt_token_ids": ids}, greedy)))
+        print(f"{len(ids):>14}" + "".join(f"{best[name] * 1e3:>24.1f}" for name in engines)
+              + f"{best['float32'] / best['Q4_1 (this tree)']:>16.2f}x")
 
 
 def kog_engine(model, prompt: list[int], new: int, repeats: int) -> tuple[list[tuple[float, float]], float]:
@@ -394,6 +443,7 @@ def main() -> None:
     ap.add_argument("--prefill-only", action="store_true", help="with --baseline: only the prefill table")
     ap.add_argument("--prefill-child", help=argparse.SUPPRESS)
     ap.add_argument("--quant-only", action="store_true", help="only the quantized-weights table")
+    ap.add_argument("--ttft-only", action="store_true", help="only the short-prompt TTFT table")
     ap.add_argument("--llama-cpp-only", action="store_true",
                     help="only the Kog vs llama.cpp table on Q4_1 / Q8_0 / Q4_K GGUF files")
     args = ap.parse_args()
@@ -409,6 +459,9 @@ def main() -> None:
     prompt = f32.tokenizer.encode("The history of the city begins in the Middle Ages, when a small " * 4)[:32]
     if args.quant_only:
         quant_table(prompt, args.new_tokens, args.repeats)
+        return
+    if args.ttft_only:
+        ttft_table(args.repeats)
         return
     if args.llama_cpp_only:
         vs_llama_cpp_table(prompt, args.new_tokens, args.repeats)
@@ -459,6 +512,7 @@ def main() -> None:
             print(f"{c:>8}{kog_tps:>11.1f}{lc:>11}{ratio:>17}")
 
     quant_table(prompt, args.new_tokens, args.repeats)
+    ttft_table(args.repeats)
     try:
         vs_llama_cpp_table(prompt, args.new_tokens, args.repeats)
     except ImportError:
