@@ -22,6 +22,13 @@ A quantized-weights table (`--quant-only` prints only it): the shipped Q4_1 GGUF
 blocks kept (kog's default) next to the same file dequantized to f32 and bf16, decode tok/s,
 512-token prefill (both prefill paths of the quantized model) and weight bytes per token.
 
+`--ttft-only`: time to first token of short chat prompts, the Q4_1 file's blocks kept (this
+tree's prefill paths and the previous ones) next to the same file in f32.
+
+`--llama-cpp-only`: Kog next to llama.cpp (llama-cpp-python) on the same GGUF files -- Q4_1 as
+shipped, Q8_0 and Q4_K written by `kog convert` -- decode tok/s, 512-token prefill, MB per token
+and % of the triad, the engines alternating run by run, the same thread count.
+
 A second table: bf16 decode after longer prompts (an agent's context: system prompt, tool
 schemas, history), Kog next to llama.cpp F16 (KV cache F16), where attention reads a growing
 share of each step's bytes.
@@ -30,6 +37,7 @@ share of each step's bytes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -79,7 +87,8 @@ def weight_bytes_per_token(model) -> int:
 def quant_table(prompt: list[int], new: int, repeats: int) -> None:
     """The shipped Q4_1 GGUF with its blocks kept (dtype None), against the same file
     dequantized to f32 and bf16, in this run: decode tok/s, 512-token prefill (the quantized
-    model both ways: f32 weight tiles + GEMM, the int8 GEMV kernel), weight bytes per token."""
+    model three ways: x in f32 through in-cache weight tiles -- the default below 1536 rows --,
+    f32 weight tiles + torch's GEMM, the int8 GEMV kernel), weight bytes per token."""
     from kog.program import interpreter
 
     rows = []
@@ -88,20 +97,160 @@ def quant_table(prompt: list[int], new: int, repeats: int) -> None:
         nbytes = weight_bytes_per_token(model)
         runs, pre = kog_engine(model, prompt, new, repeats)
         rows.append((label, nbytes, max(t for t, _ in runs), pre))
-        if dtype is None:
-            saved, interpreter.QUANT_GEMM_MIN_ROWS = interpreter.QUANT_GEMM_MIN_ROWS, 1 << 30
-            try:
-                runs, pre = kog_engine(load_model(dtype=None), prompt, 4, repeats)
-            finally:
-                interpreter.QUANT_GEMM_MIN_ROWS = saved
-            rows.append(("  (prefill: int8 GEMV)", nbytes, float("nan"), pre))
-    f32 = rows[2] if rows[2][0] == "float32" else rows[1]
+        if dtype is None:  # the other prefill paths of the quantized LINEAR, forced for every row count
+            for path, limits in (("f32 tiles + torch GEMM", (2, 1)), ("int8 GEMV, x in 2 stages", (1 << 30,) * 2)):
+                with prefill_paths(*limits):
+                    runs, pre = kog_engine(load_model(dtype=None), prompt, 4, repeats)
+                rows.append((f"  (prefill: {path})", nbytes, float("nan"), pre))
+    f32 = next(r for r in rows if r[0] == "float32")
     print(f"\nSmolLM2-135M GGUF Q4_1, batch 1, {torch.get_num_threads()} threads: weights kept as stored vs dequantized")
-    print(f"{'weights':<24}{'MB/token':>9}{'decode tok/s':>13}{'x f32':>7}{'prefill 512':>13}{'x f32':>7}")
+    print(f"{'weights':<38}{'MB/token':>9}{'decode tok/s':>13}{'x f32':>7}{'prefill 512':>13}{'x f32':>7}")
     for label, nbytes, tps, pre in rows:
         dec = "-" if tps != tps else f"{tps:.1f}"
         ratio = "-" if tps != tps else f"{tps / f32[2]:.2f}"
-        print(f"{label:<24}{nbytes / 1e6:>9.1f}{dec:>13}{ratio:>7}{pre:>12.2f}s{f32[3] / pre:>7.2f}")
+        print(f"{label:<38}{nbytes / 1e6:>9.1f}{dec:>13}{ratio:>7}{pre:>12.2f}s{f32[3] / pre:>7.2f}")
+
+
+def vs_llama_cpp_table(prompt: list[int], new: int, repeats: int) -> None:
+    """Kog (blocks kept, dtype None) next to llama.cpp on the same GGUF files: the shipped Q4_1,
+    and Q8_0 and Q4_K written by `kog convert` (requantize_gguf). Per file the two engines
+    alternate run by run (decode, then the 512-token prefill), each decode run between two
+    triads; the same thread count for both."""
+    import llama_cpp
+
+    from kog.loader import resolve_model
+    from kog.loader.gguf_write import requantize_gguf
+
+    threads, rows = torch.get_num_threads(), []
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {"Q4_1": resolve_model(None)}
+        for outtype in ("q8_0", "q4_k"):
+            files[outtype.upper()] = Path(tmp) / f"smollm2-{outtype}.gguf"
+            requantize_gguf(files["Q4_1"], files[outtype.upper()], outtype)
+        for name, path in files.items():
+            model = load_model(path, progress=False)
+            nbytes, types = weight_bytes_per_token(model), file_matrix_types(path)
+            kog_decode, kog_prefill = kog_runs(model, prompt, new)
+            llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_batch=512, n_threads=threads,
+                                  n_threads_batch=threads, verbose=False)
+            lc_decode, lc_prefill = llama_cpp_runs(llm, prompt, new)
+            runs = {"kog": [], "llama.cpp": []}
+            pre = {"kog": float("inf"), "llama.cpp": float("inf")}
+            for _ in range(repeats):  # alternate: a drift of the host hits both engines
+                for eng, dec, prf in (("kog", kog_decode, kog_prefill), ("llama.cpp", lc_decode, lc_prefill)):
+                    runs[eng] += paired_runs(dec, 1)
+                    pre[eng] = min(pre[eng], _timed(prf))
+            rows.append((f"{name} ({types})", nbytes, runs, pre))
+            del llm
+    bw = max([triad_gbs()] + [t for r in rows for e in r[2].values() for _, t in e])
+    print(f"\nSmolLM2-135M GGUF, batch 1, {threads} threads, Kog vs llama.cpp {llama_cpp.__version__} on the same "
+          f"files; decode {new} tokens after {len(prompt)}, best of {repeats} alternating; triad {bw:.1f} GB/s")
+    print(f"{'file (matrix types, by bytes)':<30}{'MB/tok':>7}{'kog tok/s':>10}{'lcpp tok/s':>11}{'kog/lcpp':>9}{'kog %bw':>8}{'lcpp %bw':>9}"
+          f"{'kog pre512':>11}{'lcpp pre512':>12}{'kog/lcpp':>9}")
+    for name, nbytes, runs, pre in rows:
+        k, lc = (max(t for t, _ in runs[e]) for e in ("kog", "llama.cpp"))
+        pct = lambda tps: 100 * tps * nbytes / 1e9 / bw  # noqa: E731
+        print(f"{name:<30}{nbytes / 1e6:>7.1f}{k:>10.1f}{lc:>11.1f}{k / lc:>8.2f}x{pct(k):>7.0f}%{pct(lc):>8.0f}%"
+              f"{pre['kog']:>10.3f}s{pre['llama.cpp']:>11.3f}s{pre['llama.cpp'] / pre['kog']:>8.2f}x")
+    print("MB/tok: matrix bytes of one decode step as Kog holds them (the LM head = the tied embedding), "
+          "%bw = MB/tok x tok/s / triad for both engines. kog/lcpp > 1: Kog faster (prefill: time ratio "
+          "llama.cpp / Kog).")
+
+
+def file_matrix_types(path) -> str:
+    """The quant types of a GGUF's matrices, by bytes, largest first: 'Q8_0 71% Q4_K 29%'. NOTE:
+    `kog convert --outtype q4_k` keeps 576-column matrices in Q8_0 (not a multiple of 256), as
+    llama.cpp's quantize falls back on them."""
+    from kog.loader.gguf import GGUFCheckpoint
+
+    by: dict[str, int] = {}
+    for t in GGUFCheckpoint(path).tensors.values():
+        if len(t.torch_shape) == 2:
+            by[t.qtype.name] = by.get(t.qtype.name, 0) + t.nbytes
+    total = sum(by.values())
+    return " ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(by.items(), key=lambda kv: -kv[1]))
+
+
+def kog_runs(model, prompt: list[int], new: int):
+    """(decode_run -> tok/s, prefill_512 -> None) over one runner of the model."""
+    bs = 16
+    runner = ModelRunner(model, num_kv_blocks=40, block_size=bs)
+    table = np.arange(40, dtype=np.int32)
+    slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
+
+    def decode_run() -> float:
+        runner.prefill([PrefillChunk(prompt, 0, table, slot(np.arange(len(prompt))))])
+        tok, start = np.array([1]), time.perf_counter()
+        for i in range(new):
+            p = len(prompt) + i
+            runner.decode(tok, [p], table[None], [p + 1], [slot(p)], sampled=tok)
+        return new / (time.perf_counter() - start)
+
+    long = (prompt * 64)[:512]
+    return decode_run, lambda: runner.prefill([PrefillChunk(long, 0, table, slot(np.arange(512)))])
+
+
+def llama_cpp_runs(llm, prompt: list[int], new: int):
+    """The same two measurements through llama-cpp-python (greedy next token from its scores)."""
+    def decode_run() -> float:
+        llm.reset()
+        llm.eval(prompt)
+        start = time.perf_counter()
+        for _ in range(new):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        return new / (time.perf_counter() - start)
+
+    def prefill() -> None:
+        llm.reset()
+        llm.eval((prompt * 64)[:512])
+
+    return decode_run, prefill
+
+
+@contextlib.contextmanager
+def prefill_paths(f32_x_min_rows: int, gemm_min_rows: int):
+    """The quantized LINEAR's row thresholds (kog.program.interpreter) set for a block."""
+    from kog.program import interpreter as it
+
+    saved = it.QUANT_F32_X_MIN_ROWS, it.QUANT_GEMM_MIN_ROWS
+    it.QUANT_F32_X_MIN_ROWS, it.QUANT_GEMM_MIN_ROWS = f32_x_min_rows, gemm_min_rows
+    try:
+        yield
+    finally:
+        it.QUANT_F32_X_MIN_ROWS, it.QUANT_GEMM_MIN_ROWS = saved
+
+
+# The prefill policy before the f32-x kernel (commit 3e18e8b): int8 GEMV below 32 rows, f32 tiles
+# and torch's GEMM from 32.
+OLD_PATHS = (1 << 30, 32)
+
+
+def ttft_table(repeats: int) -> None:
+    """Time to first token of short chat prompts through kog.LLM (generate, max_tokens=1; the
+    prompt's prefill plus one sample): the Q4_1 GGUF with its blocks kept -- this tree's prefill
+    paths and the previous policy (OLD_PATHS) -- and the same file in f32, alternating, best of
+    `repeats`."""
+    import kog
+
+    q, f = kog.LLM(max_num_seqs=1, max_model_len=1024), kog.LLM(None, "float32", max_num_seqs=1, max_model_len=1024)
+    questions = ["Tell me about cats.", "What is the capital of France?",
+                 "Explain in two sentences why the sky is blue, and mention Rayleigh scattering."]
+    greedy = kog.SamplingParams(max_tokens=1, temperature=0)
+    engines = {"Q4_1 (this tree)": (q, None), "Q4_1 (previous paths)": (q, OLD_PATHS), "float32": (f, None)}
+    print(f"\nTTFT, SmolLM2-135M, {torch.get_num_threads()} threads, kog.LLM.generate(max_tokens=1), "
+          f"prefix cache off by fresh prompts; best of {repeats} alternating, ms")
+    print(f"{'prompt tokens':>14}" + "".join(f"{name:>24}" for name in engines) + f"{'f32 / this tree':>17}")
+    for i, question in enumerate(questions):
+        best = {name: float("inf") for name in engines}
+        for r in range(repeats):
+            for name, (llm, paths) in engines.items():
+                # A different system line each time: no cached prefix block is reused.
+                ids = llm.encode_chat([{"role": "system", "content": f"Session {r} {name}."},
+                                       {"role": "user", "content": question}])
+                with prefill_paths(*paths) if paths else contextlib.nullcontext():
+                    best[name] = min(best[name], _timed(lambda: llm.generate({"prompt_token_ids": ids}, greedy)))
+        print(f"{len(ids):>14}" + "".join(f"{best[name] * 1e3:>24.1f}" for name in engines)
+              + f"{best['float32'] / best['Q4_1 (this tree)']:>16.2f}x")
 
 
 def kog_engine(model, prompt: list[int], new: int, repeats: int) -> tuple[list[tuple[float, float]], float]:
@@ -294,6 +443,9 @@ def main() -> None:
     ap.add_argument("--prefill-only", action="store_true", help="with --baseline: only the prefill table")
     ap.add_argument("--prefill-child", help=argparse.SUPPRESS)
     ap.add_argument("--quant-only", action="store_true", help="only the quantized-weights table")
+    ap.add_argument("--ttft-only", action="store_true", help="only the short-prompt TTFT table")
+    ap.add_argument("--llama-cpp-only", action="store_true",
+                    help="only the Kog vs llama.cpp table on Q4_1 / Q8_0 / Q4_K GGUF files")
     args = ap.parse_args()
     if args.prefill_child:
         prefill_child(args.prefill_child, args.repeats)
@@ -307,6 +459,12 @@ def main() -> None:
     prompt = f32.tokenizer.encode("The history of the city begins in the Middle Ages, when a small " * 4)[:32]
     if args.quant_only:
         quant_table(prompt, args.new_tokens, args.repeats)
+        return
+    if args.ttft_only:
+        ttft_table(args.repeats)
+        return
+    if args.llama_cpp_only:
+        vs_llama_cpp_table(prompt, args.new_tokens, args.repeats)
         return
     bw = triad_gbs()
     rows = []
@@ -354,6 +512,11 @@ def main() -> None:
             print(f"{c:>8}{kog_tps:>11.1f}{lc:>11}{ratio:>17}")
 
     quant_table(prompt, args.new_tokens, args.repeats)
+    ttft_table(args.repeats)
+    try:
+        vs_llama_cpp_table(prompt, args.new_tokens, args.repeats)
+    except ImportError:
+        print("llama.cpp: llama-cpp-python not importable, quantized comparison not measured")
     if args.baseline:
         prefill_vs_baseline(args.baseline, args.baseline_rounds, args.repeats)
 

@@ -32,7 +32,9 @@ void linear_quant(uintptr_t out, uintptr_t x, uintptr_t weight, int64_t weight_b
             " needs ", n * row_bytes, " bytes, got ", weight_bytes);
   KOG_CHECK(m <= 1 || (x_stride >= k && out_stride >= n), "linear_quant: row strides below the row length");
   KOG_CHECK(m == 0 || (out && x && weight), "linear_quant: null tensor");
-  KOG_CHECK(x_stages == 1 || x_stages == 2, "linear_quant: x_stages must be 1 or 2, got ", x_stages);
+  KOG_CHECK(x_stages >= 0 && x_stages <= 2, "linear_quant: x_stages must be 0, 1 or 2, got ", x_stages);
+  KOG_CHECK(x_stages != 0 || x_dtype == static_cast<int>(kog::DType::kF32),
+            "linear_quant: x_stages 0 (f32 x) needs a float32 x");
   if (m == 0) return;
   std::vector<uint8_t> scratch(static_cast<size_t>(kog::linear_quant_scratch_bytes(m, k, x_stages)));
   kog::LinearQuantParams p{reinterpret_cast<float*>(out), reinterpret_cast<const void*>(x),

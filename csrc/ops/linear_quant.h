@@ -28,6 +28,9 @@ struct LinearQuantParams {
   // 1: x quantized once per unit (error <= amax / 254 per element). 2: also its residual
   // x - d q, quantized again and dotted too (error <= amax / 64516: near fp32 logits for about
   // twice the integer work and the same weight bytes; the model program's LINEARs use it).
+  // 0: x stays f32 (x_dtype must be f32): weight rows are dequantized a tile at a time into
+  // the thread's cache and multiplied in f32, exact products (the prefill of a short prompt;
+  // linear_quant only, not linear_quant_part).
   int x_stages = 1;
 };
 

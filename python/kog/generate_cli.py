@@ -53,8 +53,8 @@ def run(args: argparse.Namespace, llm=None, out: TextIO = sys.stdout, err: TextI
             llm = LLM(model, None if args.dtype == "auto" else args.dtype, max_num_seqs=1, device=args.device,
                       chat_template=args.chat_template,
                       allow_special_tokens_in_content=args.allow_special_tokens_in_content)
-            print(f"[kog] loaded {llm.model.path.name} ({llm.model.dtype}) in {time.perf_counter() - t0:.1f}s",
-                  file=err)
+            print(f"[kog] loaded {llm.model.path.name} ({_weights_kind(llm)}) "
+                  f"in {time.perf_counter() - t0:.1f}s", file=err)
         if args.raw or llm.chat_template is None:
             prompt = args.prompt
         else:
@@ -82,6 +82,25 @@ def run(args: argparse.Namespace, llm=None, out: TextIO = sys.stdout, err: TextI
     print(f"[kog] {n_tokens} tokens ({finish}) · TTFT {ttft * 1e3:.0f} ms · {decode_rate:.1f} tok/s"
           f"{_weights_note(llm)}", file=err)
     return 0
+
+
+def _weights_kind(llm) -> str:
+    """'torch.float32' for float weights; for a GGUF whose blocks are kept, its quant types by
+    bytes, largest first, and the float dtype its activations run in:
+    'Q4_1 + Q8_0 blocks, torch.float32 activations'."""
+    from kog.quantized import QuantizedWeight
+
+    # NOTE: the runner owns the weights once built (LoadedModel.weights is emptied).
+    runner = getattr(llm.engine, "runner", None)
+    weights = runner.weights if runner is not None else llm.model.weights
+    by_type: dict[str, int] = {}
+    for w in weights.values():
+        if isinstance(w, QuantizedWeight):
+            by_type[w.type_name] = by_type.get(w.type_name, 0) + w.nbytes
+    if not by_type:
+        return str(llm.model.dtype)
+    types = " + ".join(sorted(by_type, key=lambda t: -by_type[t]))
+    return f"{types} blocks, {llm.model.dtype} activations"
 
 
 def _weights_note(llm) -> str:

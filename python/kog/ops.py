@@ -302,13 +302,17 @@ def linear_quant(x: torch.Tensor, weight: torch.Tensor, quant_type: int | str,
             Q4_K, Q5_K or Q6_K.
         out: optional [..., n] float32 output.
         x_stages: 1, or 2 to also quantize and dot x's residual after the first int8 rounding
-            (the bound above divided by 254, for twice the integer work; the model runs 2).
+            (the bound above divided by 254, for twice the integer work; the model's decode
+            runs 2), or 0: x stays float32 and the weight is dequantized a tile of rows at a
+            time in cache, exact f32 products (the prefill of short prompts; x must be float32).
 
     Returns:
         out: [..., n] float32.
     """
-    if x_stages not in (1, 2):
-        raise InvalidRequest(f"x_stages must be 1 or 2, got {x_stages!r}")
+    if x_stages not in (0, 1, 2):
+        raise InvalidRequest(f"x_stages must be 0, 1 or 2, got {x_stages!r}")
+    if x_stages == 0 and x.dtype != torch.float32:
+        raise InvalidRequest(f"x_stages 0 (f32 x) needs a float32 x, got {x.dtype}")
     if isinstance(quant_type, str):
         if quant_type not in QUANT_TYPES:
             raise InvalidRequest(f"unsupported quant type {quant_type!r} (supported: {', '.join(QUANT_TYPES)})")

@@ -89,3 +89,20 @@ def test_generate_loads_the_positional_model(tmp_path):
         assert run(parse(build_parser(), argv), out=io.StringIO(), err=err) == 0
         assert "[kog] loaded tiny.gguf" in err.getvalue() and "3 tokens" in err.getvalue()
         assert ("(torch.float16)" in err.getvalue()) is ("half" in argv)
+
+
+def test_generate_names_the_quant_type_of_kept_blocks(tmp_path):
+    """A GGUF whose blocks stay resident is reported by its quant type, not as float32 weights;
+    an explicit dtype dequantizes it, and the line says so."""
+    from kog.generate_cli import run
+    from kog.testing.tiny_models import tiny_config, write_gguf_model
+
+    model = str(write_gguf_model(tmp_path / "q8.gguf", tiny_config("llama"), qtype="Q8_0"))
+    lines = {}
+    for dtype in ("auto", "float32"):
+        err = io.StringIO()
+        assert run(parse(build_parser(), ["generate", model, "hi", "--max-tokens", "2", "--dtype", dtype]),
+                   out=io.StringIO(), err=err) == 0
+        lines[dtype] = next(line for line in err.getvalue().splitlines() if line.startswith("[kog] loaded"))
+    assert "(Q8_0 blocks, torch.float32 activations)" in lines["auto"], lines
+    assert "(torch.float32)" in lines["float32"] and "Q8_0" not in lines["float32"], lines

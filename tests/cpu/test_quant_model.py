@@ -80,6 +80,40 @@ def test_two_stage_activations_are_near_fp32(qtype):
     assert (one - exact).abs().max() > 20 * (two - exact).abs().max()
 
 
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 2, 5, 7, 33])
+def test_f32_x_equals_the_dequantized_product(cpu_isa, qtype, m):
+    """x_stages=0 (x kept in f32, weight tiles dequantized in cache) is the exact product with the
+    dequantized matrix to fp32 rounding, bias added, for tails of rows and weight rows (n = 37:
+    two full 16-row tiles and 5 rows), strided x and out."""
+    rng = np.random.default_rng(10 + m)
+    blocks = random_blocks(rng, qtype, 37, 512)
+    w = torch.from_numpy(quants.dequantize(blocks, qtype).astype(np.float32)).double()
+    x = (torch.randn(m, 600) * torch.linspace(0.1, 4, 600))[:, :512]  # rows 600 apart
+    bias = torch.randn(37)
+    out = torch.full((m, 50), float("nan"))[:, :37]
+    got = ops.linear_quant(x, torch.from_numpy(blocks), int(qtype), out=out, x_stages=0)
+    exact = x.double() @ w.T
+    assert got.data_ptr() == out.data_ptr()
+    tol = 1e-5 * (x.double().abs() @ w.abs().T) + 1e-30
+    assert bool(((got.double() - exact).abs() <= tol).all())
+    contiguous = ops.linear_quant(x.contiguous(), torch.from_numpy(blocks), int(qtype), x_stages=0)
+    assert torch.equal(contiguous, got)  # strides change nothing
+    from kog.program.interpreter import quant_matmul
+
+    if m >= interp.QUANT_F32_X_MIN_ROWS:  # the interpreter's path for this m, bias included
+        qw = QuantizedWeight(torch.from_numpy(blocks), int(qtype), 512)
+        assert torch.equal(quant_matmul(x, qw, bias), got + bias)
+
+
+def test_f32_x_needs_float32_x():
+    blocks = torch.from_numpy(random_blocks(np.random.default_rng(0), T.Q8_0, 4, 64))
+    with pytest.raises(InvalidRequest, match="float32"):
+        ops.linear_quant(torch.randn(2, 64).bfloat16(), blocks, "Q8_0", x_stages=0)
+    with pytest.raises(InvalidRequest, match="x_stages"):
+        ops.linear_quant(torch.randn(2, 64), blocks, "Q8_0", x_stages=3)
+
+
 def test_cat_rows_keeps_blocks_of_one_type_and_requantizes_mixed_ones():
     rng = np.random.default_rng(2)
     a = QuantizedWeight(torch.from_numpy(random_blocks(rng, T.Q4_K, 8, 256)), int(T.Q4_K), 256)
@@ -189,12 +223,18 @@ def test_tiny_quant_model_logits_near_fp32(family, qtype):
     assert (got - want).abs().max() <= 1e-3 * scale
     from kog.models.runner import PrefillChunk
 
-    long = [3 + i % 50 for i in range(interp.QUANT_GEMM_MIN_ROWS + 5)]
+    long = [3 + i % 50 for i in range(37)]
     ch = PrefillChunk(long, 0, np.arange(16, dtype=np.int32), np.arange(len(long), dtype=np.int64))
-    lq = ModelRunner(qm, num_kv_blocks=64, block_size=4).prefill([ch], all_logits=True)[0]
     lf = ModelRunner(fm, num_kv_blocks=64, block_size=4).prefill([ch], all_logits=True)[0]
-    # The last row (LM head over the sampled rows) is a 1-row int8 GEMV; the others dequantized tiles.
-    torch.testing.assert_close(lq[:-1], lf[:-1], rtol=1e-4, atol=1e-4 * float(lf.abs().max()))
+    # f32 x through in-cache weight tiles (x_stages 0), then f32 tiles + torch's GEMM: both exact
+    # products. The last row (LM head over the sampled rows) is a 1-row int8 GEMV.
+    for gemm_rows in (interp.QUANT_GEMM_MIN_ROWS, 8):
+        saved, interp.QUANT_GEMM_MIN_ROWS = interp.QUANT_GEMM_MIN_ROWS, gemm_rows
+        try:
+            lq = ModelRunner(qm, num_kv_blocks=64, block_size=4).prefill([ch], all_logits=True)[0]
+        finally:
+            interp.QUANT_GEMM_MIN_ROWS = saved
+        torch.testing.assert_close(lq[:-1], lf[:-1], rtol=1e-4, atol=1e-4 * float(lf.abs().max()))
 
 
 def test_decode_loop_and_forks_run_a_quantized_model():

@@ -96,21 +96,26 @@ void block_of(QuantType t, int64_t& elems, int64_t& bytes) {
 
 }  // namespace
 
+void dequantize_row(QuantType type, const uint8_t* w, int64_t k, float* y) {
+  int64_t elems, bytes;
+  block_of(type, elems, bytes);
+  const int64_t nb = k / elems;
+  switch (type) {
+    case QuantType::kQ8_0: row_q8_0(w, nb, y); break;
+    case QuantType::kQ4_0: row_q4<false, BlockQ4_0>(w, nb, y); break;
+    case QuantType::kQ4_1: row_q4<true, BlockQ4_1>(w, nb, y); break;
+    case QuantType::kQ4_K: row_k4<false, BlockQ4_K>(w, nb, y); break;
+    case QuantType::kQ5_K: row_k4<true, BlockQ5_K>(w, nb, y); break;
+    case QuantType::kQ6_K: row_q6_k(w, nb, y); break;
+  }
+}
+
 void dequantize_rows(const DequantizeRowsParams& p) {
   int64_t elems, bytes;
   block_of(p.type, elems, bytes);
-  const int64_t nb = p.k / elems, row_bytes = nb * bytes;
+  const int64_t row_bytes = p.k / elems * bytes;
   for_each_row(p.n_ids, p.n_ids * p.k >= kParallelMinElems, [&](int64_t r) {
-    const uint8_t* w = p.weight + (p.ids != nullptr ? p.ids[r] : r) * row_bytes;
-    float* y = p.out + r * p.k;
-    switch (p.type) {
-      case QuantType::kQ8_0: row_q8_0(w, nb, y); break;
-      case QuantType::kQ4_0: row_q4<false, BlockQ4_0>(w, nb, y); break;
-      case QuantType::kQ4_1: row_q4<true, BlockQ4_1>(w, nb, y); break;
-      case QuantType::kQ4_K: row_k4<false, BlockQ4_K>(w, nb, y); break;
-      case QuantType::kQ5_K: row_k4<true, BlockQ5_K>(w, nb, y); break;
-      case QuantType::kQ6_K: row_q6_k(w, nb, y); break;
-    }
+    dequantize_row(p.type, p.weight + (p.ids != nullptr ? p.ids[r] : r) * row_bytes, p.k, p.out + r * p.k);
   });
 }
 

@@ -9,6 +9,9 @@
 #include <type_traits>
 
 namespace kog::cpu::KOG_ISA_NS {
+
+void linear_dequant(const LinearQuantParams& p, int64_t row_bytes);  // csrc/cpu/ops/linear_dequant.cpp
+
 namespace {
 
 constexpr int kCols = 4;
@@ -269,8 +272,9 @@ int64_t row_bytes_of(const LinearQuantParams& p) {
 }  // namespace
 
 void linear_quant(const LinearQuantParams& p) {
-  const QuantizedX qx = quantize_x(p);
   const int64_t row_bytes = row_bytes_of(p);
+  if (p.x_stages == 0) return linear_dequant(p, row_bytes);
+  const QuantizedX qx = quantize_x(p);
   constexpr int64_t kChunk = 16;  // rows per parallel work item
   const int64_t n_chunks = (p.n + kChunk - 1) / kChunk;
   parallel_for(n_chunks, p.n * row_bytes >= kParallelMinBytes, [&](int64_t t) {

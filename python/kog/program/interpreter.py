@@ -171,29 +171,37 @@ _HANDLERS: dict[Opcode, Callable[[ProgramInterpreter, ProgramState, Instruction,
 }
 
 
-# Rows of x from which a quantized LINEAR dequantizes its weight tile by tile for torch's GEMM
-# instead of running the int8 GEMV kernel (measured: bench/cpu_decode.py's prefill column).
-QUANT_GEMM_MIN_ROWS = 32
-_QUANT_TILE_BYTES = 8 << 20
+# A quantized LINEAR by rows of x: one row runs the decode's int8 kernel (x in two int8 stages,
+# what a decode step computes); from QUANT_F32_X_MIN_ROWS rows the kernel keeps x in f32 and
+# dequantizes weight tiles in cache (x_stages 0); from QUANT_GEMM_MIN_ROWS, f32 weight tiles
+# and torch's GEMM (measured on SmolLM2's matrices, 2-core AVX-512 VM: in-cache tiles 1.2-1.4x
+# faster at 512-1024 rows, 0.9-1.1x at 2048; docs/PERFORMANCE.md).
+QUANT_F32_X_MIN_ROWS = 2
+QUANT_GEMM_MIN_ROWS = 1536
+_QUANT_TILE_BYTES = 8 << 20  # f32 bytes of one dequantized weight tile: bounded, never the whole model
 # x stages of the int8 kernel: as the decode executor (csrc/engine/decode_executor.h kQuantXStages).
-QUANT_X_STAGES = 2  # f32 bytes of one dequantized weight tile: bounded, never the whole model
+QUANT_X_STAGES = 2
 
 
 def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T (+ bias) over a matrix kept in GGUF blocks: [T, k] f32 -> [T, n] f32.
 
-    NOTE: few rows run the decode's kernel (x and its residual quantized per 32 to int8,
-    kog.ops.linear_quant with x_stages 2),
-    so a short prefill computes what decode computes; many rows dequantize the weight a tile of
-    rows at a time to f32 (at most _QUANT_TILE_BYTES live) and use torch's GEMM: exact products,
-    and each tile's dequantization is amortized over every row.
+    NOTE: one row runs the decode's kernel (x and its residual quantized per 32 to int8,
+    kog.ops.linear_quant with x_stages 2), so a one-token prefill computes what decode computes.
+    A few rows (a short prompt) run the same kernel with x in f32 (x_stages 0: each thread
+    dequantizes 16 weight rows into its cache and multiplies them with every row of x): exact
+    products, no f32 matrix in memory, no hand-over to torch's threads (which costs more than
+    the product at this size). Many rows dequantize the weight a tile of rows at a time to f32
+    (at most _QUANT_TILE_BYTES live) for torch's GEMM.
     """
     x = x.contiguous()
-    if x.shape[0] < QUANT_GEMM_MIN_ROWS:
-        out = ops.linear_quant(x, w.data, w.qtype, x_stages=QUANT_X_STAGES)
+    rows = x.shape[0]
+    if rows < QUANT_GEMM_MIN_ROWS:
+        stages = QUANT_X_STAGES if rows < QUANT_F32_X_MIN_ROWS else 0
+        out = ops.linear_quant(x, w.data, w.qtype, x_stages=stages)
     else:
         n, k = w.shape
-        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        out = torch.empty(rows, n, dtype=torch.float32)
         step = max(1, _QUANT_TILE_BYTES // (4 * k))
         for r in range(0, n, step):
             torch.matmul(x, w.dequantize(slice(r, r + step)).T, out=out[:, r:r + step])
