@@ -110,7 +110,7 @@ def run_and_read(ex, r: ModelRunner, step: dict) -> dict:
            step["seq_lens"].ctypes.data, step["slots"].ctypes.data, logits.data_ptr(), sampled.ctypes.data)
     out = {"logits": logits, "sampled": torch.from_numpy(sampled), "kv": r.kv.kv.clone()}
     for b in Buffer:
-        buf = torch.empty(n, ex.width(int(b)), dtype=torch.int32 if b == Buffer.TOKENS else r.dtype)
+        buf = torch.empty(n, ex.width(int(b)), dtype=torch.int32 if b in (Buffer.TOKENS, Buffer.ROUTE) else r.dtype)
         ex.read_buffer(int(b), buf.data_ptr(), buf.numel() * buf.element_size())
         out[b.name] = buf
     return out

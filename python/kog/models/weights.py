@@ -32,7 +32,9 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
         `self_attn.qkv_proj.weight` [(n_q + 2 n_kv) head_dim, hidden] (+ `.bias` with
         attention_bias), `self_attn.o_proj.weight`, `mlp.gate_up_proj.weight`
         [2 intermediate, hidden], `mlp.down_proj.weight`, and with qk_norm
-        `self_attn.q_norm.weight` / `self_attn.k_norm.weight`. All contiguous. Matrices given as
+        `self_attn.q_norm.weight` / `self_attn.k_norm.weight`; an MoE layer (config.moe_layers)
+        has `mlp.gate.weight` [E, hidden], `mlp.experts.gate_up_proj` [E, 2 Ie, hidden] and
+        `mlp.experts.down_proj` [E, hidden, Ie] instead of the MLP's matrices. All contiguous. Matrices given as
         QuantizedWeight stay so (fused by byte rows, see kog.quantized.cat_rows).
     """
 
@@ -63,8 +65,12 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
             out[a + "q_norm.weight"] = get(a + "q_norm.weight").contiguous()
             out[a + "k_norm.weight"] = get(a + "k_norm.weight").contiguous()
         out[a + "o_proj.weight"] = _contiguous(get(a + "o_proj.weight"))
-        out[m + "gate_up_proj.weight"] = cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
-        out[m + "down_proj.weight"] = _contiguous(get(m + "down_proj.weight"))
+        if n in config.moe_layers:  # already stacked at load (kog.loader.moe)
+            for name in ("gate.weight", "experts.gate_up_proj", "experts.down_proj"):
+                out[m + name] = _float(get(m + name), dtype).contiguous()
+        else:
+            out[m + "gate_up_proj.weight"] = cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
+            out[m + "down_proj.weight"] = _contiguous(get(m + "down_proj.weight"))
         for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             out[p + norm] = get(p + norm).contiguous()
     return out
@@ -76,6 +82,11 @@ def weight_bytes(weights: dict[str, Tensor]) -> int:
     for w in weights.values():
         seen[w.data_ptr()] = max(seen.get(w.data_ptr(), 0), w.nbytes)
     return sum(seen.values())
+
+
+def _float(w: Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # The MoE ops take run-dtype weights only (validate_program): quantized experts dequantize.
+    return w.dequantize().to(dtype) if isinstance(w, QuantizedWeight) else w
 
 
 def _contiguous(w: Tensor) -> Tensor:

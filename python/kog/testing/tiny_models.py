@@ -62,14 +62,23 @@ TRICKY_STRINGS = [
 
 
 def tiny_config(architecture: str = "llama", vocab_size: int | None = None, **overrides: Any) -> ModelConfig:
-    """A Llama-family config with hidden 64, 2 layers, 4 query heads over 2 KV heads (head_dim 16)."""
-    fields: dict[str, Any] = dict(
+    """A Llama-family config with hidden 64, 2 layers, 4 query heads over 2 KV heads (head_dim 16).
+
+    MoE families get 4 experts of width 32, 2 per token, renormalized; every layer is MoE but
+    qwen3_moe's layer 1, which stays dense (its mlp_only_layers).
+    """
+    n_layers = overrides.get("num_hidden_layers", 2)
+    moe: dict[str, Any] = {}
+    if architecture in ("qwen3_moe", "mixtral"):
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                   moe_layers=tuple(i for i in range(n_layers) if architecture == "mixtral" or i != 1))
+    fields: dict[str, Any] = moe | dict(
         architecture=architecture, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, intermediate_size=128,
         vocab_size=vocab_size or len(tiny_tokenizer_metadata()["tokenizer.ggml.tokens"]),
         rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256,
         tie_word_embeddings=architecture in ("qwen2", "qwen3"), attention_bias=architecture == "qwen2",
-        qk_norm=architecture == "qwen3", bos_token_id=1, eos_token_ids=(2,), torch_dtype="float32",
+        qk_norm=architecture in ("qwen3", "qwen3_moe"), bos_token_id=1, eos_token_ids=(2,), torch_dtype="float32",
     )
     return ModelConfig(**(fields | overrides))
 
@@ -154,7 +163,7 @@ def tiny_tokenizer(pre: str = "smollm") -> Tokenizer:
 
 def default_pre(config: ModelConfig) -> str:
     """The pre-tokenizer a real model of this family uses."""
-    return "qwen2" if config.architecture in ("qwen2", "qwen3") else "smollm"
+    return "qwen2" if config.architecture in ("qwen2", "qwen3", "qwen3_moe") else "smollm"
 
 
 def write_hf_model(folder: str | Path, config: ModelConfig, weights: Weights | None = None,
