@@ -24,11 +24,11 @@ namespace {
 ModelDims make_dims(int64_t n_layers, int64_t hidden, int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim,
                     int64_t intermediate, int64_t vocab, int64_t rotary_dim, float rms_eps, float attn_scale,
                     bool rope_neox, int dtype, int64_t n_experts, int64_t top_k, int64_t expert_intermediate,
-                    bool norm_topk) {
+                    bool norm_topk, int64_t shared_slots) {
   KOG_CHECK(dtype >= 0 && dtype <= int(kog::DType::kI64), "ModelDims: unknown dtype code ", dtype);
   ModelDims d{n_layers, hidden, n_q_heads, n_kv_heads, head_dim, intermediate, vocab, rotary_dim,
               rms_eps, attn_scale, rope_neox, kog::DType(dtype), n_experts, top_k, expert_intermediate,
-              norm_topk};
+              norm_topk, shared_slots};
   kog::schedule::validate_dims(d);
   return d;
 }
@@ -55,7 +55,7 @@ void bind_schedule(py::module_& m) {
       .def(py::init(&make_dims), arg("n_layers"), arg("hidden"), arg("n_q_heads"), arg("n_kv_heads"),
            arg("head_dim"), arg("intermediate"), arg("vocab"), arg("rotary_dim"), arg("rms_eps"),
            arg("attn_scale"), arg("rope_neox"), arg("dtype"), arg("n_experts") = 0, arg("top_k") = 0,
-           arg("expert_intermediate") = 0, arg("norm_topk") = false)
+           arg("expert_intermediate") = 0, arg("norm_topk") = false, arg("shared_slots") = 0)
       .def_readonly("n_layers", &ModelDims::n_layers)
       .def_readonly("hidden", &ModelDims::hidden)
       .def_readonly("n_q_heads", &ModelDims::n_q_heads)
@@ -71,6 +71,7 @@ void bind_schedule(py::module_& m) {
       .def_readonly("top_k", &ModelDims::top_k)
       .def_readonly("expert_intermediate", &ModelDims::expert_intermediate)
       .def_readonly("norm_topk", &ModelDims::norm_topk)
+      .def_readonly("shared_slots", &ModelDims::shared_slots)
       .def_property_readonly("dtype", [](const ModelDims& d) { return int(d.dtype); })
       .def("buffer_width", [](const ModelDims& d, int b) {
              KOG_CHECK(b >= 0 && b < int(Buffer::kNumBuffers), "buffer_width: bad buffer ", b);

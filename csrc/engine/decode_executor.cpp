@@ -95,9 +95,9 @@ void DecodeExecutor::reserve(int64_t batch) {
   }
   max_k = std::max(max_k, d_.expert_intermediate);  // an expert's down projection reads its act rows
   if (d_.n_experts > 0) {
-    moe_rows_.assign(size_t(batch * (d_.n_experts + 2 * d_.hidden + 3 * d_.expert_intermediate) * elem_), 0);
+    moe_rows_.assign(size_t(batch * (d_.n_experts + 1 + 2 * d_.hidden + 3 * d_.expert_intermediate) * elem_), 0);
     moe_acc_.assign(size_t(batch * d_.hidden), 0.f);
-    moe_order_.assign(size_t(batch * d_.top_k), 0);
+    moe_order_.assign(size_t(batch * (d_.top_k + d_.shared_slots)), 0);
   }
   arena_.assign(size_t(total + 64), 0);
   char* aligned = arena_.data() + (64 - reinterpret_cast<uintptr_t>(arena_.data()) % 64) % 64;

@@ -61,21 +61,21 @@ void topk_like_torch(std::vector<Scored>& q, int64_t k) {
 }  // namespace
 
 // route[b] = ids of the top_k experts of softmax(x[b] @ router^T) and their weights (renormalized
-// to sum 1 with norm_topk). The logits are rounded to the run dtype, as the interpreter's GEMM
-// rounds them; softmax and weights in f32.
+// to sum 1 with norm_topk), then the shared slots E.. with weight sigmoid(x[b] @ router[E]). The
+// logits are rounded to the run dtype, as the interpreter's GEMM rounds them; the rest in f32.
 void DecodeExecutor::route(const Op& op, int64_t batch) {
-  const int64_t E = d_.n_experts, K = d_.top_k;
-  char* logits = moe_rows_.data();  // [B, E] run dtype
-  const LinearParams p{logits, buf(op.in), op.w0, nullptr, batch, E, d_.hidden, d_.hidden, E, d_.dtype};
+  const int64_t E = d_.n_experts, K = d_.top_k, S = d_.shared_slots, n = E + (S > 0), W = K + S;
+  char* logits = moe_rows_.data();  // [B, n] run dtype
+  const LinearParams p{logits, buf(op.in), op.w0, nullptr, batch, n, d_.hidden, d_.hidden, n, d_.dtype};
   cpu::kernels().linear(p, scratch_.data());
-  int32_t* out = reinterpret_cast<int32_t*>(buf(op.out));  // [B, 2K] words: K ids, then K f32 weights
+  int32_t* out = reinterpret_cast<int32_t*>(buf(op.out));  // [B, 2W] words: W ids, then W f32 weights
   std::vector<Scored> q(static_cast<size_t>(E));
   for (int64_t b = 0; b < batch; ++b) {
     float mx = -INFINITY;
-    for (int64_t e = 0; e < E; ++e) mx = std::max(mx, load(logits, b * E + e, d_.dtype));
+    for (int64_t e = 0; e < E; ++e) mx = std::max(mx, load(logits, b * n + e, d_.dtype));
     float sum = 0.f;
     for (int64_t e = 0; e < E; ++e) {
-      q[size_t(e)] = {std::exp(load(logits, b * E + e, d_.dtype) - mx), e};
+      q[size_t(e)] = {std::exp(load(logits, b * n + e, d_.dtype) - mx), e};
       sum += q[size_t(e)].first;
     }
     const float inv = 1.f / sum;
@@ -84,11 +84,18 @@ void DecodeExecutor::route(const Op& op, int64_t batch) {
     topk_like_torch(q, K);
     float top_sum = 0.f;
     for (int64_t j = 0; j < K; ++j) top_sum += q[size_t(j)].first;
-    int32_t* row = out + b * 2 * K;
+    int32_t* row = out + b * 2 * W;
     for (int64_t j = 0; j < K; ++j) {
       const float w = d_.norm_topk ? q[size_t(j)].first / top_sum : q[size_t(j)].first;
       row[j] = int32_t(q[size_t(j)].second);
-      std::memcpy(row + K + j, &w, 4);
+      std::memcpy(row + W + j, &w, 4);
+    }
+    if (S > 0) {
+      const float g = 1.f / (1.f + std::exp(-load(logits, b * n + E, d_.dtype)));
+      for (int64_t j = K; j < W; ++j) {
+        row[j] = int32_t(E + j - K);
+        std::memcpy(row + W + j, &g, 4);
+      }
     }
   }
 }
@@ -98,7 +105,9 @@ void DecodeExecutor::route(const Op& op, int64_t batch) {
 // expert's matrices are read once per step, however many rows chose it, and an expert no row
 // chose is never read); sums are f32 in ascending expert order, as the interpreter adds them.
 void DecodeExecutor::experts(const Op& op, int64_t batch) {
-  const int64_t E = d_.n_experts, K = d_.top_k, H = d_.hidden, I = d_.expert_intermediate;
+  // K: slots per row (routed + shared), E: stacked experts (routed + shared slices)
+  const int64_t E = d_.n_experts + d_.shared_slots, K = d_.top_k + d_.shared_slots;
+  const int64_t H = d_.hidden, I = d_.expert_intermediate;
   const int32_t* route = reinterpret_cast<const int32_t*>(buf(int(Buffer::kRoute)));
   // (row * K + slot) pairs grouped by expert, rows ascending in each group: a counting sort.
   std::vector<int64_t> start(size_t(E + 1), 0);
@@ -112,7 +121,7 @@ void DecodeExecutor::experts(const Op& op, int64_t batch) {
   for (int64_t i = 0; i < batch * K; ++i) moe_order_[size_t(fill[size_t(route[(i / K) * 2 * K + i % K])]++)] = int32_t(i);
 
   const cpu::KernelTable& k = cpu::kernels();
-  char* x = moe_rows_.data() + batch * E * elem_;  // [m, H]: the expert's rows of in
+  char* x = moe_rows_.data() + batch * (d_.n_experts + 1) * elem_;  // [m, H]: the expert's rows of in
   char* gu = x + batch * H * elem_;                // [m, 2I]
   char* act = gu + batch * 2 * I * elem_;          // [m, I]
   char* y = act + batch * I * elem_;               // [m, H]

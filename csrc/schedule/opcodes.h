@@ -34,7 +34,7 @@ enum class Buffer : int32_t {
   kGateUp = 6,    // [batch, 2 intermediate]
   kAct = 7,       // [batch, intermediate]
   kLogits = 8,    // [batch, vocab] run dtype (SAMPLE copies it out as f32, on both backends)
-  kRoute = 9,     // [batch, 2 top_k] 4-byte words: top_k int32 expert ids, then their f32 weights (MoE)
+  kRoute = 9,     // [batch, 2 (top_k + shared_slots)] 4-byte words: int32 expert ids, then their f32 weights (MoE)
   kNumBuffers = 10,
 };
 

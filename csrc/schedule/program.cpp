@@ -95,9 +95,10 @@ void validate_dims(const ModelDims& d) {
   KOG_CHECK(d.rotary_dim > 0 && d.rotary_dim % 2 == 0 && d.rotary_dim <= d.head_dim, "model dims: rotary_dim ",
             d.rotary_dim, " must be even and in (0, head_dim ", d.head_dim, "]");
   KOG_CHECK(d.rms_eps > 0.f && d.attn_scale > 0.f, "model dims: rms_eps and attn_scale must be positive");
-  KOG_CHECK(d.n_experts >= 0 && d.top_k >= 0 && d.expert_intermediate >= 0, "model dims: negative MoE sizes");
-  KOG_CHECK(d.n_experts > 0 || (d.top_k == 0 && d.expert_intermediate == 0),
-            "model dims: top_k and expert_intermediate need n_experts > 0");
+  KOG_CHECK(d.n_experts >= 0 && d.top_k >= 0 && d.expert_intermediate >= 0 && d.shared_slots >= 0,
+            "model dims: negative MoE sizes");
+  KOG_CHECK(d.n_experts > 0 || (d.top_k == 0 && d.expert_intermediate == 0 && d.shared_slots == 0),
+            "model dims: top_k, expert_intermediate and shared_slots need n_experts > 0");
   KOG_CHECK(d.n_experts == 0 || (d.top_k >= 1 && d.top_k <= d.n_experts && d.expert_intermediate > 0),
             "model dims: top_k ", d.top_k, " must be in [1, n_experts ", d.n_experts,
             "] and expert_intermediate positive");

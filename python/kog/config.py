@@ -18,7 +18,8 @@ from kog.errors import ModelLoadError
 
 # HF `model_type` -> (family, HF architecture class). Families differ only in switches below:
 # Qwen2 has a bias on q/k/v, Qwen3 an RMSNorm on each head of q and k; the rest is Llama.
-# Qwen3-MoE and Mixtral replace the MLP of some (all) layers by routed experts.
+# Qwen3-MoE, Qwen2-MoE and Mixtral replace the MLP of some (all) layers by routed experts;
+# Qwen2-MoE adds a shared expert every token runs, gated by a sigmoid.
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -26,9 +27,10 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 # Families whose MLP is (in some layers) a routed mixture of experts.
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe")
 _FAMILY_OF_CLASS = {cls: family for family, cls in ARCHITECTURES.items()}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,7 +45,7 @@ class ModelConfig:
     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}).
     """
 
-    architecture: str  # family: "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_moe" | "mixtral"
+    architecture: str  # family: "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_moe" | "mixtral" | "qwen2_moe"
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -71,6 +73,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # qwen2_moe: the shared expert's width (0: none)
 
     @property
     def hf_architecture(self) -> str:
@@ -112,6 +115,10 @@ class ModelConfig:
                                  f"{self.num_experts}]")
         if self.moe_layers and self.moe_intermediate_size < 1:
             raise ModelLoadError(f"moe_intermediate_size={self.moe_intermediate_size} must be >= 1")
+        if (self.architecture == "qwen2_moe") != (self.shared_expert_intermediate_size > 0):
+            raise ModelLoadError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size}: "
+                                 f"{'needs' if self.architecture == 'qwen2_moe' else 'has no'} a shared expert "
+                                 f"for {self.architecture}")
         bad = [i for i in self.moe_layers if not 0 <= i < self.num_hidden_layers]
         if bad or len(set(self.moe_layers)) != len(self.moe_layers):
             raise ModelLoadError(f"moe_layers={list(self.moe_layers)}: layers must be distinct and in "
@@ -121,6 +128,12 @@ class ModelConfig:
     def is_moe(self) -> bool:
         """True when some layer's MLP is a mixture of experts."""
         return bool(self.moe_layers)
+
+    @property
+    def shared_expert_slots(self) -> int:
+        """Slices of moe_intermediate_size the shared expert runs as (its width rounded up):
+        always-on experts after the routed ones (kog.models.weights)."""
+        return -(-self.shared_expert_intermediate_size // max(1, self.moe_intermediate_size))
 
     # ------------------------------------------------------------------ HF config.json
 
@@ -155,7 +168,8 @@ class ModelConfig:
                 rope_scaling=scaling,
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=bool(d.get("attention_bias", family == "qwen2")),
+                attention_bias=bool(d.get("qkv_bias", True) if family == "qwen2_moe" else
+                                    d.get("attention_bias", family == "qwen2")),
                 qk_norm=family in ("qwen3", "qwen3_moe"),
                 sliding_window=_sliding_window(d),
                 bos_token_id=d.get("bos_token_id"),
@@ -207,7 +221,9 @@ class ModelConfig:
             d["sliding_window"] = self.sliding_window
         if self.architecture in ("qwen3", "qwen3_moe"):
             d["attention_bias"] = False
-        if self.architecture == "qwen3_moe":
+        if self.architecture == "qwen2_moe":
+            d |= {"qkv_bias": self.attention_bias, "shared_expert_intermediate_size": self.shared_expert_intermediate_size}
+        if self.architecture in ("qwen3_moe", "qwen2_moe"):
             d |= {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
                   "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
                   "decoder_sparse_step": 1,
@@ -248,6 +264,9 @@ def _moe_from_hf(d: dict[str, Any], family: str, n_layers: int, source: str) -> 
     if family == "mixtral":
         return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(d["intermediate_size"]),
                     norm_topk_prob=True, moe_layers=tuple(range(n_layers)) if experts > 0 else ())
+    shared = {}
+    if family == "qwen2_moe":
+        shared = dict(shared_expert_intermediate_size=int(d["shared_expert_intermediate_size"]))
     step = int(d.get("decoder_sparse_step", 1))
     if step < 1:
         raise ModelLoadError(f"{source}: decoder_sparse_step={step} must be >= 1")
@@ -256,7 +275,7 @@ def _moe_from_hf(d: dict[str, Any], family: str, n_layers: int, source: str) -> 
         raise ModelLoadError(f"{source}: mlp_only_layers={sorted(dense)} names a layer outside [0, {n_layers})")
     layers = tuple(i for i in range(n_layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
     return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(d["moe_intermediate_size"]),
-                norm_topk_prob=bool(d.get("norm_topk_prob", False)), moe_layers=layers)
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)), moe_layers=layers, **shared)
 
 
 def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -1,4 +1,4 @@
-"""Mixture-of-experts families (qwen3_moe, mixtral) against Hugging Face transformers, on tiny
+"""Mixture-of-experts families (qwen3_moe, mixtral, qwen2_moe) against Hugging Face transformers, on tiny
 random checkpoints that transformers itself writes (one tensor per expert, as save_pretrained
 does), and the routing ops' own contract: torch.topk's tie order, rows sharing experts, only the
 chosen experts' weights read, the stacked (fused) checkpoint layout, bad configs.
@@ -33,6 +33,9 @@ MODELS = {
     "qwen3_moe-step2-unnormalized": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=3, mlp_only_layers=[],
                                                        decoder_sparse_step=2, norm_topk_prob=False)),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # a shared expert 1.5 experts wide (two slots, half of one padding), q/k/v bias
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=False,
+                                    shared_expert_intermediate_size=48)),
 }
 
 
@@ -44,6 +47,9 @@ def hf_moe(folder, family: str, router_std: float = 0.5, seed: int = 0, **overri
     if family == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, **overrides)
         model = transformers.Qwen3MoeForCausalLM(config)
+    elif family == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, **overrides)
+        model = transformers.Qwen2MoeForCausalLM(config)
     else:
         config = transformers.MixtralConfig(**common, intermediate_size=32, **overrides)
         model = transformers.MixtralForCausalLM(config)
@@ -51,12 +57,12 @@ def hf_moe(folder, family: str, router_std: float = 0.5, seed: int = 0, **overri
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):  # decisive routers: tokens spread over the experts
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # decisive routers and gates
                 p.copy_(router_std * torch.randn_like(p))
             else:
                 p.copy_(0.05 * torch.randn_like(p))
     model.save_pretrained(folder)
-    tiny_tokenizer("qwen2" if family == "qwen3_moe" else "smollm").save(folder, chat_template=None)
+    tiny_tokenizer("smollm" if family == "mixtral" else "qwen2").save(folder, chat_template=None)
     return model.eval()
 
 
@@ -298,6 +304,8 @@ BASE_QWEN3_MOE = dict(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=
     (dict(decoder_sparse_step=0), "decoder_sparse_step=0"),
     (dict(mlp_only_layers=[7]), "mlp_only_layers"),
     (dict(model_type="mixtral", num_experts=None, num_local_experts=2, num_experts_per_tok=3), "num_experts_per_tok=3"),
+    (dict(model_type="qwen2_moe"), "shared_expert_intermediate_size"),
+    (dict(model_type="qwen2_moe", shared_expert_intermediate_size=0), "shared_expert_intermediate_size=0"),
 ])
 def test_bad_moe_config_is_a_load_error_naming_the_field(change, field):
     d = {k: v for k, v in (BASE_QWEN3_MOE | change).items() if v is not None}

@@ -171,7 +171,7 @@ def test_any_topological_order_gives_identical_buffers(arch, dtype):
             assert torch.equal(got[name], want), name
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_any_topological_order_of_a_moe_program_gives_identical_buffers(arch, dtype):
     # The MoE ops run outside the executor's parallel region; reordering them among the

@@ -96,7 +96,7 @@ def decode_step_after_prefill(r: ModelRunner) -> NativeStep:
     return NativeStep(r, [p[-1] + 7 for p in ps], [len(p) for p in ps], np.stack([table(i) for i in range(3)]))
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_program_op_by_op_interpreter_equals_native_executor(arch, dtype):
     r = tiny_runner(arch, dtype)
@@ -120,7 +120,7 @@ def test_decode_program_op_by_op_interpreter_equals_native_executor(arch, dtype)
         whole.step(whole_state, i)
         what = f"{arch} op {i} {ins.opcode.name} layer {ins.layer}"
         assert set(native) <= set(state.buffers)
-        k = r.config.num_experts_per_tok
+        k = r.config.num_experts_per_tok + r.config.shared_expert_slots
         for b, want in native.items():
             route_k = k if b == Buffer.ROUTE else 0
             assert_close(state.buffers[b], want, ONE_OP_TOL[dtype], f"{what}, {b.name} (one op)", route_k)
@@ -140,7 +140,7 @@ def test_every_opcode_is_exercised():
     assert seen == set(Opcode)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_chunk_then_decode_equals_full_prefill(arch, dtype):
     tokens = prompts((20,), seed=4)[0]

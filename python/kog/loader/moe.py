@@ -10,9 +10,12 @@ in-memory ones, one tensor per kind for all E experts:
 A checkpoint holds either those (fused), or one tensor per expert, as save_pretrained writes
 them (transformers 4 and 5):
 
-    qwen3_moe: mlp.gate.weight, mlp.experts.<e>.{gate,up,down}_proj.weight
+    qwen3_moe, qwen2_moe: mlp.gate.weight, mlp.experts.<e>.{gate,up,down}_proj.weight
     mixtral:   block_sparse_moe.gate.weight, block_sparse_moe.experts.<e>.{w1,w3,w2}.weight
                (w1 gate, w3 up, w2 down)
+
+qwen2_moe's shared expert keeps its HF names (mlp.shared_expert.{gate,up,down}_proj.weight,
+mlp.shared_expert_gate.weight [1, hidden]); kog.models.weights folds it into the stacks.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from kog.config import ModelConfig
 PER_EXPERT: dict[str, tuple[str, str, str, str]] = {
     "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
 }
 
 

@@ -70,6 +70,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             e, ie = config.num_experts, config.moe_intermediate_size
             shapes |= {p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_up_proj": (e, 2 * ie, h),
                        p + "mlp.experts.down_proj": (e, h, ie)}
+            if config.shared_expert_intermediate_size:
+                s, se = config.shared_expert_intermediate_size, p + "mlp.shared_expert."
+                shapes |= {se + "gate_proj.weight": (s, h), se + "up_proj.weight": (s, h),
+                           se + "down_proj.weight": (h, s), p + "mlp.shared_expert_gate.weight": (1, h)}
         else:
             shapes |= {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
                        p + "mlp.down_proj.weight": (h, i)}

@@ -23,7 +23,7 @@ from kog.quantized import QuantizedWeight
 # RoPE pairing of each family's checkpoints as Kog loads them: rotate_half, i.e. dims (i, i + R/2)
 # (HF Llama, Mistral and Qwen; GGUF llama weights are permuted back to it on load).
 ROPE_NEOX: dict[str, bool] = {"llama": True, "mistral": True, "qwen2": True, "qwen3": True, "qwen3_moe": True,
-                              "mixtral": True}
+                              "mixtral": True, "qwen2_moe": True}
 
 
 def model_dims(config: ModelConfig, dtype: torch.dtype) -> _C.ModelDims:
@@ -46,7 +46,7 @@ def model_dims(config: ModelConfig, dtype: torch.dtype) -> _C.ModelDims:
         n_experts=config.num_experts if config.is_moe else 0,
         top_k=config.num_experts_per_tok if config.is_moe else 0,
         expert_intermediate=config.moe_intermediate_size if config.is_moe else 0,
-        norm_topk=config.norm_topk_prob)
+        norm_topk=config.norm_topk_prob, shared_slots=config.shared_expert_slots if config.is_moe else 0)
 
 
 def schedule_for(config: ModelConfig) -> list[Instruction]:

@@ -72,9 +72,19 @@ def mixtral(config: ModelConfig) -> list[Instruction]:
                                        moe_layers=config.moe_layers))
 
 
+def qwen2_moe(config: ModelConfig) -> list[Instruction]:
+    """Qwen2-MoE: Qwen2's attention (q/k/v bias); sparse layers as qwen3_moe's, plus a shared
+    expert every token runs, weighted by sigmoid(x @ shared_expert_gate): the same two MoE ops,
+    the shared expert being always-on slots of ROUTE (kog.models.weights)."""
+    _check_qk_norm(config, False)
+    return decoder_program(DecoderSpec(config.num_hidden_layers, qkv_bias=config.attention_bias,
+                                       tie_word_embeddings=config.tie_word_embeddings,
+                                       moe_layers=config.moe_layers))
+
+
 # HF model_type -> the family's program function.
 FAMILIES: dict[str, FamilyFunction] = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3,
-                                       "qwen3_moe": qwen3_moe, "mixtral": mixtral}
+                                       "qwen3_moe": qwen3_moe, "mixtral": mixtral, "qwen2_moe": qwen2_moe}
 
 
 def program_for(config: ModelConfig) -> list[Instruction]:

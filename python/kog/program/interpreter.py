@@ -167,12 +167,19 @@ def _sample(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple)
 def _router(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
     # transformers' router: softmax over every expert in f32, torch.topk (its tie order), then
     # renormalized over the chosen ones with norm_topk_prob. Weights stay f32 (the executor's).
+    # qwen2_moe: the shared expert's slots E.. follow, weighted by sigmoid(x @ router row E).
     c = it.config
-    logits = matmul(s.read(ins.reads[0], ins.rows), w[0])  # [T, E] in the run dtype, as the executor rounds them
-    probs = torch.softmax(logits.float(), dim=-1)
+    E, S = c.num_experts, c.shared_expert_slots
+    logits = matmul(s.read(ins.reads[0], ins.rows), w[0])  # [T, E (+1)] in the run dtype, as the executor rounds them
+    probs = torch.softmax(logits[:, :E].float(), dim=-1)
     top, ids = torch.topk(probs, c.num_experts_per_tok, dim=-1)  # [T, k]
     if c.norm_topk_prob:
         top = top / top.sum(dim=-1, keepdim=True)
+    if S:
+        T = logits.shape[0]
+        gate = torch.sigmoid(logits[:, E:].float())  # [T, 1]
+        ids = torch.cat([ids, torch.arange(E, E + S, device=ids.device).expand(T, S)], dim=1)
+        top = torch.cat([top, gate.expand(T, S)], dim=1)
     # ROUTE: [T, 2k] int32 words, the executor's layout: k expert ids, then the f32 bits of their weights.
     s.write(ins.writes[0], torch.cat([ids.to(torch.int32), top.contiguous().view(torch.int32)], dim=1), ins.rows)
 
@@ -182,7 +189,7 @@ def _moe_experts(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: t
     # weighted results added back in f32 in ascending expert order (the executor's order).
     x = s.read(ins.reads[0], ins.rows)  # [T, hidden]
     route = s.read(ins.reads[1], ins.rows)  # [T, 2k] int32
-    k = it.config.num_experts_per_tok
+    k = route.shape[1] // 2  # slots per row: routed + shared
     ids = route[:, :k].reshape(-1).long()  # [T k] expert of each (row, slot)
     weights = route[:, k:].contiguous().view(torch.float32).reshape(-1)  # [T k]
     order = torch.argsort(ids, stable=True)  # (row, slot) pairs by expert, rows ascending in each

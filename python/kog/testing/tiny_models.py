@@ -65,19 +65,22 @@ def tiny_config(architecture: str = "llama", vocab_size: int | None = None, **ov
     """A Llama-family config with hidden 64, 2 layers, 4 query heads over 2 KV heads (head_dim 16).
 
     MoE families get 4 experts of width 32, 2 per token, renormalized; every layer is MoE but
-    qwen3_moe's layer 1, which stays dense (its mlp_only_layers).
+    layer 1 of qwen3_moe / qwen2_moe, which stays dense (mlp_only_layers); qwen2_moe's shared
+    expert is 48 wide.
     """
     n_layers = overrides.get("num_hidden_layers", 2)
     moe: dict[str, Any] = {}
-    if architecture in ("qwen3_moe", "mixtral"):
+    if architecture in ("qwen3_moe", "mixtral", "qwen2_moe"):
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                    moe_layers=tuple(i for i in range(n_layers) if architecture == "mixtral" or i != 1))
+    if architecture == "qwen2_moe":  # a shared expert 1.5 experts wide: two slots, the second half padding
+        moe["shared_expert_intermediate_size"] = 48
     fields: dict[str, Any] = moe | dict(
         architecture=architecture, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, intermediate_size=128,
         vocab_size=vocab_size or len(tiny_tokenizer_metadata()["tokenizer.ggml.tokens"]),
         rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256,
-        tie_word_embeddings=architecture in ("qwen2", "qwen3"), attention_bias=architecture == "qwen2",
+        tie_word_embeddings=architecture in ("qwen2", "qwen3"), attention_bias=architecture in ("qwen2", "qwen2_moe"),
         qk_norm=architecture in ("qwen3", "qwen3_moe"), bos_token_id=1, eos_token_ids=(2,), torch_dtype="float32",
     )
     return ModelConfig(**(fields | overrides))
@@ -163,7 +166,7 @@ def tiny_tokenizer(pre: str = "smollm") -> Tokenizer:
 
 def default_pre(config: ModelConfig) -> str:
     """The pre-tokenizer a real model of this family uses."""
-    return "qwen2" if config.architecture in ("qwen2", "qwen3", "qwen3_moe") else "smollm"
+    return "qwen2" if config.architecture in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") else "smollm"
 
 
 def write_hf_model(folder: str | Path, config: ModelConfig, weights: Weights | None = None,
