@@ -119,6 +119,9 @@ class ModelConfig:
             raise ModelLoadError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size}: "
                                  f"{'needs' if self.architecture == 'qwen2_moe' else 'has no'} a shared expert "
                                  f"for {self.architecture}")
+        if self.architecture == "mixtral" and self.moe_intermediate_size != self.intermediate_size:
+            raise ModelLoadError(f"moe_intermediate_size={self.moe_intermediate_size}: Mixtral's experts are "
+                                 f"intermediate_size={self.intermediate_size} wide")
         bad = [i for i in self.moe_layers if not 0 <= i < self.num_hidden_layers]
         if bad or len(set(self.moe_layers)) != len(self.moe_layers):
             raise ModelLoadError(f"moe_layers={list(self.moe_layers)}: layers must be distinct and in "

@@ -369,3 +369,38 @@ def test_validate_program_refuses_bad_moe_ops():
                                                        "intermediate", "vocab", "rotary_dim", "rms_eps", "attn_scale",
                                                        "rope_neox", "dtype", "n_experts", "expert_intermediate")},
                      top_k=5)
+
+
+# ---------------------------------------------------------------------- GGUF
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])  # GGUF architectures qwen3moe and llama + experts
+def test_gguf_stacked_experts_load_and_run_like_the_hf_folder(tmp_path, arch):
+    from kog.quantized import QuantizedWeight
+    from kog.testing.tiny_models import write_gguf_model
+
+    config = tiny_config(arch, max_position_embeddings=256)
+    w = random_weights(config, seed=4)
+    for layer in config.moe_layers:  # decisive routers
+        w[f"model.layers.{layer}.mlp.gate.weight"] *= 25
+    hf = load_model(write_hf_model(tmp_path / "hf", config, w), dtype=torch.float32)
+    f32 = load_model(write_gguf_model(tmp_path / "f32.gguf", config, w, qtype="F32"))
+    assert f32.config == hf.config
+    for name, t in hf.weights.items():  # blk.N.ffn_{gate,up,down}_exps + ffn_gate_inp, q/k un-permuted
+        assert torch.equal(f32.weights[name], t), name
+    q8_path = write_gguf_model(tmp_path / "q8.gguf", config, w, qtype="Q8_0")
+    q8 = load_model(q8_path)  # dense matrices stay Q8_0 blocks; the stacked experts are dequantized
+    layer = config.moe_layers[0]
+    assert isinstance(q8.weights[f"model.layers.{layer}.self_attn.o_proj.weight"], QuantizedWeight)
+    assert q8.weights[f"model.layers.{layer}.mlp.experts.gate_up_proj"].dtype == torch.float32
+    q8_f32 = load_model(q8_path, dtype="float32")
+    p = prompts(40)[3][:40]
+    runs = []
+    for model in (hf, f32, q8, q8_f32):
+        r = ModelRunner(model, num_kv_blocks=16, block_size=BS)
+        s = Seqs(r, blocks_per_seq=4)
+        runs.append(torch.stack([r.prefill([s.chunk(0, p)])[0], s.decode([0], [9], [len(p)])[0]]))
+    scale = runs[0].abs().max().item()
+    assert (runs[1] - runs[0]).abs().max() <= 1e-5 * scale  # same weights
+    # Q8_0 kept as blocks vs the same file dequantized: the int8 x stages' error only
+    assert (runs[2] - runs[3]).abs().max() <= 2e-2 * runs[3].abs().max()
