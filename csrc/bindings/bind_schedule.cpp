@@ -23,10 +23,12 @@ namespace {
 
 ModelDims make_dims(int64_t n_layers, int64_t hidden, int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim,
                     int64_t intermediate, int64_t vocab, int64_t rotary_dim, float rms_eps, float attn_scale,
-                    bool rope_neox, int dtype) {
+                    bool rope_neox, int dtype, int64_t n_experts, int64_t top_k, int64_t expert_intermediate,
+                    bool norm_topk, int64_t shared_slots) {
   KOG_CHECK(dtype >= 0 && dtype <= int(kog::DType::kI64), "ModelDims: unknown dtype code ", dtype);
   ModelDims d{n_layers, hidden, n_q_heads, n_kv_heads, head_dim, intermediate, vocab, rotary_dim,
-              rms_eps, attn_scale, rope_neox, kog::DType(dtype)};
+              rms_eps, attn_scale, rope_neox, kog::DType(dtype), n_experts, top_k, expert_intermediate,
+              norm_topk, shared_slots};
   kog::schedule::validate_dims(d);
   return d;
 }
@@ -52,7 +54,8 @@ void bind_schedule(py::module_& m) {
   py::class_<ModelDims>(m, "ModelDims", "The shape of one model, as every executor takes it (validated).")
       .def(py::init(&make_dims), arg("n_layers"), arg("hidden"), arg("n_q_heads"), arg("n_kv_heads"),
            arg("head_dim"), arg("intermediate"), arg("vocab"), arg("rotary_dim"), arg("rms_eps"),
-           arg("attn_scale"), arg("rope_neox"), arg("dtype"))
+           arg("attn_scale"), arg("rope_neox"), arg("dtype"), arg("n_experts") = 0, arg("top_k") = 0,
+           arg("expert_intermediate") = 0, arg("norm_topk") = false, arg("shared_slots") = 0)
       .def_readonly("n_layers", &ModelDims::n_layers)
       .def_readonly("hidden", &ModelDims::hidden)
       .def_readonly("n_q_heads", &ModelDims::n_q_heads)
@@ -64,6 +67,11 @@ void bind_schedule(py::module_& m) {
       .def_readonly("rms_eps", &ModelDims::rms_eps)
       .def_readonly("attn_scale", &ModelDims::attn_scale)
       .def_readonly("rope_neox", &ModelDims::rope_neox)
+      .def_readonly("n_experts", &ModelDims::n_experts)
+      .def_readonly("top_k", &ModelDims::top_k)
+      .def_readonly("expert_intermediate", &ModelDims::expert_intermediate)
+      .def_readonly("norm_topk", &ModelDims::norm_topk)
+      .def_readonly("shared_slots", &ModelDims::shared_slots)
       .def_property_readonly("dtype", [](const ModelDims& d) { return int(d.dtype); })
       .def("buffer_width", [](const ModelDims& d, int b) {
              KOG_CHECK(b >= 0 && b < int(Buffer::kNumBuffers), "buffer_width: bad buffer ", b);
@@ -106,6 +114,8 @@ void bind_schedule(py::module_& m) {
   ops["ATTN_DECODE"] = int(Opcode::kAttnDecode);
   ops["SILU_MUL"] = int(Opcode::kSiluMul);
   ops["SAMPLE"] = int(Opcode::kSample);
+  ops["ROUTER"] = int(Opcode::kRouter);
+  ops["MOE_EXPERTS"] = int(Opcode::kMoeExperts);
   m.attr("SCHEDULE_OPCODES") = ops;
   m.attr("SCHEDULE_NUM_OPCODES") = int(Opcode::kNumOpcodes);
   py::dict bufs;
@@ -118,6 +128,7 @@ void bind_schedule(py::module_& m) {
   bufs["GATE_UP"] = int(Buffer::kGateUp);
   bufs["ACT"] = int(Buffer::kAct);
   bufs["LOGITS"] = int(Buffer::kLogits);
+  bufs["ROUTE"] = int(Buffer::kRoute);
   m.attr("SCHEDULE_BUFFERS") = bufs;
   m.attr("SCHEDULE_NUM_BUFFERS") = int(Buffer::kNumBuffers);
 

@@ -93,6 +93,12 @@ void DecodeExecutor::reserve(int64_t batch) {
     total += (batch * width(Buffer(b)) * schedule::buffer_elem_size(d_, b) + 63) / 64 * 64;
     if (b != int(Buffer::kTokens) && b != int(Buffer::kLogits)) max_k = std::max(max_k, width(Buffer(b)));
   }
+  max_k = std::max(max_k, d_.expert_intermediate);  // an expert's down projection reads its act rows
+  if (d_.n_experts > 0) {
+    moe_rows_.assign(size_t(batch * (d_.n_experts + 1 + 2 * d_.hidden + 3 * d_.expert_intermediate) * elem_), 0);
+    moe_acc_.assign(size_t(batch * d_.hidden), 0.f);
+    moe_order_.assign(size_t(batch * (d_.top_k + d_.shared_slots)), 0);
+  }
   arena_.assign(size_t(total + 64), 0);
   char* aligned = arena_.data() + (64 - reinterpret_cast<uintptr_t>(arena_.data()) % 64) % 64;
   for (int b = 0; b < int(Buffer::kNumBuffers); ++b) base_[b] = aligned + offsets[b];
@@ -173,7 +179,9 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
 // NOTE: attention leaves the region exactly when the kernel would use all threads itself
 // (inside the region it runs on thread 0 while the others wait at the barrier): from ~450
 // cached tokens for SmolLM2 (9 heads x 64), ~64 for Llama-3-8B (32 x 128).
+// MoE ops always leave it: each expert's GEMMs split over the kernel's threads (decode_moe.cpp).
 bool DecodeExecutor::runs_alone(const Op& op) const {
+  if (Opcode(op.op) == Opcode::kRouter || Opcode(op.op) == Opcode::kMoeExperts) return true;
   return Opcode(op.op) == Opcode::kAttnDecode &&
          batch_ * max_seq_len_ * d_.n_q_heads * d_.head_dim >= kCpuAttentionParallelMinWork;
 }
@@ -217,6 +225,8 @@ void DecodeExecutor::exec(const Op& op, const DecodeStep& s) {
       break;
     }
     case Opcode::kSample: sample(op, s); break;
+    case Opcode::kRouter: route(op, B); break;
+    case Opcode::kMoeExperts: experts(op, B); break;
     default: break;
   }
 }
@@ -330,7 +340,7 @@ void DecodeExecutor::sample(const Op& op, const DecodeStep& s) {
 
 void DecodeExecutor::read_buffer(Buffer b, void* dst, int64_t nbytes) const {
   KOG_CHECK(int(b) >= 0 && b < Buffer::kNumBuffers, "read_buffer: bad buffer ", int(b));
-  const int64_t esize = schedule::buffer_elem_size(d_, int32_t(b));
+  const int64_t esize = schedule::buffer_elem_size(d_, int32_t(b));  // TOKENS, ROUTE: 4-byte words
   KOG_CHECK(nbytes == batch_ * width(b) * esize, "read_buffer: ", nbytes, " bytes asked, buffer holds ",
             batch_ * width(b) * esize);
   std::memcpy(dst, buf(int(b)), size_t(nbytes));

@@ -81,6 +81,10 @@ class DecodeExecutor {
   bool runs_alone(const Op& op) const;
   void attention(const Op& op, const DecodeStep& s);
   void sample(const Op& op, const DecodeStep& s);
+  // Mixture of experts (decode_moe.cpp). Both run outside the region, their GEMMs on the linear
+  // kernel's own threads (runs_alone).
+  void route(const Op& op, int64_t batch);
+  void experts(const Op& op, int64_t batch);
   void plan_barriers();
 
   ModelDims d_;
@@ -101,6 +105,12 @@ class DecodeExecutor {
   std::unique_ptr<cpu::RowQueue> row_queue_;  // sized to the region's team
   uint32_t epoch_base_ = 0;     // + op index = a LINEAR's row-queue epoch
   char* base_[int(Buffer::kNumBuffers)] = {};
+  // MoE scratch, sized by reserve() (empty in a dense model): run dtype rows for the router
+  // logits [B, n_experts] and one expert's rows: x [B, hidden], gate_up [B, 2 Ie], act [B, Ie],
+  // y [B, hidden]; the f32 sum over a row's experts [B, hidden]; (row, slot) pairs by expert [B top_k].
+  std::vector<char> moe_rows_;
+  std::vector<float> moe_acc_;
+  std::vector<int32_t> moe_order_;
   std::mutex mu_;
 };
 

@@ -141,6 +141,14 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
     KOG_CHECK(ops_in[i].w_type == kWeightRunDtype, "GPU decode program: op ", i,
               " reads a quantized weight (ggml type ", ops_in[i].w_type,
               "), which the GPU kernel does not run yet; load the model with dtype=\"bfloat16\"");
+  // NOTE: nor the mixture-of-experts ops (issue 18's first slice is CPU only): an MoE model
+  // decodes on the CPU executor.
+  for (size_t i = 0; i < ops_in.size(); ++i) {
+    const auto op = Opcode(ops_in[i].op);
+    KOG_CHECK(op != Opcode::kRouter && op != Opcode::kMoeExperts, "GPU decode program: op ", i, " is ",
+              op == Opcode::kRouter ? "ROUTER" : "MOE_EXPERTS",
+              ", a mixture-of-experts op the GPU kernel does not run yet; run MoE models on the CPU");
+  }
   std::vector<Op> ops = ops_in;
   fuse_residual_adds(ops);
   const std::vector<int32_t> norm_consumer = rmsnorm_prologue_fusions(ops);

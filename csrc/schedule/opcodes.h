@@ -17,7 +17,9 @@ enum class Opcode : int32_t {
   kAttnDecode = 6,  // attn = paged attention of q over this layer's cache
   kSiluMul = 7,     // act = silu(gate) * up
   kSample = 8,      // tokens = sample(logits); the step's f32 logits output = logits
-  kNumOpcodes = 9,
+  kRouter = 9,      // route = top_k(softmax(in @ router^T)) per row: expert ids and weights (MoE)
+  kMoeExperts = 10, // out = sum over the row's routed experts of weight * down(silu(gate) * up)(in)
+  kNumOpcodes = 11,
 };
 
 // Activation buffers of one decode step, each [batch, width] in the run dtype (widths:
@@ -32,7 +34,8 @@ enum class Buffer : int32_t {
   kGateUp = 6,    // [batch, 2 intermediate]
   kAct = 7,       // [batch, intermediate]
   kLogits = 8,    // [batch, vocab] run dtype (SAMPLE copies it out as f32, on both backends)
-  kNumBuffers = 9,
+  kRoute = 9,     // [batch, 2 (top_k + shared_slots)] 4-byte words: int32 expert ids, then their f32 weights (MoE)
+  kNumBuffers = 10,
 };
 
 }  // namespace kog::schedule

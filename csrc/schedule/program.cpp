@@ -9,10 +9,35 @@ namespace {
 
 bool valid_buffer(int32_t b) { return b >= 0 && b < int32_t(Buffer::kNumBuffers); }
 
-bool needs_layer(Opcode op) { return op == Opcode::kKvAppend || op == Opcode::kAttnDecode || op == Opcode::kQkNorm; }
+bool is_moe(Opcode op) { return op == Opcode::kRouter || op == Opcode::kMoeExperts; }
+
+bool needs_layer(Opcode op) {
+  return op == Opcode::kKvAppend || op == Opcode::kAttnDecode || op == Opcode::kQkNorm || is_moe(op);
+}
 
 bool needs_weight(Opcode op) {
-  return op == Opcode::kEmbed || op == Opcode::kRmsNorm || op == Opcode::kLinear || op == Opcode::kQkNorm;
+  return op == Opcode::kEmbed || op == Opcode::kRmsNorm || op == Opcode::kLinear || op == Opcode::kQkNorm ||
+         is_moe(op);
+}
+
+// ROUTER writes ROUTE from a hidden-wide buffer; MOE_EXPERTS reads a hidden-wide buffer (and ROUTE)
+// and writes another; only ROUTER writes ROUTE, and only MoE ops exist in an MoE model's dims.
+void check_moe(const Op& o, size_t i, const ModelDims& d) {
+  const auto op = Opcode(o.op);
+  const int32_t route = int32_t(Buffer::kRoute);
+  KOG_CHECK(op == Opcode::kRouter || o.out != route, "program: op ", i, " (opcode ", o.op,
+            ") writes the ROUTE buffer, which only ROUTER writes");
+  if (!is_moe(op)) return;
+  KOG_CHECK(d.n_experts > 0, "program: op ", i, " is an MoE op (opcode ", o.op, ") but the dims have no experts");
+  KOG_CHECK(o.in != route && buffer_width(d, o.in) == d.hidden, "program: op ", i,
+            " must read a hidden-wide buffer, reads ", o.in);
+  if (op == Opcode::kRouter) {
+    KOG_CHECK(o.out == route, "program: op ", i, " (ROUTER) must write ROUTE, writes ", o.out);
+  } else {
+    KOG_CHECK(o.out != route && o.out != o.in && buffer_width(d, o.out) == d.hidden, "program: op ", i,
+              " (MOE_EXPERTS) must write a hidden-wide buffer other than its input, writes ", o.out);
+    KOG_CHECK(o.w1 != nullptr, "program: op ", i, " (MOE_EXPERTS) needs gate_up and down weights");
+  }
 }
 
 // A quantized weight: a type this build has kernels for, on EMBED or LINEAR, rows of whole
@@ -48,6 +73,7 @@ void check_op(const Op& o, size_t i, const ModelDims& d) {
   KOG_CHECK(op != Opcode::kLinear || o.out != int32_t(Buffer::kTokens), "program: op ", i,
             " writes the token buffer");
   check_weight_type(o, i, d);
+  check_moe(o, i, d);
   KOG_CHECK(o.n_deps >= 0 && o.n_deps <= kMaxDeps, "program: op ", i, " has ", o.n_deps, " deps (at most ",
             kMaxDeps, ")");
   for (int k = 0; k < o.n_deps; ++k) {
@@ -69,6 +95,13 @@ void validate_dims(const ModelDims& d) {
   KOG_CHECK(d.rotary_dim > 0 && d.rotary_dim % 2 == 0 && d.rotary_dim <= d.head_dim, "model dims: rotary_dim ",
             d.rotary_dim, " must be even and in (0, head_dim ", d.head_dim, "]");
   KOG_CHECK(d.rms_eps > 0.f && d.attn_scale > 0.f, "model dims: rms_eps and attn_scale must be positive");
+  KOG_CHECK(d.n_experts >= 0 && d.top_k >= 0 && d.expert_intermediate >= 0 && d.shared_slots >= 0,
+            "model dims: negative MoE sizes");
+  KOG_CHECK(d.n_experts > 0 || (d.top_k == 0 && d.expert_intermediate == 0 && d.shared_slots == 0),
+            "model dims: top_k, expert_intermediate and shared_slots need n_experts > 0");
+  KOG_CHECK(d.n_experts == 0 || (d.top_k >= 1 && d.top_k <= d.n_experts && d.expert_intermediate > 0),
+            "model dims: top_k ", d.top_k, " must be in [1, n_experts ", d.n_experts,
+            "] and expert_intermediate positive");
 }
 
 void validate_program(const std::vector<Op>& ops, const ModelDims& d) {

@@ -36,6 +36,16 @@ struct ModelDims {
   float attn_scale;       // softmax scale, usually head_dim^-0.5
   bool rope_neox;         // rotate_half pairs (i, i + rotary_dim / 2); false: interleaved pairs
   DType dtype;            // run dtype of weights, activations and the KV cache (f32/f16/bf16)
+  // Mixture of experts (all 0 / false in a dense model). Defaults last, so aggregate
+  // initializers of dense dims keep their meaning.
+  int64_t n_experts = 0;            // routed experts of an MoE layer
+  int64_t top_k = 0;                // experts each token runs, 1..n_experts
+  int64_t expert_intermediate = 0;  // one expert's intermediate width
+  bool norm_topk = false;           // renormalize the top_k routing weights to sum 1
+  // Always-on experts n_experts .. n_experts + shared_slots - 1 after the routed ones: a shared
+  // expert cut into expert_intermediate-wide slices (qwen2_moe), each weighted by
+  // sigmoid(in @ router row n_experts), the router's extra row.
+  int64_t shared_slots = 0;
 };
 
 // The paged KV cache an executor writes and attends over (host or device memory).
@@ -62,7 +72,10 @@ struct Op {
   int32_t n_deps;         // 0..kMaxDeps
   const void* w0;         // EMBED: [vocab, hidden]; LINEAR: [n, k]; norms: [width]; QK_NORM: q_norm [head_dim]
                           // (EMBED/LINEAR with a quant w_type: uint8 [rows, k / elems * bytes] GGUF blocks)
+                          // ROUTER: [n_experts (+ 1 with shared_slots), hidden]; MOE_EXPERTS: gate_up
+                          // [n_experts + shared_slots, 2 expert_intermediate, hidden]
   const void* w1;         // LINEAR: bias [n] (run dtype) or null; QK_NORM: k_norm [head_dim]
+                          // MOE_EXPERTS: down [n_experts + shared_slots, hidden, expert_intermediate]
   int32_t deps[kMaxDeps]; // [n_deps] indices of earlier ops that must complete first, ascending
   // GPU expanded program only (null in a program): a GEMV's RMSNorm prologue weight [width(in)]:
   // x = rmsnorm(in) * w2 (expand_gpu_program).
@@ -85,13 +98,15 @@ KOG_HOST_DEVICE inline int64_t buffer_width(const ModelDims& d, int32_t b) {
     case Buffer::kGateUp: return 2 * d.intermediate;
     case Buffer::kAct: return d.intermediate;
     case Buffer::kLogits: return d.vocab;
+    case Buffer::kRoute: return 2 * (d.top_k + d.shared_slots);
     default: return 0;
   }
 }
 
-// Bytes per element of buffer b: TOKENS holds int32 ids, every other buffer the run dtype.
+// Bytes per element of buffer b: TOKENS holds int32 ids and ROUTE 4-byte words (int32 ids, f32
+// weights), every other buffer the run dtype.
 inline int64_t buffer_elem_size(const ModelDims& d, int32_t b) {
-  return b == int32_t(Buffer::kTokens) ? 4 : dtype_size(d.dtype);
+  return b == int32_t(Buffer::kTokens) || b == int32_t(Buffer::kRoute) ? 4 : dtype_size(d.dtype);
 }
 
 // Checks the dims (positive sizes, heads that group, a float run dtype, rotary_dim).

@@ -18,12 +18,19 @@ from kog.errors import ModelLoadError
 
 # HF `model_type` -> (family, HF architecture class). Families differ only in switches below:
 # Qwen2 has a bias on q/k/v, Qwen3 an RMSNorm on each head of q and k; the rest is Llama.
+# Qwen3-MoE, Qwen2-MoE and Mixtral replace the MLP of some (all) layers by routed experts;
+# Qwen2-MoE adds a shared expert every token runs, gated by a sigmoid.
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
+# Families whose MLP is (in some layers) a routed mixture of experts.
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe")
 _FAMILY_OF_CLASS = {cls: family for family, cls in ARCHITECTURES.items()}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,7 +45,7 @@ class ModelConfig:
     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}).
     """
 
-    architecture: str  # family: "llama" | "mistral" | "qwen2" | "qwen3"
+    architecture: str  # family: "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_moe" | "mixtral" | "qwen2_moe"
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -57,6 +64,16 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"  # dtype the checkpoint was published in
+    # Mixture of experts (0 / () in a dense model): the layers in moe_layers replace the MLP by
+    # num_experts experts of width moe_intermediate_size, num_experts_per_tok of them per token,
+    # weighted by the router's softmax over all experts (renormalized over the chosen ones with
+    # norm_topk_prob). The other layers keep the dense MLP of width intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # qwen2_moe: the shared expert's width (0: none)
 
     @property
     def hf_architecture(self) -> str:
@@ -82,6 +99,44 @@ class ModelConfig:
         if self.torch_dtype not in _DTYPES:
             raise ModelLoadError(f"unsupported torch_dtype {self.torch_dtype!r}")
         self.eos_token_ids = tuple(int(i) for i in self.eos_token_ids)
+        self.moe_layers = tuple(int(i) for i in self.moe_layers)
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """ModelLoadError naming the field of an inconsistent mixture-of-experts config."""
+        if self.architecture not in MOE_ARCHITECTURES:
+            if self.num_experts or self.moe_layers:
+                raise ModelLoadError(f"num_experts={self.num_experts}: {self.architecture} is not a mixture-of-experts family")
+            return
+        if self.num_experts < 1:
+            raise ModelLoadError(f"num_experts={self.num_experts}: a {self.architecture} model needs >= 1 expert")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
+                                 f"{self.num_experts}]")
+        if self.moe_layers and self.moe_intermediate_size < 1:
+            raise ModelLoadError(f"moe_intermediate_size={self.moe_intermediate_size} must be >= 1")
+        if (self.architecture == "qwen2_moe") != (self.shared_expert_intermediate_size > 0):
+            raise ModelLoadError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size}: "
+                                 f"{'needs' if self.architecture == 'qwen2_moe' else 'has no'} a shared expert "
+                                 f"for {self.architecture}")
+        if self.architecture == "mixtral" and self.moe_intermediate_size != self.intermediate_size:
+            raise ModelLoadError(f"moe_intermediate_size={self.moe_intermediate_size}: Mixtral's experts are "
+                                 f"intermediate_size={self.intermediate_size} wide")
+        bad = [i for i in self.moe_layers if not 0 <= i < self.num_hidden_layers]
+        if bad or len(set(self.moe_layers)) != len(self.moe_layers):
+            raise ModelLoadError(f"moe_layers={list(self.moe_layers)}: layers must be distinct and in "
+                                 f"[0, num_hidden_layers={self.num_hidden_layers})")
+
+    @property
+    def is_moe(self) -> bool:
+        """True when some layer's MLP is a mixture of experts."""
+        return bool(self.moe_layers)
+
+    @property
+    def shared_expert_slots(self) -> int:
+        """Slices of moe_intermediate_size the shared expert runs as (its width rounded up):
+        always-on experts after the routed ones (kog.models.weights)."""
+        return -(-self.shared_expert_intermediate_size // max(1, self.moe_intermediate_size))
 
     # ------------------------------------------------------------------ HF config.json
 
@@ -116,12 +171,14 @@ class ModelConfig:
                 rope_scaling=scaling,
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=bool(d.get("attention_bias", family == "qwen2")),
-                qk_norm=family == "qwen3",
+                attention_bias=bool(d.get("qkv_bias", True) if family == "qwen2_moe" else
+                                    d.get("attention_bias", family == "qwen2")),
+                qk_norm=family in ("qwen3", "qwen3_moe"),
                 sliding_window=_sliding_window(d),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
                 torch_dtype=_dtype_name(d.get("dtype") or d.get("torch_dtype") or "float32"),
+                **_moe_from_hf(d, family, int(d["num_hidden_layers"]), source),
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: missing key {e.args[0]!r}") from None
@@ -165,8 +222,18 @@ class ModelConfig:
             d |= {"attention_bias": self.attention_bias, "mlp_bias": False}
         if self.architecture in ("mistral", "qwen2", "qwen3"):
             d["sliding_window"] = self.sliding_window
-        if self.architecture == "qwen3":
+        if self.architecture in ("qwen3", "qwen3_moe"):
             d["attention_bias"] = False
+        if self.architecture == "qwen2_moe":
+            d |= {"qkv_bias": self.attention_bias, "shared_expert_intermediate_size": self.shared_expert_intermediate_size}
+        if self.architecture in ("qwen3_moe", "qwen2_moe"):
+            d |= {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                  "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                  "decoder_sparse_step": 1,
+                  "mlp_only_layers": [i for i in range(self.num_hidden_layers) if i not in self.moe_layers]}
+        if self.architecture == "mixtral":
+            d |= {"num_local_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                  "sliding_window": self.sliding_window}
         return d
 
 
@@ -182,6 +249,36 @@ def _family_from_hf(d: dict[str, Any], source: str) -> str:
             return _FAMILY_OF_CLASS[cls]
     name = model_type or (d.get("architectures") or ["<none>"])[0]
     raise ModelLoadError(f"{source}: unknown architecture {name!r}; Kog knows {sorted(ARCHITECTURES)}")
+
+
+def _moe_from_hf(d: dict[str, Any], family: str, n_layers: int, source: str) -> dict[str, Any]:
+    """The MoE fields of a qwen3_moe / mixtral config.json ({} for a dense family).
+
+    qwen3_moe: layer i is sparse when i is not in mlp_only_layers and (i + 1) is a multiple of
+    decoder_sparse_step (transformers' rule); mixtral: every layer, experts as wide as
+    intermediate_size, weights always renormalized over the chosen experts.
+    """
+    if family not in MOE_ARCHITECTURES:
+        return {}
+    experts = d.get("num_experts", d.get("num_local_experts"))
+    if experts is None:
+        raise ModelLoadError(f"{source}: missing key 'num_experts' (or 'num_local_experts')")
+    experts, top_k = int(experts), int(d.get("num_experts_per_tok", 2))
+    if family == "mixtral":
+        return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(d["intermediate_size"]),
+                    norm_topk_prob=True, moe_layers=tuple(range(n_layers)) if experts > 0 else ())
+    shared = {}
+    if family == "qwen2_moe":
+        shared = dict(shared_expert_intermediate_size=int(d["shared_expert_intermediate_size"]))
+    step = int(d.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise ModelLoadError(f"{source}: decoder_sparse_step={step} must be >= 1")
+    dense = {int(i) for i in d.get("mlp_only_layers") or []}
+    if any(not 0 <= i < n_layers for i in dense):
+        raise ModelLoadError(f"{source}: mlp_only_layers={sorted(dense)} names a layer outside [0, {n_layers})")
+    layers = tuple(i for i in range(n_layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(d["moe_intermediate_size"]),
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)), moe_layers=layers, **shared)
 
 
 def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

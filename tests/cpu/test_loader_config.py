@@ -93,7 +93,7 @@ def test_llama3_rope_factors_match_transformers():
 
 @pytest.mark.parametrize("d,name", [
     ({**LLAMA31_8B, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "gpt2"),
-    ({**LLAMA31_8B, "architectures": ["MixtralForCausalLM"], "model_type": None}, "MixtralForCausalLM"),
+    ({**LLAMA31_8B, "architectures": ["DeepseekV3ForCausalLM"], "model_type": None}, "DeepseekV3ForCausalLM"),
 ])
 def test_unknown_architecture_is_named(d, name):
     with pytest.raises(ModelLoadError, match=f"unknown architecture '{name}'"):

@@ -75,6 +75,41 @@ def parallel_block_program(config) -> list[Instruction]:
     return with_deps(raw)
 
 
+def parallel_moe_program(config) -> list[Instruction]:
+    """parallel_block_program with routed experts as the MLP of config.moe_layers:
+    x += attn(norm(x)) + moe(norm(x)). ROUTER and MOE_EXPERTS depend on the norm only, so they
+    move freely among the attention ops; the experts' output lands in HIDDEN (added by the next
+    layer's norm), the attention output in NORMED (added by an in-place fused norm)."""
+    B = Buffer
+    dense = parallel_block_program(config)
+    raw = [(dense[0].opcode, dense[0].layer, dense[0].reads, dense[0].writes, dense[0].weights)]
+    for layer in range(config.num_hidden_layers):
+        block = [(i.opcode, i.layer, i.reads, i.writes, i.weights) for i in dense if i.layer == layer]
+        if layer not in config.moe_layers:
+            raw += block
+            continue
+        p = f"model.layers.{layer}."
+        for op, lay, reads, writes, weights in block:
+            if weights == (p + "mlp.gate_up_proj.weight",):
+                raw.append((Opcode.ROUTER, lay, (B.NORMED,), (B.ROUTE,), (p + "mlp.gate.weight",)))
+            elif op == Opcode.SILU_MUL:
+                continue
+            elif weights == (p + "mlp.down_proj.weight",):
+                raw.append((Opcode.MOE_EXPERTS, lay, (B.NORMED, B.ROUTE), (B.HIDDEN,),
+                            (p + "mlp.experts.gate_up_proj", p + "mlp.experts.down_proj")))
+            elif weights == (p + "self_attn.o_proj.weight",):
+                raw.append((op, lay, reads, (B.NORMED,), weights))
+            else:
+                raw.append((op, lay, reads, writes, weights))
+        # the experts read NORMED, which o_proj now writes: they must come first in program order
+        ex = next(i for i, r in enumerate(raw) if r[0] == Opcode.MOE_EXPERTS and r[1] == layer)
+        o = next(i for i, r in enumerate(raw) if r[4] == (p + "self_attn.o_proj.weight",))
+        if ex > o:
+            raw.insert(o, raw.pop(ex))
+    raw += [(i.opcode, i.layer, i.reads, i.writes, i.weights) for i in dense[-3:]]
+    return with_deps(raw)
+
+
 def random_topological_order(program: list[Instruction], seed: int) -> list[Instruction]:
     """The same ops in another order that respects every dep, deps renumbered."""
     rng = random.Random(seed)
@@ -110,7 +145,7 @@ def run_and_read(ex, r: ModelRunner, step: dict) -> dict:
            step["seq_lens"].ctypes.data, step["slots"].ctypes.data, logits.data_ptr(), sampled.ctypes.data)
     out = {"logits": logits, "sampled": torch.from_numpy(sampled), "kv": r.kv.kv.clone()}
     for b in Buffer:
-        buf = torch.empty(n, ex.width(int(b)), dtype=torch.int32 if b == Buffer.TOKENS else r.dtype)
+        buf = torch.empty(n, ex.width(int(b)), dtype=torch.int32 if b in (Buffer.TOKENS, Buffer.ROUTE) else r.dtype)
         ex.read_buffer(int(b), buf.data_ptr(), buf.numel() * buf.element_size())
         out[b.name] = buf
     return out
@@ -136,6 +171,29 @@ def test_any_topological_order_gives_identical_buffers(arch, dtype):
             assert torch.equal(got[name], want), name
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_any_topological_order_of_a_moe_program_gives_identical_buffers(arch, dtype):
+    # The MoE ops run outside the executor's parallel region; reordering them among the
+    # attention ops changes the region boundaries and barriers, never a buffer.
+    r = runner(arch, dtype)
+    step = decode_inputs(r, [[5, 9, 13], list(range(20, 31)), [40], [7, 7, 7, 7]])
+    program = parallel_moe_program(r.config)
+    orders = [program] + [random_topological_order(program, seed) for seed in (1, 2, 3, 4)]
+    position = [[i for i, ins in enumerate(o) if ins.opcode == Opcode.ROUTER] for o in orders]
+    assert any(p != position[0] for p in position[1:])  # the routers really moved
+    kv0 = r.kv.kv.clone()
+    results = []
+    for prog in orders:
+        r.kv.kv.copy_(kv0)
+        results.append(run_and_read(build_executor(r.config, r.weights, r.kv.kv, BS, r.inv_freq, program=prog),
+                                    r, step))
+    assert results[0]["logits"].abs().max() > 0 and results[0]["ROUTE"].abs().max() > 0
+    for got in results[1:]:
+        for name, want in results[0].items():
+            assert torch.equal(got[name], want), name
+
+
 def barriers_by_the_rule(program: list[Instruction]) -> int:
     """A barrier before op j iff a dep ran since the last barrier and the pair is not two ops
     that both run on thread 0 (everything but LINEAR)."""
@@ -147,10 +205,11 @@ def barriers_by_the_rule(program: list[Instruction]) -> int:
     return n
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
 def test_barriers_only_where_a_dependency_crosses_threads(arch):
     r = runner(arch, torch.float32)
-    for prog in (schedule_for(r.config), parallel_block_program(r.config)):
+    parallel = parallel_moe_program if r.config.is_moe else parallel_block_program
+    for prog in (schedule_for(r.config), parallel(r.config)):
         ex = build_executor(r.config, r.weights, r.kv.kv, BS, r.inv_freq, program=prog)
         assert ex.num_ops == len(prog)
         assert ex.num_barriers == barriers_by_the_rule(prog) < len(prog)

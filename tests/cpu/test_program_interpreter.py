@@ -45,7 +45,12 @@ def prompts(lengths, seed=1):
     return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
 
 
-def assert_close(got, want, tol, what):
+def assert_close(got, want, tol, what, route_k=0):
+    if route_k:  # ROUTE: the expert ids exactly, their f32 weights to fp32 rounding (softmax in two libraries)
+        assert torch.equal(got[:, :route_k], want[:, :route_k]), f"{what}: expert ids"
+        weights = [t[:, route_k:].contiguous().view(torch.float32) for t in (got, want)]
+        torch.testing.assert_close(*weights, rtol=1e-6, atol=1e-6, msg=lambda m: f"{what}: {m}")
+        return
     if not want.dtype.is_floating_point:
         assert torch.equal(got.to(want.dtype), want), what
         return
@@ -79,7 +84,7 @@ class NativeStep:
         out = {}
         for b in written:
             buf = torch.empty((self.n, self.ex.width(int(b))) if b != Buffer.TOKENS else (self.n,),
-                              dtype=torch.int32 if b == Buffer.TOKENS else self.r.dtype)
+                              dtype=torch.int32 if b in (Buffer.TOKENS, Buffer.ROUTE) else self.r.dtype)
             self.ex.read_buffer(int(b), buf.data_ptr(), buf.numel() * buf.element_size())
             out[b] = buf
         return out
@@ -91,7 +96,7 @@ def decode_step_after_prefill(r: ModelRunner) -> NativeStep:
     return NativeStep(r, [p[-1] + 7 for p in ps], [len(p) for p in ps], np.stack([table(i) for i in range(3)]))
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_program_op_by_op_interpreter_equals_native_executor(arch, dtype):
     r = tiny_runner(arch, dtype)
@@ -108,16 +113,21 @@ def test_decode_program_op_by_op_interpreter_equals_native_executor(arch, dtype)
         # op i alone, from the executor's buffers and cache before it
         r.kv.kv.copy_(kv_before)
         interp = ProgramInterpreter(r.config, r.program, r.weights, r.kv.kv, r.inv_freq)
-        state = interp.start(step.batch(), {b: t.clone().to(torch.int64 if b == Buffer.TOKENS else dtype)
+        state = interp.start(step.batch(), {b: t.clone().to(torch.int64 if b == Buffer.TOKENS else
+                                                             torch.int32 if b == Buffer.ROUTE else dtype)
                                             for b, t in native_before.items()})
         interp.step(state, i)
         whole.step(whole_state, i)
         what = f"{arch} op {i} {ins.opcode.name} layer {ins.layer}"
         assert set(native) <= set(state.buffers)
+        k = r.config.num_experts_per_tok + r.config.shared_expert_slots
         for b, want in native.items():
-            assert_close(state.buffers[b], want, ONE_OP_TOL[dtype], f"{what}, {b.name} (one op)")
-            if b != Buffer.TOKENS or dtype == torch.float32:  # bf16 logits may change the argmax of a near tie
-                assert_close(whole_state.buffers[b], want, WHOLE_RUN_TOL[dtype], f"{what}, {b.name} (whole run)")
+            route_k = k if b == Buffer.ROUTE else 0
+            assert_close(state.buffers[b], want, ONE_OP_TOL[dtype], f"{what}, {b.name} (one op)", route_k)
+            # bf16 may change the argmax of a near tie: logits, and which experts a router picks
+            if b not in (Buffer.TOKENS, Buffer.ROUTE) or dtype == torch.float32:
+                assert_close(whole_state.buffers[b], want, WHOLE_RUN_TOL[dtype], f"{what}, {b.name} (whole run)",
+                             route_k)
         assert torch.equal(r.kv.kv, native_kv), f"{what}: KV cache"
         assert_close(whole.kv, native_kv, WHOLE_RUN_TOL[dtype], f"{what}: KV cache (whole run)")
         native_before, kv_before = native, native_kv
@@ -126,11 +136,11 @@ def test_decode_program_op_by_op_interpreter_equals_native_executor(arch, dtype)
 def test_every_opcode_is_exercised():
     # The op-by-op comparison above covers every opcode the families emit.
     from kog.program import program_for
-    seen = {ins.opcode for arch in ("llama", "qwen2", "qwen3") for ins in program_for(tiny_config(arch))}
+    seen = {ins.opcode for arch in ("llama", "qwen2", "qwen3", "qwen3_moe") for ins in program_for(tiny_config(arch))}
     assert seen == set(Opcode)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_chunk_then_decode_equals_full_prefill(arch, dtype):
     tokens = prompts((20,), seed=4)[0]

@@ -28,7 +28,8 @@ from kog.quantized import QuantizedWeight
 from kog.loader.weights import Weights, check_shape, expected_shapes, progress_bar, select_names
 
 # GGUF `general.architecture` -> Kog family. Mistral GGUFs are written with the llama architecture.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# A llama GGUF with llama.expert_count > 0 is Mixtral.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -47,6 +48,14 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the MoE router [E, hidden]
+}
+# Stacked experts (llama.cpp's *_exps, [E, rows, cols] in torch order) -> (Kog's stacked tensor,
+# part): gate and up are concatenated per expert into gate_up_proj (kog.loader.moe).
+_EXPERT_NAMES = {
+    "ffn_gate_exps": ("mlp.experts.gate_up_proj", 0),
+    "ffn_up_exps": ("mlp.experts.gate_up_proj", 1),
+    "ffn_down_exps": ("mlp.experts.down_proj", 0),
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE factors, folded into config.rope_scaling
@@ -113,6 +122,17 @@ class GGUFCheckpoint:
         tokens = self.get("tokenizer.ggml.tokens") or []
         eos = [self.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         family = GGUF_ARCHITECTURES[arch]
+        if family == "llama" and int(self.get("llama.expert_count") or 0) > 0:
+            family = "mixtral"
+        moe: dict[str, Any] = {}
+        if family in ("qwen3_moe", "mixtral"):
+            n_layers = int(key("block_count"))
+            # NOTE: llama.cpp renormalizes Qwen3-MoE's top-k weights unless the file says otherwise.
+            moe = dict(num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
+                       moe_intermediate_size=int(key("expert_feed_forward_length") if family == "qwen3_moe"
+                                                 else key("feed_forward_length")),
+                       norm_topk_prob=bool(self.get(f"{arch}.expert_weights_norm", True)),
+                       moe_layers=tuple(n for n in range(n_layers) if f"blk.{n}.ffn_gate_exps.weight" in self.tensors))
         return ModelConfig(
             architecture=family,
             hidden_size=hidden,
@@ -128,10 +148,11 @@ class GGUFCheckpoint:
             max_position_embeddings=int(key("context_length")),
             tie_word_embeddings="output.weight" not in self.tensors,
             attention_bias="blk.0.attn_q.bias" in self.tensors,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
             torch_dtype=_FILE_TYPE_DTYPE.get(self.get("general.file_type"), "float32"),
+            **moe,
         )
 
     @cached_property
@@ -150,26 +171,47 @@ class GGUFCheckpoint:
                 unsupported quantization (with keep_quantized: any type without Kog kernels,
                 listing those that have), or unknown.
         """
-        by_hf = {}
+        by_hf: dict[str, list[str]] = {}  # HF name -> its GGUF tensors (two for gate_up_proj)
         for name in self.tensors:
             if name == _ROPE_FREQS:
                 continue
-            by_hf[hf_name(name) or f"<gguf tensor {name}>"] = name
+            m = _BLOCK_RE.fullmatch(name)
+            if m and m.group(2) in _EXPERT_NAMES:
+                target, part = _EXPERT_NAMES[m.group(2)]
+                parts = by_hf.setdefault(f"model.layers.{m.group(1)}.{target}", ["", ""] if "gate_up" in target else [""])
+                parts[part] = name
+                continue
+            by_hf[hf_name(name) or f"<gguf tensor {name}>"] = [name]
+        for hf, parts in by_hf.items():
+            if "" in parts:
+                raise ModelLoadError(f"{self.path}: {parts[0] or parts[1]!r} has no ffn_gate_exps/ffn_up_exps partner")
         names = select_names(by_hf, config, source=str(self.path))
         expected = expected_shapes(config)
         for name in names:  # every shape is checked before any tensor is dequantized
-            info = self.tensors[by_hf[name]]
-            check_shape(name, info.torch_shape, expected, f"{self.path} (GGUF tensor {info.name})")
+            for g in by_hf[name]:
+                info = self.tensors[g]
+                want = expected[name]
+                if len(by_hf[name]) == 2:  # one of gate / up: [E, Ie, hidden]
+                    want = (want[0], want[1] // 2, want[2])
+                check_shape(name, info.torch_shape, {name: want}, f"{self.path} (GGUF tensor {info.name})")
         weights: Weights = {}
         # NOTE: numpy releases the GIL inside dequantization, so threads use every core.
         with progress_bar(len(names), f"loading {self.path.name}", progress) as bar, \
                 ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            futures = {pool.submit(self._load_one, name, by_hf[name], config, dtype, keep_quantized): name
+            futures = {pool.submit(self._load_parts, name, by_hf[name], config, dtype, keep_quantized): name
                        for name in names}
             for future in as_completed(futures):
                 weights[futures[future]] = future.result()
                 bar.update()
         return {name: weights[name] for name in names}
+
+    def _load_parts(self, name: str, gguf_names: list[str], config: ModelConfig, dtype: torch.dtype,
+                    keep_quantized: bool) -> torch.Tensor | QuantizedWeight:
+        # NOTE: stacked experts are always dequantized (the MoE ops take run-dtype weights).
+        if len(self.tensors[gguf_names[0]].torch_shape) == 3:
+            parts = [self._load_one(name, g, config, dtype, False) for g in gguf_names]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [E, gate; up, hidden]
+        return self._load_one(name, gguf_names[0], config, dtype, keep_quantized)
 
     def _load_one(self, name: str, gguf_name: str, config: ModelConfig, dtype: torch.dtype,
                   keep_quantized: bool) -> torch.Tensor | QuantizedWeight:
@@ -180,7 +222,7 @@ class GGUFCheckpoint:
             w = self._dequantize(info, info.torch_shape).to(dtype)
         heads = {".self_attn.q_proj.": config.num_attention_heads, ".self_attn.k_proj.": config.num_key_value_heads}
         for part, n_heads in heads.items():
-            if config.architecture == "llama" and part in name:
+            if config.architecture in ("llama", "mixtral") and part in name:
                 # The permutation moves whole rows: on blocks it moves whole byte rows.
                 if isinstance(w, QuantizedWeight):
                     return w.with_data(_unpermute_rows(w.data, n_heads))

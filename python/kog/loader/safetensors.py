@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import json
 import struct
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from kog.config import ModelConfig
 from kog.errors import ModelLoadError
-from kog.loader.weights import Weights, check_shape, expected_shapes, progress_bar, select_names
+from kog.loader.moe import combine, source_shape
+from kog.loader.weights import Weights, check_shape, expected_shapes, progress_bar, select_names, stored_sources
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -63,24 +66,30 @@ def load_safetensors(
         ModelLoadError: naming the file and tensor that is missing, misshapen or unreadable.
     """
     files = weight_files(folder)
-    names = select_names(files, config, source=str(folder))
+    sources = stored_sources(files, config)
+    names = select_names(files, config, source=str(folder), sources=sources)
     expected = expected_shapes(config)
-    by_file: dict[Path, list[str]] = {}
-    for name in names:
-        by_file.setdefault(files[name], []).append(name)
-
     weights: Weights = {}
-    with progress_bar(len(names), f"loading {Path(folder).name}", progress) as bar:
-        for path, file_names in by_file.items():
-            with _open(path) as f:
-                for name in file_names:
-                    check_shape(name, f.get_slice(name).get_shape(), expected, str(path))
-                    try:
-                        tensor = f.get_tensor(name)
-                    except Exception as e:  # safetensors raises its own error types
-                        raise ModelLoadError(f"{path}: cannot read tensor {name!r}: {e}") from None
-                    weights[name] = tensor.to(dtype)
-                    bar.update()
+    with progress_bar(len(names), f"loading {Path(folder).name}", progress) as bar, ExitStack() as stack:
+        opened: dict[Path, Any] = {}
+
+        def read(canonical: str, name: str) -> torch.Tensor:
+            path = files[name]
+            if path not in opened:
+                opened[path] = stack.enter_context(_open(path))
+            f = opened[path]
+            want = {name: source_shape(canonical, name, config, expected)}
+            check_shape(name, f.get_slice(name).get_shape(), want, str(path))
+            try:
+                return f.get_tensor(name)
+            except Exception as e:  # safetensors raises its own error types
+                raise ModelLoadError(f"{path}: cannot read tensor {name!r}: {e}") from None
+
+        # NOTE: MoE layers stored one tensor per expert are stacked here, once (kog.loader.moe).
+        for name in names:
+            parts = [read(name, n) for n in sources[name]]
+            weights[name] = combine(name, sources[name], parts).to(dtype)
+            bar.update()
     return weights
 
 

@@ -65,10 +65,18 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
         }
+        if n in config.moe_layers:  # stacked experts: transformers 5.x's in-memory layout
+            e, ie = config.num_experts, config.moe_intermediate_size
+            shapes |= {p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_up_proj": (e, 2 * ie, h),
+                       p + "mlp.experts.down_proj": (e, h, ie)}
+            if config.shared_expert_intermediate_size:
+                s, se = config.shared_expert_intermediate_size, p + "mlp.shared_expert."
+                shapes |= {se + "gate_proj.weight": (s, h), se + "up_proj.weight": (s, h),
+                           se + "down_proj.weight": (h, s), p + "mlp.shared_expert_gate.weight": (1, h)}
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                       p + "mlp.down_proj.weight": (h, i)}
         if config.attention_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
@@ -77,20 +85,38 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def select_names(names: Iterable[str], config: ModelConfig, source: str) -> list[str]:
+def stored_sources(names: Iterable[str], config: ModelConfig) -> dict[str, list[str]]:
+    """Which stored tensors make each canonical tensor of expected_shapes (kog.loader.moe):
+    the tensor itself, or for an MoE layer stored one expert at a time, the per-expert tensors
+    to stack (see kog.loader.moe.stored_experts)."""
+    from kog.loader.moe import stored_experts
+
+    names = set(names)
+    sources = {n: [n] for n in expected_shapes(config)}
+    for layer in config.moe_layers:
+        sources |= stored_experts(names, config, layer)
+    return sources
+
+
+def select_names(names: Iterable[str], config: ModelConfig, source: str,
+                 sources: dict[str, list[str]] | None = None) -> list[str]:
     """Checks a checkpoint's tensor names against the config; returns those to load, in order.
 
+    Args:
+        sources: the stored names that make each canonical name (stored_sources); None: each
+            canonical name is stored as itself.
     Raises:
         ModelLoadError: a needed tensor is missing, or an unknown tensor is present (which
             usually means the config and the checkpoint disagree on the architecture).
     """
     names = set(names)
     expected = expected_shapes(config)
-    missing = sorted(set(expected) - names)
+    needed = {n for srcs in sources.values() for n in srcs} if sources is not None else set(expected)
+    missing = sorted(needed - names)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ModelLoadError(f"{source}: missing tensor {missing[0]!r}{more}")
-    extra = [n for n in sorted(names - set(expected)) if not n.endswith(_IGNORED_SUFFIXES)]
+    extra = [n for n in sorted(names - needed) if not n.endswith(_IGNORED_SUFFIXES)]
     if config.tie_word_embeddings and "lm_head.weight" in extra:
         extra.remove("lm_head.weight")  # some tied checkpoints store the copy anyway
     if extra:

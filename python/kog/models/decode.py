@@ -22,7 +22,8 @@ from kog.quantized import QuantizedWeight
 
 # RoPE pairing of each family's checkpoints as Kog loads them: rotate_half, i.e. dims (i, i + R/2)
 # (HF Llama, Mistral and Qwen; GGUF llama weights are permuted back to it on load).
-ROPE_NEOX: dict[str, bool] = {"llama": True, "mistral": True, "qwen2": True, "qwen3": True}
+ROPE_NEOX: dict[str, bool] = {"llama": True, "mistral": True, "qwen2": True, "qwen3": True, "qwen3_moe": True,
+                              "mixtral": True, "qwen2_moe": True}
 
 
 def model_dims(config: ModelConfig, dtype: torch.dtype) -> _C.ModelDims:
@@ -41,7 +42,11 @@ def model_dims(config: ModelConfig, dtype: torch.dtype) -> _C.ModelDims:
         n_q_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads,
         head_dim=config.head_dim, intermediate=config.intermediate_size, vocab=config.vocab_size,
         rotary_dim=config.head_dim, rms_eps=config.rms_norm_eps, attn_scale=config.head_dim ** -0.5,
-        rope_neox=ROPE_NEOX[config.architecture], dtype=DTYPE_CODE[dtype])
+        rope_neox=ROPE_NEOX[config.architecture], dtype=DTYPE_CODE[dtype],
+        n_experts=config.num_experts if config.is_moe else 0,
+        top_k=config.num_experts_per_tok if config.is_moe else 0,
+        expert_intermediate=config.moe_intermediate_size if config.is_moe else 0,
+        norm_topk=config.norm_topk_prob, shared_slots=config.shared_expert_slots if config.is_moe else 0)
 
 
 def schedule_for(config: ModelConfig) -> list[Instruction]:

@@ -32,7 +32,9 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
         `self_attn.qkv_proj.weight` [(n_q + 2 n_kv) head_dim, hidden] (+ `.bias` with
         attention_bias), `self_attn.o_proj.weight`, `mlp.gate_up_proj.weight`
         [2 intermediate, hidden], `mlp.down_proj.weight`, and with qk_norm
-        `self_attn.q_norm.weight` / `self_attn.k_norm.weight`. All contiguous. Matrices given as
+        `self_attn.q_norm.weight` / `self_attn.k_norm.weight`; an MoE layer (config.moe_layers)
+        has `mlp.gate.weight` [E, hidden], `mlp.experts.gate_up_proj` [E, 2 Ie, hidden] and
+        `mlp.experts.down_proj` [E, hidden, Ie] instead of the MLP's matrices. All contiguous. Matrices given as
         QuantizedWeight stay so (fused by byte rows, see kog.quantized.cat_rows).
     """
 
@@ -63,8 +65,16 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
             out[a + "q_norm.weight"] = get(a + "q_norm.weight").contiguous()
             out[a + "k_norm.weight"] = get(a + "k_norm.weight").contiguous()
         out[a + "o_proj.weight"] = _contiguous(get(a + "o_proj.weight"))
-        out[m + "gate_up_proj.weight"] = cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
-        out[m + "down_proj.weight"] = _contiguous(get(m + "down_proj.weight"))
+        if n in config.moe_layers:  # already stacked at load (kog.loader.moe)
+            moe = {name: _float(get(m + name), dtype) for name in ("gate.weight", "experts.gate_up_proj",
+                                                                    "experts.down_proj")}
+            if config.shared_expert_intermediate_size:
+                moe = _with_shared_expert(config, moe, {x: _float(get(m + x), dtype) for x in _SHARED})
+            for name, w in moe.items():
+                out[m + name] = w.contiguous()
+        else:
+            out[m + "gate_up_proj.weight"] = cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
+            out[m + "down_proj.weight"] = _contiguous(get(m + "down_proj.weight"))
         for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             out[p + norm] = get(p + norm).contiguous()
     return out
@@ -76,6 +86,36 @@ def weight_bytes(weights: dict[str, Tensor]) -> int:
     for w in weights.values():
         seen[w.data_ptr()] = max(seen.get(w.data_ptr(), 0), w.nbytes)
     return sum(seen.values())
+
+
+_SHARED = ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight", "shared_expert.down_proj.weight",
+           "shared_expert_gate.weight")
+
+
+def _with_shared_expert(config: ModelConfig, moe: dict[str, torch.Tensor],
+                        shared: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """qwen2_moe's shared expert as config.shared_expert_slots more experts after the routed
+    ones, and its sigmoid gate as one more router row (the ROUTER op's layout: program.h).
+
+    NOTE: exact: a SwiGLU MLP is the sum over any split of its intermediate units of the same
+    MLP restricted to each part, and padded units (zero gate/up rows, zero down columns)
+    contribute silu(0) * 0 = 0.
+    """
+    ie, slots = config.moe_intermediate_size, config.shared_expert_slots
+    pad = slots * ie - config.shared_expert_intermediate_size
+    g, u, d = (shared[x] for x in _SHARED[:3])  # [Is, h], [Is, h], [h, Is]
+    g, u = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (g, u))
+    d = torch.cat([d, d.new_zeros(d.shape[0], pad)], dim=1)
+    gate_up = torch.stack([torch.cat([g[c * ie:(c + 1) * ie], u[c * ie:(c + 1) * ie]]) for c in range(slots)])
+    down = torch.stack([d[:, c * ie:(c + 1) * ie] for c in range(slots)])
+    return {"gate.weight": torch.cat([moe["gate.weight"], shared["shared_expert_gate.weight"]]),
+            "experts.gate_up_proj": torch.cat([moe["experts.gate_up_proj"], gate_up]),
+            "experts.down_proj": torch.cat([moe["experts.down_proj"], down])}
+
+
+def _float(w: Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # The MoE ops take run-dtype weights only (validate_program): quantized experts dequantize.
+    return w.dequantize().to(dtype) if isinstance(w, QuantizedWeight) else w
 
 
 def _contiguous(w: Tensor) -> Tensor:

@@ -25,6 +25,7 @@ class DecoderSpec:
     qk_norm: bool = False          # RMSNorm per head on q and k before RoPE (Qwen3)
     qkv_bias: bool = False         # bias on the fused qkv projection (Qwen2)
     tie_word_embeddings: bool = False
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP is routed experts (moe_block)
 
 
 def decoder_program(spec: DecoderSpec) -> list[Instruction]:
@@ -35,7 +36,10 @@ def decoder_program(spec: DecoderSpec) -> list[Instruction]:
     embed(p)
     for layer in range(spec.n_layers):
         attention_block(p, layer, qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm)
-        mlp_block(p, layer)
+        if layer in spec.moe_layers:
+            moe_block(p, layer)
+        else:
+            mlp_block(p, layer)
     lm_head(p, tied=spec.tie_word_embeddings)
     return p.build()
 
@@ -70,6 +74,16 @@ def mlp_block(p: ProgramBuilder, layer: int) -> None:
     p.op(Opcode.LINEAR, layer, (B.NORMED,), (B.GATE_UP,), (w + "mlp.gate_up_proj.weight",))
     p.op(Opcode.SILU_MUL, layer, (B.GATE_UP,), (B.ACT,))
     p.op(Opcode.LINEAR, layer, (B.ACT,), (B.HIDDEN,), (w + "mlp.down_proj.weight",))
+
+
+def moe_block(p: ProgramBuilder, layer: int) -> None:
+    """Pre-norm mixture of experts: the router picks each token's experts (ROUTE), then only
+    those experts' SwiGLU MLPs run, weighted and summed into HIDDEN (docs/ARCHITECTURE.md)."""
+    w = f"model.layers.{layer}."
+    p.op(Opcode.RMS_NORM, layer, (B.HIDDEN, B.RESIDUAL), (B.NORMED, B.RESIDUAL), (w + "post_attention_layernorm.weight",))
+    p.op(Opcode.ROUTER, layer, (B.NORMED,), (B.ROUTE,), (w + "mlp.gate.weight",))
+    p.op(Opcode.MOE_EXPERTS, layer, (B.NORMED, B.ROUTE), (B.HIDDEN,),
+         (w + "mlp.experts.gate_up_proj", w + "mlp.experts.down_proj"))
 
 
 def lm_head(p: ProgramBuilder, tied: bool) -> None:

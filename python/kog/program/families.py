@@ -54,8 +54,37 @@ def qwen3(config: ModelConfig) -> list[Instruction]:
                                        tie_word_embeddings=config.tie_word_embeddings))
 
 
+def qwen3_moe(config: ModelConfig) -> list[Instruction]:
+    """Qwen3-MoE: Qwen3's attention (q/k norm); the MLP of config.moe_layers is routed experts
+    (top-k of a softmax router, renormalized with norm_topk_prob), the others stay dense."""
+    _check_qk_norm(config, True)
+    return decoder_program(DecoderSpec(config.num_hidden_layers, qk_norm=True, qkv_bias=config.attention_bias,
+                                       tie_word_embeddings=config.tie_word_embeddings,
+                                       moe_layers=config.moe_layers))
+
+
+def mixtral(config: ModelConfig) -> list[Instruction]:
+    """Mixtral: Mistral's attention; every MLP is routed experts, weights renormalized over the
+    chosen ones (a softmax over the top-k logits). NOTE: sliding window as in mistral()."""
+    _check_qk_norm(config, False)
+    return decoder_program(DecoderSpec(config.num_hidden_layers, qkv_bias=config.attention_bias,
+                                       tie_word_embeddings=config.tie_word_embeddings,
+                                       moe_layers=config.moe_layers))
+
+
+def qwen2_moe(config: ModelConfig) -> list[Instruction]:
+    """Qwen2-MoE: Qwen2's attention (q/k/v bias); sparse layers as qwen3_moe's, plus a shared
+    expert every token runs, weighted by sigmoid(x @ shared_expert_gate): the same two MoE ops,
+    the shared expert being always-on slots of ROUTE (kog.models.weights)."""
+    _check_qk_norm(config, False)
+    return decoder_program(DecoderSpec(config.num_hidden_layers, qkv_bias=config.attention_bias,
+                                       tie_word_embeddings=config.tie_word_embeddings,
+                                       moe_layers=config.moe_layers))
+
+
 # HF model_type -> the family's program function.
-FAMILIES: dict[str, FamilyFunction] = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3}
+FAMILIES: dict[str, FamilyFunction] = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3,
+                                       "qwen3_moe": qwen3_moe, "mixtral": mixtral, "qwen2_moe": qwen2_moe}
 
 
 def program_for(config: ModelConfig) -> list[Instruction]:

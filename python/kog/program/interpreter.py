@@ -164,10 +164,53 @@ def _sample(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple)
     s.write(ins.writes[0], s.read(ins.reads[0], ins.rows).argmax(-1), ins.rows)
 
 
+def _router(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
+    # transformers' router: softmax over every expert in f32, torch.topk (its tie order), then
+    # renormalized over the chosen ones with norm_topk_prob. Weights stay f32 (the executor's).
+    # qwen2_moe: the shared expert's slots E.. follow, weighted by sigmoid(x @ router row E).
+    c = it.config
+    E, S = c.num_experts, c.shared_expert_slots
+    logits = matmul(s.read(ins.reads[0], ins.rows), w[0])  # [T, E (+1)] in the run dtype, as the executor rounds them
+    probs = torch.softmax(logits[:, :E].float(), dim=-1)
+    top, ids = torch.topk(probs, c.num_experts_per_tok, dim=-1)  # [T, k]
+    if c.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    if S:
+        T = logits.shape[0]
+        gate = torch.sigmoid(logits[:, E:].float())  # [T, 1]
+        ids = torch.cat([ids, torch.arange(E, E + S, device=ids.device).expand(T, S)], dim=1)
+        top = torch.cat([top, gate.expand(T, S)], dim=1)
+    # ROUTE: [T, 2k] int32 words, the executor's layout: k expert ids, then the f32 bits of their weights.
+    s.write(ins.writes[0], torch.cat([ids.to(torch.int32), top.contiguous().view(torch.int32)], dim=1), ins.rows)
+
+
+def _moe_experts(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
+    # Tokens grouped by expert: one GEMM pair per chosen expert over the rows that chose it, the
+    # weighted results added back in f32 in ascending expert order (the executor's order).
+    x = s.read(ins.reads[0], ins.rows)  # [T, hidden]
+    route = s.read(ins.reads[1], ins.rows)  # [T, 2k] int32
+    k = route.shape[1] // 2  # slots per row: routed + shared
+    ids = route[:, :k].reshape(-1).long()  # [T k] expert of each (row, slot)
+    weights = route[:, k:].contiguous().view(torch.float32).reshape(-1)  # [T k]
+    order = torch.argsort(ids, stable=True)  # (row, slot) pairs by expert, rows ascending in each
+    counts = torch.bincount(ids, minlength=w[0].shape[0]).tolist()
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, m in enumerate(counts):
+        if m == 0:
+            continue
+        pairs = order[start:start + m]
+        rows = pairs // k
+        y = matmul(ops.silu_and_mul(matmul(x[rows], w[0][e])), w[1][e])  # [m, hidden]
+        acc.index_add_(0, rows, y.float() * weights[pairs, None])
+        start += m
+    s.write(ins.writes[0], acc.to(x.dtype), ins.rows)
+
+
 _HANDLERS: dict[Opcode, Callable[[ProgramInterpreter, ProgramState, Instruction, tuple], None]] = {
     Opcode.EMBED: _embed, Opcode.RMS_NORM: _rms_norm, Opcode.LINEAR: _linear, Opcode.QK_NORM: _qk_norm,
     Opcode.ROPE: _rope, Opcode.KV_APPEND: _kv_append, Opcode.ATTN_DECODE: _attention,
-    Opcode.SILU_MUL: _silu_mul, Opcode.SAMPLE: _sample,
+    Opcode.SILU_MUL: _silu_mul, Opcode.SAMPLE: _sample, Opcode.ROUTER: _router, Opcode.MOE_EXPERTS: _moe_experts,
 }
 
 

@@ -19,6 +19,8 @@ class Opcode(IntEnum):
     ATTN_DECODE = 6
     SILU_MUL = 7
     SAMPLE = 8
+    ROUTER = 9        # MoE: routing buffer (expert ids + weights) from the router GEMV
+    MOE_EXPERTS = 10  # MoE: the routed experts' SwiGLU MLPs, weighted, summed
 
 
 class Buffer(IntEnum):
@@ -31,3 +33,4 @@ class Buffer(IntEnum):
     GATE_UP = 6
     ACT = 7
     LOGITS = 8
+    ROUTE = 9  # [rows, 2 top_k] int32 words: top_k expert ids, then the f32 bits of their weights

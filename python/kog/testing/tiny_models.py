@@ -62,16 +62,30 @@ TRICKY_STRINGS = [
 
 
 def tiny_config(architecture: str = "llama", vocab_size: int | None = None, **overrides: Any) -> ModelConfig:
-    """A Llama-family config with hidden 64, 2 layers, 4 query heads over 2 KV heads (head_dim 16)."""
+    """A Llama-family config with hidden 64, 2 layers, 4 query heads over 2 KV heads (head_dim 16).
+
+    MoE families get 4 experts of width 32, 2 per token, renormalized; every layer is MoE but
+    layer 1 of qwen3_moe / qwen2_moe, which stays dense (mlp_only_layers); qwen2_moe's shared
+    expert is 48 wide.
+    """
+    n_layers = overrides.get("num_hidden_layers", 2)
+    moe: dict[str, Any] = {}
+    if architecture in ("qwen3_moe", "mixtral", "qwen2_moe"):
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                   moe_layers=tuple(i for i in range(n_layers) if architecture == "mixtral" or i != 1))
+    if architecture == "mixtral":  # Mixtral's experts are intermediate_size wide
+        moe["intermediate_size"] = 32
+    if architecture == "qwen2_moe":  # a shared expert 1.5 experts wide: two slots, the second half padding
+        moe["shared_expert_intermediate_size"] = 48
     fields: dict[str, Any] = dict(
         architecture=architecture, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, intermediate_size=128,
         vocab_size=vocab_size or len(tiny_tokenizer_metadata()["tokenizer.ggml.tokens"]),
         rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256,
-        tie_word_embeddings=architecture in ("qwen2", "qwen3"), attention_bias=architecture == "qwen2",
-        qk_norm=architecture == "qwen3", bos_token_id=1, eos_token_ids=(2,), torch_dtype="float32",
+        tie_word_embeddings=architecture in ("qwen2", "qwen3"), attention_bias=architecture in ("qwen2", "qwen2_moe"),
+        qk_norm=architecture in ("qwen3", "qwen3_moe"), bos_token_id=1, eos_token_ids=(2,), torch_dtype="float32",
     )
-    return ModelConfig(**(fields | overrides))
+    return ModelConfig(**(fields | moe | overrides))
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> Weights:
@@ -154,7 +168,7 @@ def tiny_tokenizer(pre: str = "smollm") -> Tokenizer:
 
 def default_pre(config: ModelConfig) -> str:
     """The pre-tokenizer a real model of this family uses."""
-    return "qwen2" if config.architecture in ("qwen2", "qwen3") else "smollm"
+    return "qwen2" if config.architecture in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") else "smollm"
 
 
 def write_hf_model(folder: str | Path, config: ModelConfig, weights: Weights | None = None,
@@ -194,7 +208,7 @@ def write_gguf_model(path: str | Path, config: ModelConfig, weights: Weights | N
 
     path = Path(path)
     weights = random_weights(config) if weights is None else weights
-    arch = config.architecture if config.architecture != "mistral" else "llama"
+    arch = {"mistral": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(config.architecture, config.architecture)
     writer = gguf.GGUFWriter(str(path), arch)
     metadata = _gguf_metadata(config, arch, tokenizer_metadata or tiny_tokenizer_metadata(default_pre(config)))
     metadata["general.file_type"] = {"F32": 0, "F16": 1, "Q8_0": 7}[qtype]
@@ -209,15 +223,15 @@ def write_gguf_model(path: str | Path, config: ModelConfig, weights: Weights | N
     if scaling.get("rope_type") == "llama3":  # llama.cpp stores the per-frequency factors instead
         factors = llama3_rope_factors(config.rope_theta, config.head_dim, scaling)
         writer.add_tensor("rope_freqs.weight", factors.numpy())
-    for hf_name, w in weights.items():
+    for hf_name, w in _gguf_experts(weights, config):
         array = _permute_for_llama_cpp(hf_name, w.float(), config, arch).numpy()
         if array.ndim == 1 or qtype == "F32":
-            writer.add_tensor(to_gguf[hf_name], array)
+            writer.add_tensor(to_gguf.get(hf_name, hf_name), array)
         elif qtype == "F16":
-            writer.add_tensor(to_gguf[hf_name], array.astype(np.float16))
+            writer.add_tensor(to_gguf.get(hf_name, hf_name), array.astype(np.float16))
         else:
             q = gguf.GGMLQuantizationType[qtype]
-            writer.add_tensor(to_gguf[hf_name], gguf.quants.quantize(array, q), raw_dtype=q)
+            writer.add_tensor(to_gguf.get(hf_name, hf_name), gguf.quants.quantize(array, q), raw_dtype=q)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -231,13 +245,35 @@ def write_gguf_model(path: str | Path, config: ModelConfig, weights: Weights | N
 def _gguf_metadata(config: ModelConfig, arch: str, tok: dict[str, Any]) -> dict[str, Any]:
     from kog.loader.gguf_write import model_metadata
 
-    return {"general.name": f"kog-tiny-{config.architecture}"} | model_metadata(config, arch) | tok
+    moe = {}
+    if config.is_moe:  # llama.cpp's MoE keys (Mixtral: llama with experts as wide as the FFN)
+        moe = {f"{arch}.expert_count": config.num_experts, f"{arch}.expert_used_count": config.num_experts_per_tok}
+        if arch == "qwen3moe":
+            moe[f"{arch}.expert_feed_forward_length"] = config.moe_intermediate_size
+        else:
+            moe[f"{arch}.feed_forward_length"] = config.moe_intermediate_size
+    return {"general.name": f"kog-tiny-{config.architecture}"} | model_metadata(config, arch) | moe | tok
+
+
+def _gguf_experts(weights: Weights, config: ModelConfig):
+    """(name, tensor) pairs to write: a stacked MoE layer's tensors as llama.cpp's
+    blk.N.ffn_{gate,up,down}_exps.weight (GGUF names), the rest as they are (HF names)."""
+    for name, w in weights.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            layer = name.split(".")[2]
+            half = w.shape[1] // 2
+            yield f"blk.{layer}.ffn_gate_exps.weight", w[:, :half]
+            yield f"blk.{layer}.ffn_up_exps.weight", w[:, half:]
+        elif name.endswith("mlp.experts.down_proj"):
+            yield f"blk.{name.split('.')[2]}.ffn_down_exps.weight", w
+        else:
+            yield name, w
 
 
 def _gguf_names(config: ModelConfig) -> list[str]:
     names = ["token_embd.weight", "output_norm.weight", "output.weight"]
     parts = ["attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
-             "ffn_gate", "ffn_up", "ffn_down"]
+             "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp"]
     for n in range(config.num_hidden_layers):
         names += [f"blk.{n}.{p}.{kind}" for p in parts for kind in ("weight", "bias")]
     return names

@@ -1,0 +1,152 @@
+// The CPU decode executor's mixture-of-experts ops, ROUTER and MOE_EXPERTS. Contract:
+// decode_executor.h (the executor), schedule/opcodes.h (the ops), docs/ARCHITECTURE.md (why the
+// routing buffer and the stacked expert weights look the way they do).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "common/errors.h"
+#include "cpu/kernels.h"
+#include "engine/decode_executor.h"
+
+namespace kog::engine {
+namespace {
+
+float load(const char* p, int64_t i, DType t) {
+  if (t == DType::kF32) return reinterpret_cast<const float*>(p)[i];
+  if (t == DType::kF16) return float(reinterpret_cast<const _Float16*>(p)[i]);
+  const uint32_t u = uint32_t(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// One rounding to the run dtype: round to nearest even, as torch's .to(dtype).
+void store(char* p, int64_t i, float v, DType t) {
+  if (t == DType::kF32) {
+    reinterpret_cast<float*>(p)[i] = v;
+  } else if (t == DType::kF16) {
+    reinterpret_cast<_Float16*>(p)[i] = _Float16(v);
+  } else {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+    reinterpret_cast<uint16_t*>(p)[i] = uint16_t(nan ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+}
+
+using Scored = std::pair<float, int64_t>;  // (probability, expert id)
+
+// NOTE: the k best of q (filled with (probs[j], j) in id order) in the order torch.topk returns
+// them on the CPU, ties included: torch sorts the same pairs with the same standard algorithms --
+// a partial sort when k * 64 <= n, else nth_element at k - 1 and a sort of the k - 1 before it --
+// under "greater value first, NaN first". Equal probabilities therefore land where those
+// algorithms put them (not always the lower id first), and a tied router picks the experts
+// transformers picks (tests/cpu/test_moe.py: tied scores).
+void topk_like_torch(std::vector<Scored>& q, int64_t k) {
+  auto before = [](const Scored& x, const Scored& y) {
+    return (std::isnan(x.first) && !std::isnan(y.first)) || x.first > y.first;
+  };
+  const auto n = int64_t(q.size());
+  if (k * 64 <= n) {
+    std::partial_sort(q.begin(), q.begin() + k, q.end(), before);
+  } else {
+    std::nth_element(q.begin(), q.begin() + (k - 1), q.end(), before);
+    std::sort(q.begin(), q.begin() + (k - 1), before);
+  }
+}
+
+}  // namespace
+
+// route[b] = ids of the top_k experts of softmax(x[b] @ router^T) and their weights (renormalized
+// to sum 1 with norm_topk), then the shared slots E.. with weight sigmoid(x[b] @ router[E]). The
+// logits are rounded to the run dtype, as the interpreter's GEMM rounds them; the rest in f32.
+void DecodeExecutor::route(const Op& op, int64_t batch) {
+  const int64_t E = d_.n_experts, K = d_.top_k, S = d_.shared_slots, n = E + (S > 0), W = K + S;
+  char* logits = moe_rows_.data();  // [B, n] run dtype
+  const LinearParams p{logits, buf(op.in), op.w0, nullptr, batch, n, d_.hidden, d_.hidden, n, d_.dtype};
+  cpu::kernels().linear(p, scratch_.data());
+  int32_t* out = reinterpret_cast<int32_t*>(buf(op.out));  // [B, 2W] words: W ids, then W f32 weights
+  std::vector<Scored> q(static_cast<size_t>(E));
+  for (int64_t b = 0; b < batch; ++b) {
+    float mx = -INFINITY;
+    for (int64_t e = 0; e < E; ++e) mx = std::max(mx, load(logits, b * n + e, d_.dtype));
+    float sum = 0.f;
+    for (int64_t e = 0; e < E; ++e) {
+      q[size_t(e)] = {std::exp(load(logits, b * n + e, d_.dtype) - mx), e};
+      sum += q[size_t(e)].first;
+    }
+    const float inv = 1.f / sum;
+    for (Scored& s : q) s.first *= inv;
+    // q is in id order again for every row: the order ties are broken from.
+    topk_like_torch(q, K);
+    float top_sum = 0.f;
+    for (int64_t j = 0; j < K; ++j) top_sum += q[size_t(j)].first;
+    int32_t* row = out + b * 2 * W;
+    for (int64_t j = 0; j < K; ++j) {
+      const float w = d_.norm_topk ? q[size_t(j)].first / top_sum : q[size_t(j)].first;
+      row[j] = int32_t(q[size_t(j)].second);
+      std::memcpy(row + W + j, &w, 4);
+    }
+    if (S > 0) {
+      const float g = 1.f / (1.f + std::exp(-load(logits, b * n + E, d_.dtype)));
+      for (int64_t j = K; j < W; ++j) {
+        row[j] = int32_t(E + j - K);
+        std::memcpy(row + W + j, &g, 4);
+      }
+    }
+  }
+}
+
+// out[b] = sum over b's routed experts e of weight(b, e) * down_e(silu(gate_e x[b]) * up_e x[b]).
+// NOTE: rows that chose the same expert run as one GEMM over that expert's weights (each chosen
+// expert's matrices are read once per step, however many rows chose it, and an expert no row
+// chose is never read); sums are f32 in ascending expert order, as the interpreter adds them.
+void DecodeExecutor::experts(const Op& op, int64_t batch) {
+  // K: slots per row (routed + shared), E: stacked experts (routed + shared slices)
+  const int64_t E = d_.n_experts + d_.shared_slots, K = d_.top_k + d_.shared_slots;
+  const int64_t H = d_.hidden, I = d_.expert_intermediate;
+  const int32_t* route = reinterpret_cast<const int32_t*>(buf(int(Buffer::kRoute)));
+  // (row * K + slot) pairs grouped by expert, rows ascending in each group: a counting sort.
+  std::vector<int64_t> start(size_t(E + 1), 0);
+  for (int64_t i = 0; i < batch * K; ++i) {
+    const int32_t e = route[(i / K) * 2 * K + i % K];
+    KOG_ASSERT(e >= 0 && e < E, "moe experts: row ", i / K, " routes to expert ", e, " of ", E);
+    ++start[size_t(e) + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) start[size_t(e + 1)] += start[size_t(e)];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < batch * K; ++i) moe_order_[size_t(fill[size_t(route[(i / K) * 2 * K + i % K])]++)] = int32_t(i);
+
+  const cpu::KernelTable& k = cpu::kernels();
+  char* x = moe_rows_.data() + batch * (d_.n_experts + 1) * elem_;  // [m, H]: the expert's rows of in
+  char* gu = x + batch * H * elem_;                // [m, 2I]
+  char* act = gu + batch * 2 * I * elem_;          // [m, I]
+  char* y = act + batch * I * elem_;               // [m, H]
+  const char* in = buf(op.in);
+  std::fill(moe_acc_.begin(), moe_acc_.begin() + batch * H, 0.f);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t first = start[size_t(e)], m = start[size_t(e + 1)] - first;
+    if (m == 0) continue;
+    for (int64_t j = 0; j < m; ++j)
+      std::memcpy(x + j * H * elem_, in + (moe_order_[size_t(first + j)] / K) * H * elem_, size_t(H * elem_));
+    const char* w_gu = static_cast<const char*>(op.w0) + e * 2 * I * H * elem_;
+    const char* w_down = static_cast<const char*>(op.w1) + e * H * I * elem_;
+    k.linear({gu, x, w_gu, nullptr, m, 2 * I, H, H, 2 * I, d_.dtype}, scratch_.data());
+    k.silu_and_mul({act, gu, m, I, 2 * I, I, d_.dtype});
+    k.linear({y, act, w_down, nullptr, m, H, I, I, H, d_.dtype}, scratch_.data());
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t pair = moe_order_[size_t(first + j)], row = pair / K;
+      float w;
+      std::memcpy(&w, route + row * 2 * K + K + pair % K, 4);
+      float* acc = moe_acc_.data() + row * H;
+      for (int64_t h = 0; h < H; ++h) acc[h] += w * load(y, j * H + h, d_.dtype);
+    }
+  }
+  char* out = buf(op.out);
+  for (int64_t i = 0; i < batch * H; ++i) store(out, i, moe_acc_[size_t(i)], d_.dtype);
+}
+
+}  // namespace kog::engine
