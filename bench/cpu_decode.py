@@ -20,7 +20,7 @@ child processes that alternate between the two (best of the rounds for each), in
 
 A quantized-weights table (`--quant-only` prints only it): the shipped Q4_1 GGUF run with its
 blocks kept (kog's default) next to the same file dequantized to f32 and bf16, decode tok/s,
-512-token prefill (both prefill paths of the quantized model) and weight bytes per token.
+512-token prefill (each prefill path of the quantized model) and weight bytes per token.
 
 `--ttft-only`: time to first token of short chat prompts, the Q4_1 file's blocks kept (this
 tree's prefill paths and the previous ones) next to the same file in f32.
