@@ -136,7 +136,10 @@ def test_client_disconnect_mid_stream_frees_kv(server):
 
 
 def test_client_timeout_on_a_whole_response_aborts_it(server):
-    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 200, "n": 32, "ignore_eos": True}  # > 0.15 s of work even on an idle machine
+    # 8 waves of 8 sequences x 1000 tokens (the server runs 8 at a time): ~8000 dependent steps, far
+    # more than 0.15 s even on an idle machine (200 tokens x 32 finished within 0.15 s once the
+    # native decode loop ran 16 steps per call)
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 1000, "n": 64, "ignore_eos": True}
     aborted_before = _requests_ended(server, "abort")
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
