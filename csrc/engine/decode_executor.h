@@ -85,6 +85,7 @@ class DecodeExecutor {
   // kernel's own threads (runs_alone).
   void route(const Op& op, int64_t batch);
   void experts(const Op& op, int64_t batch);
+  void run_expert(const Op& op, int64_t batch, int64_t e, int64_t first, int64_t m);
   void plan_barriers();
 
   ModelDims d_;

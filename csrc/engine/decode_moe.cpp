@@ -3,6 +3,7 @@
 // routing buffer and the stacked expert weights look the way they do).
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -58,6 +59,14 @@ void topk_like_torch(std::vector<Scored>& q, int64_t k) {
   }
 }
 
+// KOG_MOE_MERGE=0 runs each (row, slot) pair as its own GEMM (every row reads its experts'
+// matrices itself): the baseline bench/moe_decode.py measures the merged GEMMs against. Read per
+// call, so a test can flip it between steps.
+bool merge_rows_per_expert() {
+  const char* v = std::getenv("KOG_MOE_MERGE");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 }  // namespace
 
 // route[b] = ids of the top_k experts of softmax(x[b] @ router^T) and their weights (renormalized
@@ -107,7 +116,7 @@ void DecodeExecutor::route(const Op& op, int64_t batch) {
 void DecodeExecutor::experts(const Op& op, int64_t batch) {
   // K: slots per row (routed + shared), E: stacked experts (routed + shared slices)
   const int64_t E = d_.n_experts + d_.shared_slots, K = d_.top_k + d_.shared_slots;
-  const int64_t H = d_.hidden, I = d_.expert_intermediate;
+  const int64_t H = d_.hidden;
   const int32_t* route = reinterpret_cast<const int32_t*>(buf(int(Buffer::kRoute)));
   // (row * K + slot) pairs grouped by expert, rows ascending in each group: a counting sort.
   std::vector<int64_t> start(size_t(E + 1), 0);
@@ -120,33 +129,44 @@ void DecodeExecutor::experts(const Op& op, int64_t batch) {
   std::vector<int64_t> fill(start.begin(), start.end() - 1);
   for (int64_t i = 0; i < batch * K; ++i) moe_order_[size_t(fill[size_t(route[(i / K) * 2 * K + i % K])]++)] = int32_t(i);
 
+  std::fill(moe_acc_.begin(), moe_acc_.begin() + batch * H, 0.f);
+  const bool merge = merge_rows_per_expert();
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t first = start[size_t(e)], end = start[size_t(e + 1)]; first < end;) {
+      const int64_t m = merge ? end - first : 1;
+      run_expert(op, batch, e, first, m);
+      first += m;
+    }
+  }
+  char* out = buf(op.out);
+  for (int64_t i = 0; i < batch * H; ++i) store(out, i, moe_acc_[size_t(i)], d_.dtype);
+}
+
+// Expert e over the m (row, slot) pairs moe_order_[first, first + m): its gate/up GEMM, SiLU-mul
+// and down GEMM, each output row added to its row's f32 accumulator with the route's weight.
+void DecodeExecutor::run_expert(const Op& op, int64_t batch, int64_t e, int64_t first, int64_t m) {
+  const int64_t K = d_.top_k + d_.shared_slots, H = d_.hidden, I = d_.expert_intermediate;
+  const int32_t* route = reinterpret_cast<const int32_t*>(buf(int(Buffer::kRoute)));
   const cpu::KernelTable& k = cpu::kernels();
   char* x = moe_rows_.data() + batch * (d_.n_experts + 1) * elem_;  // [m, H]: the expert's rows of in
   char* gu = x + batch * H * elem_;                // [m, 2I]
   char* act = gu + batch * 2 * I * elem_;          // [m, I]
   char* y = act + batch * I * elem_;               // [m, H]
   const char* in = buf(op.in);
-  std::fill(moe_acc_.begin(), moe_acc_.begin() + batch * H, 0.f);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t first = start[size_t(e)], m = start[size_t(e + 1)] - first;
-    if (m == 0) continue;
-    for (int64_t j = 0; j < m; ++j)
-      std::memcpy(x + j * H * elem_, in + (moe_order_[size_t(first + j)] / K) * H * elem_, size_t(H * elem_));
-    const char* w_gu = static_cast<const char*>(op.w0) + e * 2 * I * H * elem_;
-    const char* w_down = static_cast<const char*>(op.w1) + e * H * I * elem_;
-    k.linear({gu, x, w_gu, nullptr, m, 2 * I, H, H, 2 * I, d_.dtype}, scratch_.data());
-    k.silu_and_mul({act, gu, m, I, 2 * I, I, d_.dtype});
-    k.linear({y, act, w_down, nullptr, m, H, I, I, H, d_.dtype}, scratch_.data());
-    for (int64_t j = 0; j < m; ++j) {
-      const int64_t pair = moe_order_[size_t(first + j)], row = pair / K;
-      float w;
-      std::memcpy(&w, route + row * 2 * K + K + pair % K, 4);
-      float* acc = moe_acc_.data() + row * H;
-      for (int64_t h = 0; h < H; ++h) acc[h] += w * load(y, j * H + h, d_.dtype);
-    }
+  for (int64_t j = 0; j < m; ++j)
+    std::memcpy(x + j * H * elem_, in + (moe_order_[size_t(first + j)] / K) * H * elem_, size_t(H * elem_));
+  const char* w_gu = static_cast<const char*>(op.w0) + e * 2 * I * H * elem_;
+  const char* w_down = static_cast<const char*>(op.w1) + e * H * I * elem_;
+  k.linear({gu, x, w_gu, nullptr, m, 2 * I, H, H, 2 * I, d_.dtype}, scratch_.data());
+  k.silu_and_mul({act, gu, m, I, 2 * I, I, d_.dtype});
+  k.linear({y, act, w_down, nullptr, m, H, I, I, H, d_.dtype}, scratch_.data());
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t pair = moe_order_[size_t(first + j)], row = pair / K;
+    float w;
+    std::memcpy(&w, route + row * 2 * K + K + pair % K, 4);
+    float* acc = moe_acc_.data() + row * H;
+    for (int64_t h = 0; h < H; ++h) acc[h] += w * load(y, j * H + h, d_.dtype);
   }
-  char* out = buf(op.out);
-  for (int64_t i = 0; i < batch * H; ++i) store(out, i, moe_acc_[size_t(i)], d_.dtype);
 }
 
 }  // namespace kog::engine
