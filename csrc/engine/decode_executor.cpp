@@ -64,7 +64,8 @@ DecodeExecutor::DecodeExecutor(const ModelDims& dims, const KVCacheDesc& kv,
 void DecodeExecutor::plan_barriers() {
   barrier_before_.assign(program_.size(), 0);
   auto split = [&](size_t i) {
-    return Opcode(program_[i].op) == Opcode::kLinear || Opcode(program_[i].op) == Opcode::kMoeExperts;
+    const Opcode o = Opcode(program_[i].op);
+    return o == Opcode::kLinear || o == Opcode::kRouter || o == Opcode::kMoeExperts;
   };
   size_t since = 0;  // ops [since, j) ran after the last barrier
   for (size_t j = 0; j < program_.size(); ++j) {
@@ -170,6 +171,8 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
         const Op& op = program_[size_t(j)];
         if (Opcode(op.op) == Opcode::kLinear) {
           linear_part(op, s.batch, epoch_base_ + uint32_t(j), t);
+        } else if (Opcode(op.op) == Opcode::kRouter) {
+          route_part(op, s.batch, epoch_base_ + uint32_t(j), t);
         } else if (Opcode(op.op) == Opcode::kMoeExperts) {
           experts_part(op, s.batch, t, nt);
         } else if (t == 0) {
@@ -186,9 +189,8 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
 // NOTE: attention leaves the region exactly when the kernel would use all threads itself
 // (inside the region it runs on thread 0 while the others wait at the barrier): from ~450
 // cached tokens for SmolLM2 (9 heads x 64), ~64 for Llama-3-8B (32 x 128).
-// ROUTER leaves it (its small GEMM and top-k on the caller); MOE_EXPERTS stays (decode_moe.cpp).
+// The MoE ops stay in it (decode_moe.cpp).
 bool DecodeExecutor::runs_alone(const Op& op) const {
-  if (Opcode(op.op) == Opcode::kRouter) return true;
   return Opcode(op.op) == Opcode::kAttnDecode &&
          batch_ * max_seq_len_ * d_.n_q_heads * d_.head_dim >= kCpuAttentionParallelMinWork;
 }
@@ -232,7 +234,6 @@ void DecodeExecutor::exec(const Op& op, const DecodeStep& s) {
       break;
     }
     case Opcode::kSample: sample(op, s); break;
-    case Opcode::kRouter: route(op, B); break;
     default: break;
   }
 }

@@ -81,9 +81,10 @@ class DecodeExecutor {
   bool runs_alone(const Op& op) const;
   void attention(const Op& op, const DecodeStep& s);
   void sample(const Op& op, const DecodeStep& s);
-  // Mixture of experts (decode_moe.cpp). ROUTER runs outside the region (runs_alone);
-  // MOE_EXPERTS inside it, on every thread of the team (its GEMMs split by the row queue).
-  void route(const Op& op, int64_t batch);
+  // Mixture of experts (decode_moe.cpp): ROUTER and MOE_EXPERTS run inside the region on
+  // every thread of the team (their GEMMs split by the row queue), route() on thread 0.
+  void route_part(const Op& op, int64_t batch, uint32_t epoch, int t);
+  void route(int64_t batch);
   void experts_part(const Op& op, int64_t batch, int t, int nt);
   void plan_barriers();
 

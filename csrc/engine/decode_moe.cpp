@@ -73,12 +73,20 @@ bool merge_rows_per_expert() {
 // route[b] = ids of the top_k experts of softmax(x[b] @ router^T) and their weights (renormalized
 // to sum 1 with norm_topk), then the shared slots E.. with weight sigmoid(x[b] @ router[E]). The
 // logits are rounded to the run dtype, as the interpreter's GEMM rounds them; the rest in f32.
-void DecodeExecutor::route(const Op& op, int64_t batch) {
+// As thread t of the step's parallel region: the [B, n] logits GEMM split by the row queue
+// (epoch: the op's own), a team barrier, the top-k on thread 0.
+void DecodeExecutor::route_part(const Op& op, int64_t batch, uint32_t epoch, int t) {
+  const int64_t n = d_.n_experts + (d_.shared_slots > 0);
+  const LinearParams p{moe_rows_.data(), buf(op.in), op.w0, nullptr, batch, n, d_.hidden, d_.hidden, n, d_.dtype};
+  cpu::kernels().linear_part(p, scratch_.data() + t * scratch_stride_, *row_queue_, epoch, t);
+  cpu::ThreadPool::instance().barrier();
+  if (t == 0) route(batch);
+}
+
+void DecodeExecutor::route(int64_t batch) {
   const int64_t E = d_.n_experts, K = d_.top_k, S = d_.shared_slots, n = E + (S > 0), W = K + S;
-  char* logits = moe_rows_.data();  // [B, n] run dtype
-  const LinearParams p{logits, buf(op.in), op.w0, nullptr, batch, n, d_.hidden, d_.hidden, n, d_.dtype};
-  cpu::kernels().linear(p, scratch_.data());
-  int32_t* out = reinterpret_cast<int32_t*>(buf(op.out));  // [B, 2W] words: W ids, then W f32 weights
+  const char* logits = moe_rows_.data();  // [B, n] run dtype
+  int32_t* out = reinterpret_cast<int32_t*>(buf(int(Buffer::kRoute)));  // [B, 2W] words: W ids, then W f32 weights
   std::vector<Scored> q(static_cast<size_t>(E));
   for (int64_t b = 0; b < batch; ++b) {
     float mx = -INFINITY;
