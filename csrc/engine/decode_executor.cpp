@@ -63,7 +63,10 @@ DecodeExecutor::DecodeExecutor(const ModelDims& dims, const KVCacheDesc& kv,
 // (a thief skips slices of another epoch) and each thread uses its own scratch slice in turn.
 void DecodeExecutor::plan_barriers() {
   barrier_before_.assign(program_.size(), 0);
-  auto split = [&](size_t i) { return Opcode(program_[i].op) == Opcode::kLinear; };
+  auto split = [&](size_t i) {
+    const Opcode o = Opcode(program_[i].op);
+    return o == Opcode::kLinear || o == Opcode::kRouter || o == Opcode::kMoeExperts;
+  };
   size_t since = 0;  // ops [since, j) ran after the last barrier
   for (size_t j = 0; j < program_.size(); ++j) {
     const Op& op = program_[j];
@@ -95,7 +98,9 @@ void DecodeExecutor::reserve(int64_t batch) {
   }
   max_k = std::max(max_k, d_.expert_intermediate);  // an expert's down projection reads its act rows
   if (d_.n_experts > 0) {
-    moe_rows_.assign(size_t(batch * (d_.n_experts + 1 + 2 * d_.hidden + 3 * d_.expert_intermediate) * elem_), 0);
+    // router logits [B, E + 1], then x, gu, act, y for the B * K (row, slot) pairs (experts_part)
+    const int64_t pairs = batch * (d_.top_k + d_.shared_slots);
+    moe_rows_.assign(size_t((batch * (d_.n_experts + 1) + pairs * (2 * d_.hidden + 3 * d_.expert_intermediate)) * elem_), 0);
     moe_acc_.assign(size_t(batch * d_.hidden), 0.f);
     moe_order_.assign(size_t(batch * (d_.top_k + d_.shared_slots)), 0);
   }
@@ -166,6 +171,10 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
         const Op& op = program_[size_t(j)];
         if (Opcode(op.op) == Opcode::kLinear) {
           linear_part(op, s.batch, epoch_base_ + uint32_t(j), t);
+        } else if (Opcode(op.op) == Opcode::kRouter) {
+          route_part(op, s.batch, epoch_base_ + uint32_t(j), t);
+        } else if (Opcode(op.op) == Opcode::kMoeExperts) {
+          experts_part(op, s.batch, t, nt);
         } else if (t == 0) {
           exec(op, s);
         }
@@ -173,15 +182,15 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
     });
     i = end;
   }
-  epoch_base_ += uint32_t(program_.size());
+  epoch_base_ += uint32_t(program_.size()) + moe_epochs_;
+  moe_epochs_ = 0;
 }
 
 // NOTE: attention leaves the region exactly when the kernel would use all threads itself
 // (inside the region it runs on thread 0 while the others wait at the barrier): from ~450
 // cached tokens for SmolLM2 (9 heads x 64), ~64 for Llama-3-8B (32 x 128).
-// MoE ops always leave it: each expert's GEMMs split over the kernel's threads (decode_moe.cpp).
+// The MoE ops stay in it (decode_moe.cpp).
 bool DecodeExecutor::runs_alone(const Op& op) const {
-  if (Opcode(op.op) == Opcode::kRouter || Opcode(op.op) == Opcode::kMoeExperts) return true;
   return Opcode(op.op) == Opcode::kAttnDecode &&
          batch_ * max_seq_len_ * d_.n_q_heads * d_.head_dim >= kCpuAttentionParallelMinWork;
 }
@@ -225,8 +234,6 @@ void DecodeExecutor::exec(const Op& op, const DecodeStep& s) {
       break;
     }
     case Opcode::kSample: sample(op, s); break;
-    case Opcode::kRouter: route(op, B); break;
-    case Opcode::kMoeExperts: experts(op, B); break;
     default: break;
   }
 }

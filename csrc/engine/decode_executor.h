@@ -81,10 +81,11 @@ class DecodeExecutor {
   bool runs_alone(const Op& op) const;
   void attention(const Op& op, const DecodeStep& s);
   void sample(const Op& op, const DecodeStep& s);
-  // Mixture of experts (decode_moe.cpp). Both run outside the region, their GEMMs on the linear
-  // kernel's own threads (runs_alone).
-  void route(const Op& op, int64_t batch);
-  void experts(const Op& op, int64_t batch);
+  // Mixture of experts (decode_moe.cpp): ROUTER and MOE_EXPERTS run inside the region on
+  // every thread of the team (their GEMMs split by the row queue), route() on thread 0.
+  void route_part(const Op& op, int64_t batch, uint32_t epoch, int t);
+  void route(int64_t batch);
+  void experts_part(const Op& op, int64_t batch, int t, int nt);
   void plan_barriers();
 
   ModelDims d_;
@@ -104,6 +105,8 @@ class DecodeExecutor {
   int64_t scratch_stride_ = 0;  // B * max k
   std::unique_ptr<cpu::RowQueue> row_queue_;  // sized to the region's team
   uint32_t epoch_base_ = 0;     // + op index = a LINEAR's row-queue epoch
+  uint32_t moe_epochs_ = 0;     // epochs the step's expert GEMMs took, after the ops' (+ program size)
+  std::vector<int64_t> moe_start_;  // [E + 1] first sorted pair of each expert (experts_part)
   char* base_[int(Buffer::kNumBuffers)] = {};
   // MoE scratch, sized by reserve() (empty in a dense model): run dtype rows for the router
   // logits [B, n_experts] and one expert's rows: x [B, hidden], gate_up [B, 2 Ie], act [B, Ie],

@@ -3,12 +3,14 @@
 // routing buffer and the stacked expert weights look the way they do).
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 #include <vector>
 
 #include "common/errors.h"
 #include "cpu/kernels.h"
+#include "cpu/thread_pool.h"
 #include "engine/decode_executor.h"
 
 namespace kog::engine {
@@ -58,17 +60,33 @@ void topk_like_torch(std::vector<Scored>& q, int64_t k) {
   }
 }
 
+// KOG_MOE_MERGE=0 runs each (row, slot) pair as its own GEMM (every row reads its experts'
+// matrices itself): the baseline bench/moe_decode.py measures the merged GEMMs against. Read per
+// call, so a test can flip it between steps.
+bool merge_rows_per_expert() {
+  const char* v = std::getenv("KOG_MOE_MERGE");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 }  // namespace
 
 // route[b] = ids of the top_k experts of softmax(x[b] @ router^T) and their weights (renormalized
 // to sum 1 with norm_topk), then the shared slots E.. with weight sigmoid(x[b] @ router[E]). The
 // logits are rounded to the run dtype, as the interpreter's GEMM rounds them; the rest in f32.
-void DecodeExecutor::route(const Op& op, int64_t batch) {
+// As thread t of the step's parallel region: the [B, n] logits GEMM split by the row queue
+// (epoch: the op's own), a team barrier, the top-k on thread 0.
+void DecodeExecutor::route_part(const Op& op, int64_t batch, uint32_t epoch, int t) {
+  const int64_t n = d_.n_experts + (d_.shared_slots > 0);
+  const LinearParams p{moe_rows_.data(), buf(op.in), op.w0, nullptr, batch, n, d_.hidden, d_.hidden, n, d_.dtype};
+  cpu::kernels().linear_part(p, scratch_.data() + t * scratch_stride_, *row_queue_, epoch, t);
+  cpu::ThreadPool::instance().barrier();
+  if (t == 0) route(batch);
+}
+
+void DecodeExecutor::route(int64_t batch) {
   const int64_t E = d_.n_experts, K = d_.top_k, S = d_.shared_slots, n = E + (S > 0), W = K + S;
-  char* logits = moe_rows_.data();  // [B, n] run dtype
-  const LinearParams p{logits, buf(op.in), op.w0, nullptr, batch, n, d_.hidden, d_.hidden, n, d_.dtype};
-  cpu::kernels().linear(p, scratch_.data());
-  int32_t* out = reinterpret_cast<int32_t*>(buf(op.out));  // [B, 2W] words: W ids, then W f32 weights
+  const char* logits = moe_rows_.data();  // [B, n] run dtype
+  int32_t* out = reinterpret_cast<int32_t*>(buf(int(Buffer::kRoute)));  // [B, 2W] words: W ids, then W f32 weights
   std::vector<Scored> q(static_cast<size_t>(E));
   for (int64_t b = 0; b < batch; ++b) {
     float mx = -INFINITY;
@@ -100,50 +118,78 @@ void DecodeExecutor::route(const Op& op, int64_t batch) {
   }
 }
 
-// out[b] = sum over b's routed experts e of weight(b, e) * down_e(silu(gate_e x[b]) * up_e x[b]).
+// out[b] = sum over b's routed experts e of weight(b, e) * down_e(silu(gate_e x[b]) * up_e x[b]),
+// as thread t of the step's parallel region (every thread calls it; run() puts a barrier before
+// the ops that read out). Phases, a team barrier after each: thread 0 groups the (row, slot) pairs
+// by expert (a counting sort, rows ascending in each group) and gathers their x rows; every
+// chosen expert's [gate; up] GEMM over its pairs, split over the team by the row queue (one
+// epoch per expert, no barrier between experts: their outputs are disjoint); SiLU-mul over a
+// slice of the pairs per thread; the down GEMMs the same way; thread 0 adds each pair's row
+// into its row's f32 sum in ascending expert order (as the interpreter adds them) and stores out.
 // NOTE: rows that chose the same expert run as one GEMM over that expert's weights (each chosen
 // expert's matrices are read once per step, however many rows chose it, and an expert no row
-// chose is never read); sums are f32 in ascending expert order, as the interpreter adds them.
-void DecodeExecutor::experts(const Op& op, int64_t batch) {
-  // K: slots per row (routed + shared), E: stacked experts (routed + shared slices)
-  const int64_t E = d_.n_experts + d_.shared_slots, K = d_.top_k + d_.shared_slots;
+// chose is never read), unless KOG_MOE_MERGE=0 (then one GEMM per pair).
+void DecodeExecutor::experts_part(const Op& op, int64_t batch, int t, int nt) {
+  // K: slots per row (routed + shared), E: stacked experts (routed + shared slices), P: pairs
+  const int64_t E = d_.n_experts + d_.shared_slots, K = d_.top_k + d_.shared_slots, P = batch * K;
   const int64_t H = d_.hidden, I = d_.expert_intermediate;
   const int32_t* route = reinterpret_cast<const int32_t*>(buf(int(Buffer::kRoute)));
-  // (row * K + slot) pairs grouped by expert, rows ascending in each group: a counting sort.
-  std::vector<int64_t> start(size_t(E + 1), 0);
-  for (int64_t i = 0; i < batch * K; ++i) {
-    const int32_t e = route[(i / K) * 2 * K + i % K];
-    KOG_ASSERT(e >= 0 && e < E, "moe experts: row ", i / K, " routes to expert ", e, " of ", E);
-    ++start[size_t(e) + 1];
-  }
-  for (int64_t e = 0; e < E; ++e) start[size_t(e + 1)] += start[size_t(e)];
-  std::vector<int64_t> fill(start.begin(), start.end() - 1);
-  for (int64_t i = 0; i < batch * K; ++i) moe_order_[size_t(fill[size_t(route[(i / K) * 2 * K + i % K])]++)] = int32_t(i);
-
-  const cpu::KernelTable& k = cpu::kernels();
-  char* x = moe_rows_.data() + batch * (d_.n_experts + 1) * elem_;  // [m, H]: the expert's rows of in
-  char* gu = x + batch * H * elem_;                // [m, 2I]
-  char* act = gu + batch * 2 * I * elem_;          // [m, I]
-  char* y = act + batch * I * elem_;               // [m, H]
-  const char* in = buf(op.in);
-  std::fill(moe_acc_.begin(), moe_acc_.begin() + batch * H, 0.f);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t first = start[size_t(e)], m = start[size_t(e + 1)] - first;
-    if (m == 0) continue;
-    for (int64_t j = 0; j < m; ++j)
-      std::memcpy(x + j * H * elem_, in + (moe_order_[size_t(first + j)] / K) * H * elem_, size_t(H * elem_));
-    const char* w_gu = static_cast<const char*>(op.w0) + e * 2 * I * H * elem_;
-    const char* w_down = static_cast<const char*>(op.w1) + e * H * I * elem_;
-    k.linear({gu, x, w_gu, nullptr, m, 2 * I, H, H, 2 * I, d_.dtype}, scratch_.data());
-    k.silu_and_mul({act, gu, m, I, 2 * I, I, d_.dtype});
-    k.linear({y, act, w_down, nullptr, m, H, I, I, H, d_.dtype}, scratch_.data());
-    for (int64_t j = 0; j < m; ++j) {
-      const int64_t pair = moe_order_[size_t(first + j)], row = pair / K;
-      float w;
-      std::memcpy(&w, route + row * 2 * K + K + pair % K, 4);
-      float* acc = moe_acc_.data() + row * H;
-      for (int64_t h = 0; h < H; ++h) acc[h] += w * load(y, j * H + h, d_.dtype);
+  char* x = moe_rows_.data() + batch * (d_.n_experts + 1) * elem_;  // [P, H] pairs' rows of in
+  char* gu = x + P * H * elem_;                                        // [P, 2I]
+  char* act = gu + P * 2 * I * elem_;                                  // [P, I]
+  char* y = act + P * I * elem_;                                       // [P, H]
+  cpu::ThreadPool& pool = cpu::ThreadPool::instance();
+  if (t == 0) {
+    moe_start_.assign(size_t(E + 1), 0);
+    for (int64_t i = 0; i < P; ++i) {
+      const int32_t e = route[(i / K) * 2 * K + i % K];
+      KOG_ASSERT(e >= 0 && e < E, "moe experts: row ", i / K, " routes to expert ", e, " of ", E);
+      ++moe_start_[size_t(e) + 1];
     }
+    for (int64_t e = 0; e < E; ++e) moe_start_[size_t(e + 1)] += moe_start_[size_t(e)];
+    std::vector<int64_t> fill(moe_start_.begin(), moe_start_.end() - 1);
+    for (int64_t i = 0; i < P; ++i) moe_order_[size_t(fill[size_t(route[(i / K) * 2 * K + i % K])]++)] = int32_t(i);
+    const char* in = buf(op.in);
+    for (int64_t j = 0; j < P; ++j)
+      std::memcpy(x + j * H * elem_, in + (moe_order_[size_t(j)] / K) * H * elem_, size_t(H * elem_));
+  }
+  pool.barrier();
+  const bool merge = merge_rows_per_expert();
+  uint32_t epoch = epoch_base_ + uint32_t(program_.size()) + moe_epochs_;
+  float* scratch = scratch_.data() + t * scratch_stride_;
+  // One GEMM per group of pairs (an expert's, or one pair when not merging): rows [first, first + m).
+  auto gemms = [&](auto&& params) {
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t first = moe_start_[size_t(e)], end = moe_start_[size_t(e + 1)]; first < end;) {
+        const int64_t m = merge ? end - first : 1;
+        cpu::kernels().linear_part(params(e, first, m), scratch, *row_queue_, epoch++, t);
+        first += m;
+      }
+  };
+  const char* w_gu = static_cast<const char*>(op.w0);
+  const char* w_down = static_cast<const char*>(op.w1);
+  gemms([&](int64_t e, int64_t first, int64_t m) {
+    return LinearParams{gu + first * 2 * I * elem_, x + first * H * elem_, w_gu + e * 2 * I * H * elem_, nullptr,
+                        m, 2 * I, H, H, 2 * I, d_.dtype};
+  });
+  pool.barrier();
+  const int64_t lo = P * t / nt, hi = P * (t + 1) / nt;
+  if (hi > lo) cpu::kernels().silu_and_mul({act + lo * I * elem_, gu + lo * 2 * I * elem_, hi - lo, I, 2 * I, I, d_.dtype});
+  pool.barrier();
+  gemms([&](int64_t e, int64_t first, int64_t m) {
+    return LinearParams{y + first * H * elem_, act + first * I * elem_, w_down + e * H * I * elem_, nullptr,
+                        m, H, I, I, H, d_.dtype};
+  });
+  pool.barrier();
+  if (t != 0) return;
+  moe_epochs_ = epoch - (epoch_base_ + uint32_t(program_.size()));
+  std::fill(moe_acc_.begin(), moe_acc_.begin() + batch * H, 0.f);
+  for (int64_t j = 0; j < P; ++j) {  // pairs in ascending expert order
+    const int64_t pair = moe_order_[size_t(j)], row = pair / K;
+    float w;
+    std::memcpy(&w, route + row * 2 * K + K + pair % K, 4);
+    float* acc = moe_acc_.data() + row * H;
+    for (int64_t h = 0; h < H; ++h) acc[h] += w * load(y, j * H + h, d_.dtype);
   }
   char* out = buf(op.out);
   for (int64_t i = 0; i < batch * H; ++i) store(out, i, moe_acc_[size_t(i)], d_.dtype);

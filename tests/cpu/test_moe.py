@@ -231,6 +231,25 @@ def test_batch_whose_rows_all_pick_the_same_experts_equals_each_row_alone(tmp_pa
         tokens, lens = batched.argmax(-1).tolist(), [n + 1 for n in lens]
 
 
+def test_expert_merge_off_gives_the_merged_logits(tmp_path, monkeypatch):
+    # KOG_MOE_MERGE=0 (bench/moe_decode.py's baseline) runs each (row, slot) pair as its own
+    # GEMM; a zero router makes every row share its experts, so merging is what it changes.
+    folder = tmp_path / "merge"
+    hf_moe(folder, "qwen3_moe", router_std=0.0, num_experts=6, num_experts_per_tok=2, mlp_only_layers=[])
+    r = runner_for(folder)
+    s, ps = Seqs(r, blocks_per_seq=8), [p[:40] for p in prompts(40)[1:5]]
+    r.prefill([s.chunk(i, p) for i, p in enumerate(ps)])
+    r.prefill([s.chunk(4 + i, p) for i, p in enumerate(ps)])  # the same sequences again
+    tokens, lens = [3, 4, 5, 6], [len(p) for p in ps]
+    for _ in range(4):
+        merged = s.decode(range(4), tokens, lens)
+        monkeypatch.setenv("KOG_MOE_MERGE", "0")
+        alone = s.decode(range(4, 8), tokens, lens)
+        monkeypatch.delenv("KOG_MOE_MERGE")
+        torch.testing.assert_close(alone, merged, rtol=1e-5, atol=1e-5 * merged.abs().max().item())
+        tokens, lens = merged.argmax(-1).tolist(), [n + 1 for n in lens]
+
+
 def test_experts_no_row_chose_are_never_read(tmp_path):
     # Zero routers pick the same experts for every token; NaN in every other expert's matrices
     # would reach the logits if prefill or decode touched them (0 x NaN is NaN).
@@ -404,3 +423,65 @@ def test_gguf_stacked_experts_load_and_run_like_the_hf_folder(tmp_path, arch):
     assert (runs[1] - runs[0]).abs().max() <= 1e-5 * scale  # same weights
     # Q8_0 kept as blocks vs the same file dequantized: the int8 x stages' error only
     assert (runs[2] - runs[3]).abs().max() <= 2e-2 * runs[3].abs().max()
+
+
+def kog_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """n greedy tokens after prompt through Kog's runner, and the first step's logits."""
+    r = ModelRunner(model, num_kv_blocks=16, block_size=BS)
+    s = Seqs(r, blocks_per_seq=4)
+    logits = r.prefill([s.chunk(0, prompt)])[0]
+    first, out = logits, [int(logits.argmax())]
+    for i in range(n - 1):
+        out.append(int(s.decode([0], [out[-1]], [len(prompt) + i])[0].argmax()))
+    return out, first
+
+
+@pytest.mark.parametrize("outtype, tol", [("f32", 1e-5), ("f16", 1e-2), ("bf16", 3e-2), ("q8_0", 3e-2), ("q4_k", 0.15)])
+def test_kog_convert_writes_qwen3_moe_that_kog_loads_like_the_hf_folder(tmp_path, outtype, tol):
+    from kog.loader.gguf import GGUFCheckpoint
+    from kog.loader.gguf_write import hf_to_gguf
+
+    folder = tmp_path / "hf"
+    hf_moe(folder, "qwen3_moe", num_experts=8, num_experts_per_tok=2, mlp_only_layers=[], norm_topk_prob=True)
+    written = hf_to_gguf(folder, tmp_path / "m.gguf", outtype)
+    # llama.cpp's layout: stacked experts in the file type (Q4_K's 64-wide rows fall back to
+    # Q8_0), the router in F32, its MoE keys
+    exps = {t for n, t in written.items() if "_exps." in n}
+    assert exps == {"Q8_0" if outtype == "q4_k" else outtype.upper()}
+    assert {t for n, t in written.items() if ".ffn_gate_inp." in n} == {"F32"}
+    ck = GGUFCheckpoint(tmp_path / "m.gguf")
+    assert ck.tensors["blk.0.ffn_gate_exps.weight"].torch_shape == (8, 32, 64)
+    assert ck.tensors["blk.0.ffn_down_exps.weight"].torch_shape == (8, 64, 32)
+    assert (ck.get("general.architecture"), ck.get("qwen3moe.expert_count"), ck.get("qwen3moe.expert_used_count"),
+            ck.get("qwen3moe.expert_feed_forward_length"), ck.get("qwen3moe.feed_forward_length")) == \
+        ("qwen3moe", 8, 2, 32, 96)
+    want = runner_for(folder)
+    p = prompts(40)[3][:40]
+    ref = want.prefill([Seqs(want).chunk(0, p)])[0]
+    _, logits = kog_greedy(load_model(tmp_path / "m.gguf", dtype="float32"), p, 1)
+    assert (logits - ref).abs().max() <= tol * ref.abs().max()
+
+
+def test_llama_cpp_runs_the_qwen3_moe_file_kog_convert_writes(tmp_path):
+    # The same F32 file in both engines: the same greedy tokens, logits within 1e-3 x max|logit|
+    # (llama.cpp keeps its KV cache in F16).
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from kog.loader.gguf_write import hf_to_gguf
+
+    folder = tmp_path / "hf"
+    hf_moe(folder, "qwen3_moe", num_experts=8, num_experts_per_tok=2, mlp_only_layers=[], norm_topk_prob=True)
+    hf_to_gguf(folder, tmp_path / "m.gguf", "f32")
+    p = prompts(40)[3][:40]
+    want, first = kog_greedy(load_model(tmp_path / "m.gguf", dtype="float32"), p, 8)
+    llm = llama_cpp.Llama(model_path=str(tmp_path / "m.gguf"), n_ctx=128, n_threads=2, verbose=False)
+    # NOTE: Llama.scores stays zero without logits_all; the context's last logits are read instead.
+    last = lambda: np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()  # noqa: E731
+    llm.eval(p)
+    lc_first, got = torch.from_numpy(last()), []
+    for _ in range(8):
+        logits = last()
+        assert np.isfinite(logits).all()
+        got.append(int(np.argmax(logits)))
+        llm.eval([got[-1]])
+    assert got == want
+    assert (lc_first - first).abs().max() <= 1e-3 * first.abs().max()

@@ -196,8 +196,8 @@ def test_any_topological_order_of_a_moe_program_gives_identical_buffers(arch, dt
 
 def barriers_by_the_rule(program: list[Instruction]) -> int:
     """A barrier before op j iff a dep ran since the last barrier and the pair is not two ops
-    that both run on thread 0 (everything but LINEAR)."""
-    split = [i.opcode == Opcode.LINEAR for i in program]
+    that both run on thread 0 (everything but LINEAR, ROUTER and MOE_EXPERTS, which the team splits)."""
+    split = [i.opcode in (Opcode.LINEAR, Opcode.ROUTER, Opcode.MOE_EXPERTS) for i in program]
     since, n = 0, 0
     for j, ins in enumerate(program):
         if any(d >= since and (split[d] or split[j]) for d in ins.deps):

@@ -1,6 +1,7 @@
 """Writing GGUF files in the layout llama.cpp reads, so the same weights run in Kog and in
 llama.cpp: from another GGUF in another weight type (`kog convert model.gguf out.gguf --outtype
-q8_0`, requantize_gguf) or from an HF folder (`kog convert hf_folder out.gguf`, hf_to_gguf).
+q8_0`, requantize_gguf) or from an HF folder (`kog convert hf_folder out.gguf`, hf_to_gguf). Dense families and qwen3_moe
+(llama.cpp's qwen3moe: stacked blk.N.ffn_{gate,up,down}_exps, the router ffn_gate_inp in F32).
 
 GGUF -> GGUF: the source's metadata (architecture, hyper-parameters, tokenizer, chat template) is copied
 field by field with its GGUF types; `general.file_type` names the new type. Each tensor is
@@ -65,6 +66,8 @@ def requantize_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str], ou
     return written
 
 
+# Kog family -> GGUF architecture where the names differ (Mistral GGUFs are llama files).
+GGUF_ARCH_OF = {"mistral": "llama", "qwen3_moe": "qwen3moe"}
 _RAW = (Q.BF16, Q.Q8_0, Q.Q4_K)  # written as uint8 blocks with their type named
 
 # llama.cpp names of the byte-level BPE pre-tokenizers Kog reproduces (kog.loader.tokenizer), in
@@ -91,11 +94,12 @@ def hf_to_gguf(folder: str | os.PathLike[str], dst: str | os.PathLike[str], outt
     target = _out_type(outtype)
     model = load_model(folder, dtype=torch.float32)
     config = model.config
-    arch = "llama" if config.architecture == "mistral" else config.architecture
+    arch = GGUF_ARCH_OF.get(config.architecture, config.architecture)
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"{folder}: no GGUF architecture for {config.architecture!r}")
     writer = gguf.GGUFWriter(Path(dst), arch)
-    for key, value in (model_metadata(config, arch) | tokenizer_metadata(model.tokenizer, config, str(folder))).items():
+    metadata = model_metadata(config, arch) | moe_metadata(config, arch)
+    for key, value in (metadata | tokenizer_metadata(model.tokenizer, config, str(folder))).items():
         add_value(writer, key, value)
     writer.add_string("general.name", Path(folder).name)
     template = read_tokenizer_config(Path(folder)).get("chat_template")
@@ -107,8 +111,8 @@ def hf_to_gguf(folder: str | os.PathLike[str], dst: str | os.PathLike[str], outt
         factors = llama3_rope_factors(config.rope_theta, config.head_dim, config.rope_scaling).float().numpy()
         writer.add_tensor("rope_freqs.weight", factors)
         written["rope_freqs.weight"] = "F32"
-    for hf, w in model.weights.items():
-        name = gguf_name(hf)
+    for hf, w in split_experts(model.weights):
+        name = hf if hf.startswith("blk.") else gguf_name(hf)
         if name is None:
             raise ModelLoadError(f"{folder}: no GGUF name for tensor {hf}")
         written[name] = _add_tensor(writer, name, permute_for_llama_cpp(hf, w.float(), config, arch).numpy(), target)
@@ -139,6 +143,40 @@ def model_metadata(config: ModelConfig, arch: str) -> dict[str, Any]:
         if "original_max_position_embeddings" in scaling:
             md[f"{arch}.rope.scaling.original_context_length"] = scaling["original_max_position_embeddings"]
     return md
+
+
+def moe_metadata(config: ModelConfig, arch: str) -> dict[str, Any]:
+    """llama.cpp's MoE keys, as its converter writes them: expert_count, expert_used_count, and
+    the experts' width -- qwen3moe's expert_feed_forward_length (feed_forward_length keeps the
+    dense layers' intermediate_size), Mixtral's (llama) feed_forward_length. `expert_weights_norm`
+    only when the top-k weights are not renormalized: Kog reads it, llama.cpp's qwen3moe graph
+    always renormalizes. {} for a dense model."""
+    if not config.is_moe:
+        return {}
+    md: dict[str, Any] = {f"{arch}.expert_count": config.num_experts,
+                          f"{arch}.expert_used_count": config.num_experts_per_tok}
+    if arch == "qwen3moe":
+        md[f"{arch}.expert_feed_forward_length"] = config.moe_intermediate_size
+    else:
+        md[f"{arch}.feed_forward_length"] = config.moe_intermediate_size
+    if not config.norm_topk_prob:
+        md[f"{arch}.expert_weights_norm"] = False
+    return md
+
+
+def split_experts(weights: dict[str, torch.Tensor]):
+    """(name, tensor) pairs to write: a stacked MoE layer's tensors as llama.cpp's
+    blk.N.ffn_{gate,up,down}_exps.weight (GGUF names, [E, rows, cols] in torch order), every
+    other tensor as it is (its HF name)."""
+    for name, w in weights.items():
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2 Ie, hidden]: gate rows, then up rows
+            layer, half = name.split(".")[2], w.shape[1] // 2
+            yield f"blk.{layer}.ffn_gate_exps.weight", w[:, :half]
+            yield f"blk.{layer}.ffn_up_exps.weight", w[:, half:]
+        elif name.endswith("mlp.experts.down_proj"):
+            yield f"blk.{name.split('.')[2]}.ffn_down_exps.weight", w
+        else:
+            yield name, w
 
 
 def tokenizer_metadata(tok: Tokenizer, config: ModelConfig, source: str) -> dict[str, Any]:
@@ -246,7 +284,9 @@ def _finish(writer: gguf.GGUFWriter) -> None:
 
 
 def _tensor_type(name: str, values: np.ndarray, target: Q) -> Q:
-    if values.ndim != 2 or not name.endswith(".weight") or target == Q.F32:
+    # NOTE: llama.cpp keeps the MoE router (ffn_gate_inp) in F32 in every file type.
+    matrix = values.ndim == 2 or (values.ndim == 3 and name.endswith("_exps.weight"))
+    if not matrix or not name.endswith(".weight") or target == Q.F32 or ".ffn_gate_inp." in name:
         return Q.F32
     if target == Q.Q4_K and values.shape[-1] % gguf.QK_K:
         return Q.Q8_0 if values.shape[-1] % 32 == 0 else Q.F16

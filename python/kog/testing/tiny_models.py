@@ -243,31 +243,16 @@ def write_gguf_model(path: str | Path, config: ModelConfig, weights: Weights | N
 
 
 def _gguf_metadata(config: ModelConfig, arch: str, tok: dict[str, Any]) -> dict[str, Any]:
-    from kog.loader.gguf_write import model_metadata
+    from kog.loader.gguf_write import model_metadata, moe_metadata
 
-    moe = {}
-    if config.is_moe:  # llama.cpp's MoE keys (Mixtral: llama with experts as wide as the FFN)
-        moe = {f"{arch}.expert_count": config.num_experts, f"{arch}.expert_used_count": config.num_experts_per_tok}
-        if arch == "qwen3moe":
-            moe[f"{arch}.expert_feed_forward_length"] = config.moe_intermediate_size
-        else:
-            moe[f"{arch}.feed_forward_length"] = config.moe_intermediate_size
-    return {"general.name": f"kog-tiny-{config.architecture}"} | model_metadata(config, arch) | moe | tok
+    return {"general.name": f"kog-tiny-{config.architecture}"} | model_metadata(config, arch) | \
+        moe_metadata(config, arch) | tok
 
 
 def _gguf_experts(weights: Weights, config: ModelConfig):
-    """(name, tensor) pairs to write: a stacked MoE layer's tensors as llama.cpp's
-    blk.N.ffn_{gate,up,down}_exps.weight (GGUF names), the rest as they are (HF names)."""
-    for name, w in weights.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            layer = name.split(".")[2]
-            half = w.shape[1] // 2
-            yield f"blk.{layer}.ffn_gate_exps.weight", w[:, :half]
-            yield f"blk.{layer}.ffn_up_exps.weight", w[:, half:]
-        elif name.endswith("mlp.experts.down_proj"):
-            yield f"blk.{name.split('.')[2]}.ffn_down_exps.weight", w
-        else:
-            yield name, w
+    from kog.loader.gguf_write import split_experts
+
+    return split_experts(weights)
 
 
 def _gguf_names(config: ModelConfig) -> list[str]:
