@@ -190,14 +190,22 @@ def kog_runs(model, prompt: list[int], new: int):
     return decode_run, lambda: runner.prefill([PrefillChunk(long, 0, table, slot(np.arange(512)))])
 
 
+def llama_cpp_next(llm) -> int:
+    """llama-cpp-python's greedy next token, from the context's last logits (Llama.scores is
+    only filled with logits_all: argmax over it fed token 0 every step)."""
+    import llama_cpp
+
+    return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))))
+
+
 def llama_cpp_runs(llm, prompt: list[int], new: int):
-    """The same two measurements through llama-cpp-python (greedy next token from its scores)."""
+    """The same two measurements through llama-cpp-python (greedy next token, llama_cpp_next)."""
     def decode_run() -> float:
         llm.reset()
         llm.eval(prompt)
         start = time.perf_counter()
         for _ in range(new):
-            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+            llm.eval([llama_cpp_next(llm)])
         return new / (time.perf_counter() - start)
 
     def prefill() -> None:
@@ -358,19 +366,7 @@ def llama_cpp_engine(gguf, prompt: list[int], new: int, repeats: int) -> tuple[l
     except ImportError:
         return None
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=1024, verbose=False, n_threads=torch.get_num_threads())
-
-    def decode_run() -> float:
-        llm.reset()
-        llm.eval(prompt)
-        start = time.perf_counter()
-        for _ in range(new):
-            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-        return new / (time.perf_counter() - start)
-
-    def prefill():
-        llm.reset()
-        llm.eval((prompt * 64)[:512])
-
+    decode_run, prefill = llama_cpp_runs(llm, prompt, new)
     return paired_runs(decode_run, repeats), min(_timed(prefill) for _ in range(repeats))
 
 

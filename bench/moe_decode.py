@@ -36,7 +36,7 @@ from kog.loader import load_model
 from kog.models import ModelRunner, PrefillChunk
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu_decode import paired_runs, triad_gbs  # noqa: E402
+from cpu_decode import llama_cpp_runs, paired_runs, triad_gbs  # noqa: E402
 
 SHAPE = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
              num_experts=64, num_experts_per_tok=8, moe_intermediate_size=384, intermediate_size=3072,
@@ -127,24 +127,10 @@ def kog_decode(model, batch: int, prompt_len: int, new: int):
 
 
 def llama_cpp_decode(llm, prompt_len: int, new: int):
-    """The same batch-1 loop through llama-cpp-python, greedy from the context's last logits
-    (Llama.scores is only filled with logits_all)."""
-    import llama_cpp
-
+    """The same batch-1 loop through llama-cpp-python (cpu_decode.llama_cpp_runs: greedy from
+    the context's last logits)."""
     prompt = np.random.default_rng(1).integers(3, 400, prompt_len).tolist()
-
-    def last() -> int:
-        return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))))
-
-    def decode_run() -> float:
-        llm.reset()
-        llm.eval(prompt)
-        start = time.perf_counter()
-        for _ in range(new):
-            llm.eval([last()])
-        return new / (time.perf_counter() - start)
-
-    return decode_run
+    return llama_cpp_runs(llm, prompt, new)[0]
 
 
 def merge_env(on: bool):
