@@ -262,21 +262,7 @@ def ttft_table(repeats: int) -> None:
 
 
 def kog_engine(model, prompt: list[int], new: int, repeats: int) -> tuple[list[tuple[float, float]], float]:
-    bs = 16
-    runner = ModelRunner(model, num_kv_blocks=40, block_size=bs)
-    table = np.arange(40, dtype=np.int32)
-    slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
-
-    def decode_run() -> float:
-        runner.prefill([PrefillChunk(prompt, 0, table, slot(np.arange(len(prompt))))])
-        tok, start = np.array([1]), time.perf_counter()
-        for i in range(new):
-            p = len(prompt) + i
-            runner.decode(tok, [p], table[None], [p + 1], [slot(p)], sampled=tok)
-        return new / (time.perf_counter() - start)
-
-    long = (prompt * 64)[:512]
-    prefill = lambda: runner.prefill([PrefillChunk(long, 0, table, slot(np.arange(512)))])  # noqa: E731
+    decode_run, prefill = kog_runs(model, prompt, new)
     return paired_runs(decode_run, repeats), min(_timed(prefill) for _ in range(repeats))
 
 

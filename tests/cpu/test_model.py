@@ -9,6 +9,7 @@ import kog
 from kog.loader import load_model
 from kog.models import ModelRunner, PrefillChunk
 from kog.testing.greedy import hf_greedy
+from kog.testing.runner_seqs import RunnerSeqs
 from kog.testing.tiny_models import random_weights, tiny_config, write_hf_model
 
 transformers = pytest.importorskip("transformers")
@@ -26,31 +27,8 @@ FAMILIES = {
 }
 
 
-class Seqs:
-    """Disjoint block ranges per sequence (the allocator is tested elsewhere)."""
-
-    def __init__(self, runner: ModelRunner, blocks_per_seq: int):
-        self.r, self.n = runner, blocks_per_seq
-
-    def table(self, i: int) -> np.ndarray:
-        return np.arange(i * self.n, (i + 1) * self.n, dtype=np.int32)
-
-    def slots(self, i: int, start: int, end: int) -> np.ndarray:
-        pos = np.arange(start, end)
-        return self.table(i)[pos // BS].astype(np.int64) * BS + pos % BS
-
-    def chunk(self, i: int, tokens, start: int = 0) -> PrefillChunk:
-        return PrefillChunk(list(tokens), start, self.table(i), self.slots(i, start, start + len(tokens)))
-
-    def decode(self, ids: list[int], tokens, positions) -> torch.Tensor:
-        positions = np.asarray(positions)
-        return self.r.decode(tokens, positions, np.stack([self.table(i) for i in ids]),
-                             (positions + 1).astype(np.int32),
-                             np.concatenate([self.slots(i, p, p + 1) for i, p in zip(ids, positions)]))
-
-
 def greedy(runner: ModelRunner, prompt: list[int], n_new: int, seq: int = 0) -> list[int]:
-    s = Seqs(runner, blocks_per_seq=(len(prompt) + n_new) // BS + 1)
+    s = RunnerSeqs(runner, blocks_per_seq=(len(prompt) + n_new) // BS + 1)
     out = [int(runner.prefill([s.chunk(seq, prompt)])[0].argmax())]
     for i in range(n_new - 1):
         out.append(int(s.decode([seq], [out[-1]], [len(prompt) + i])[0].argmax()))
@@ -74,7 +52,7 @@ def tiny_prompts(vocab: int) -> list[list[int]]:
 def test_tiny_family_matches_transformers(tmp_path_factory, name):
     runner, hf = tiny_pair(tmp_path_factory, name)
     prompts = tiny_prompts(runner.vocab_size)
-    s = Seqs(runner, blocks_per_seq=70)
+    s = RunnerSeqs(runner, blocks_per_seq=70)
     got = runner.prefill([s.chunk(i, p) for i, p in enumerate(prompts)])  # one batch, 8 sequences
     with torch.no_grad():
         for i, p in enumerate(prompts):
@@ -90,7 +68,7 @@ def test_tiny_family_matches_transformers(tmp_path_factory, name):
 def test_tiny_bf16_close_to_fp32_transformers(tmp_path_factory):
     runner, hf = tiny_pair(tmp_path_factory, "qwen3-qknorm", dtype=torch.bfloat16)
     prompts = tiny_prompts(runner.vocab_size)
-    s = Seqs(runner, blocks_per_seq=70)
+    s = RunnerSeqs(runner, blocks_per_seq=70)
     got = runner.prefill([s.chunk(i, p) for i, p in enumerate(prompts)])
     dec = s.decode([0, 5], [9, 9], [len(prompts[0]), len(prompts[5])])
     with torch.no_grad():
@@ -106,7 +84,7 @@ def test_tiny_bf16_close_to_fp32_transformers(tmp_path_factory):
 def test_chunked_prefill_equals_one_shot(tmp_path_factory):
     runner, _ = tiny_pair(tmp_path_factory, "qwen2-bias")
     prompt = tiny_prompts(runner.vocab_size)[6]  # 130 tokens
-    s = Seqs(runner, blocks_per_seq=70)
+    s = RunnerSeqs(runner, blocks_per_seq=70)
     one_shot = runner.prefill([s.chunk(0, prompt)], all_logits=True)[0]
     pieces, start = [], 0
     for n in (7, 50, 73):  # chunk edges inside blocks, batched with another sequence's chunk
@@ -119,7 +97,7 @@ def test_chunked_prefill_equals_one_shot(tmp_path_factory):
 def test_batched_decode_equals_per_sequence(tmp_path_factory):
     runner, _ = tiny_pair(tmp_path_factory, "llama")
     prompts = tiny_prompts(runner.vocab_size)[1:5]  # 5, 16, 17, 33 tokens
-    s = Seqs(runner, blocks_per_seq=70)
+    s = RunnerSeqs(runner, blocks_per_seq=70)
     runner.prefill([s.chunk(i, p) for i, p in enumerate(prompts)])
     for i, p in enumerate(prompts):  # the same prompts again, as sequences 4..7, for solo decoding
         runner.prefill([s.chunk(4 + i, p)])
@@ -135,7 +113,7 @@ def test_batched_decode_equals_per_sequence(tmp_path_factory):
 
 def test_requests_beyond_the_model_or_the_block_table(tmp_path_factory):
     runner, _ = tiny_pair(tmp_path_factory, "llama")
-    s = Seqs(runner, blocks_per_seq=70)
+    s = RunnerSeqs(runner, blocks_per_seq=70)
     with pytest.raises(kog.InvalidRequest, match=r"1030.*1024"):
         runner.prefill([s.chunk(0, [5] * 30, start=1000)])
     short = PrefillChunk([5] * 40, 0, np.arange(2, dtype=np.int32), s.slots(0, 0, 40))

@@ -14,12 +14,13 @@ import torch
 import kog
 from kog import _C
 from kog.loader import load_model
-from kog.models import ModelRunner, PrefillChunk
+from kog.models import ModelRunner
 from kog.models.decode import lower_program, model_dims, schedule_for
 from kog.models.weights import prepare_weights
 from kog.program import Buffer, Opcode, TokenBatch
 from kog.program.interpreter import ProgramInterpreter
 from kog.testing.greedy import hf_greedy
+from kog.testing.runner_seqs import RunnerSeqs
 from kog.testing.tiny_models import random_weights, tiny_config, tiny_tokenizer, write_hf_model
 
 transformers = pytest.importorskip("transformers")
@@ -74,29 +75,6 @@ def pair(request, tmp_path_factory):
     return request.param, folder, hf
 
 
-class Seqs:
-    """Disjoint block ranges per sequence on a fresh runner."""
-
-    def __init__(self, runner: ModelRunner, blocks_per_seq: int = 48):
-        self.r, self.n = runner, blocks_per_seq
-
-    def table(self, i: int) -> np.ndarray:
-        return np.arange(i * self.n, (i + 1) * self.n, dtype=np.int32)
-
-    def slots(self, i: int, start: int, end: int) -> np.ndarray:
-        pos = np.arange(start, end)
-        return self.table(i)[pos // BS].astype(np.int64) * BS + pos % BS
-
-    def chunk(self, i: int, tokens) -> PrefillChunk:
-        return PrefillChunk(list(tokens), 0, self.table(i), self.slots(i, 0, len(tokens)))
-
-    def decode(self, ids, tokens, positions) -> torch.Tensor:
-        positions = np.asarray(positions)
-        return self.r.decode(np.asarray(tokens), positions, np.stack([self.table(i) for i in ids]),
-                             (positions + 1).astype(np.int32),
-                             np.concatenate([self.slots(i, p, p + 1) for i, p in zip(ids, positions)]))
-
-
 def runner_for(folder, blocks: int = 8 * 48) -> ModelRunner:
     return ModelRunner(load_model(folder, dtype=torch.float32), num_kv_blocks=blocks, block_size=BS)
 
@@ -122,7 +100,7 @@ def assert_near_hf(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 def test_prefill_and_batched_decode_match_transformers(pair):
     name, folder, hf = pair
     r = runner_for(folder)
-    s, ps = Seqs(r), prompts()
+    s, ps = RunnerSeqs(r), prompts()
     got = r.prefill([s.chunk(i, p) for i, p in enumerate(ps)])  # one batch: 6 sequences, up to 700 tokens
     for i, p in enumerate(ps):
         assert_near_hf(got[i], hf_last(hf, p), f"{name} prefill of {len(p)} tokens")
@@ -155,7 +133,7 @@ def test_tied_router_picks_the_experts_transformers_picks(tmp_path, experts, top
                 mlp_only_layers=[1], norm_topk_prob=False)
     r = runner_for(folder)
     want_ids = torch.topk(torch.full((experts,), 1.0 / experts), top_k).indices
-    s, ps = Seqs(r), prompts(200)
+    s, ps = RunnerSeqs(r), prompts(200)
     got = r.prefill([s.chunk(i, p) for i, p in enumerate(ps)])
     for i, p in enumerate(ps):
         assert_near_hf(got[i], hf_last(hf, p), f"tied {experts}x{top_k} prefill {len(p)}")
@@ -168,7 +146,7 @@ def test_tied_router_picks_the_experts_transformers_picks(tmp_path, experts, top
         assert_near_hf(dec[i], hf_last(hf, ps[i] + [[7, 11, 13, 17][i]]), f"tied decode row {i}")
 
 
-def runner_step(r: ModelRunner, s: Seqs, tokens, positions, stop_after_router: bool) -> torch.Tensor:
+def runner_step(r: ModelRunner, s: RunnerSeqs, tokens, positions, stop_after_router: bool) -> torch.Tensor:
     """The ROUTE buffer of a decode step's first router, on a separate executor (the cache is
     written as far as that op, as a full step would)."""
     from kog.models.decode import build_executor
@@ -198,7 +176,7 @@ def test_router_ties_at_every_level_follow_torch_topk(tmp_path):
     model = kog.loader.LoadedModel(path=None, config=config, weights=w, dtype=torch.float32, tokenizer=None,
                                    chat_template=None, stop_token_ids=())
     r = ModelRunner(model, num_kv_blocks=64, block_size=BS)
-    s = Seqs(r, blocks_per_seq=4)
+    s = RunnerSeqs(r, blocks_per_seq=4)
     toks = [5, 9, 13, 40, 77, 120, 3, 250]
     for i, t in enumerate(toks):
         r.prefill([s.chunk(i, [t, t + 1])])
@@ -220,7 +198,7 @@ def test_batch_whose_rows_all_pick_the_same_experts_equals_each_row_alone(tmp_pa
     folder = tmp_path / "same"
     hf_moe(folder, "mixtral", router_std=0.0, num_local_experts=4, num_experts_per_tok=2)
     r = runner_for(folder)
-    s, ps = Seqs(r, blocks_per_seq=8), [p[:40] for p in prompts(40)[1:5]]
+    s, ps = RunnerSeqs(r, blocks_per_seq=8), [p[:40] for p in prompts(40)[1:5]]
     r.prefill([s.chunk(i, p) for i, p in enumerate(ps)])
     r.prefill([s.chunk(4 + i, p) for i, p in enumerate(ps)])  # the same again, decoded one at a time
     tokens, lens = [3, 4, 5, 6], [len(p) for p in ps]
@@ -237,7 +215,7 @@ def test_expert_merge_off_gives_the_merged_logits(tmp_path, monkeypatch):
     folder = tmp_path / "merge"
     hf_moe(folder, "qwen3_moe", router_std=0.0, num_experts=6, num_experts_per_tok=2, mlp_only_layers=[])
     r = runner_for(folder)
-    s, ps = Seqs(r, blocks_per_seq=8), [p[:40] for p in prompts(40)[1:5]]
+    s, ps = RunnerSeqs(r, blocks_per_seq=8), [p[:40] for p in prompts(40)[1:5]]
     r.prefill([s.chunk(i, p) for i, p in enumerate(ps)])
     r.prefill([s.chunk(4 + i, p) for i, p in enumerate(ps)])  # the same sequences again
     tokens, lens = [3, 4, 5, 6], [len(p) for p in ps]
@@ -263,7 +241,7 @@ def test_experts_no_row_chose_are_never_read(tmp_path):
             for e in set(range(6)) - set(chosen):
                 t[e] = float("nan")
     r = ModelRunner(model, num_kv_blocks=64, block_size=BS)
-    s, p = Seqs(r, blocks_per_seq=4), prompts(40)[3][:40]
+    s, p = RunnerSeqs(r, blocks_per_seq=4), prompts(40)[3][:40]
     got = [r.prefill([s.chunk(0, p)])[0], s.decode([0], [9], [len(p)])[0]]
     assert all(torch.isfinite(g).all() for g in got)
     assert_near_hf(got[0], hf_last(hf, p), "prefill with unread NaN experts")
@@ -417,7 +395,7 @@ def test_gguf_stacked_experts_load_and_run_like_the_hf_folder(tmp_path, arch):
     runs = []
     for model in (hf, f32, q8, q8_f32):
         r = ModelRunner(model, num_kv_blocks=16, block_size=BS)
-        s = Seqs(r, blocks_per_seq=4)
+        s = RunnerSeqs(r, blocks_per_seq=4)
         runs.append(torch.stack([r.prefill([s.chunk(0, p)])[0], s.decode([0], [9], [len(p)])[0]]))
     scale = runs[0].abs().max().item()
     assert (runs[1] - runs[0]).abs().max() <= 1e-5 * scale  # same weights
@@ -428,7 +406,7 @@ def test_gguf_stacked_experts_load_and_run_like_the_hf_folder(tmp_path, arch):
 def kog_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
     """n greedy tokens after prompt through Kog's runner, and the first step's logits."""
     r = ModelRunner(model, num_kv_blocks=16, block_size=BS)
-    s = Seqs(r, blocks_per_seq=4)
+    s = RunnerSeqs(r, blocks_per_seq=4)
     logits = r.prefill([s.chunk(0, prompt)])[0]
     first, out = logits, [int(logits.argmax())]
     for i in range(n - 1):
@@ -457,7 +435,7 @@ def test_kog_convert_writes_qwen3_moe_that_kog_loads_like_the_hf_folder(tmp_path
         ("qwen3moe", 8, 2, 32, 96)
     want = runner_for(folder)
     p = prompts(40)[3][:40]
-    ref = want.prefill([Seqs(want).chunk(0, p)])[0]
+    ref = want.prefill([RunnerSeqs(want).chunk(0, p)])[0]
     _, logits = kog_greedy(load_model(tmp_path / "m.gguf", dtype="float32"), p, 1)
     assert (logits - ref).abs().max() <= tol * ref.abs().max()
 

@@ -151,6 +151,22 @@ def run_and_read(ex, r: ModelRunner, step: dict) -> dict:
     return out
 
 
+def run_each_order(r, step, orders: list[list[Instruction]], kv0: torch.Tensor) -> list[dict]:
+    """Every buffer after one step of each program in orders, each from the cache kv0."""
+    results = []
+    for prog in orders:
+        r.kv.kv.copy_(kv0)
+        results.append(run_and_read(build_executor(r.config, r.weights, r.kv.kv, BS, r.inv_freq, program=prog),
+                                    r, step))
+    return results
+
+
+def assert_identical(results: list[dict]) -> None:
+    for got in results[1:]:
+        for name, want in results[0].items():
+            assert torch.equal(got[name], want), name
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_any_topological_order_gives_identical_buffers(arch, dtype):
@@ -160,22 +176,16 @@ def test_any_topological_order_gives_identical_buffers(arch, dtype):
     orders = [program] + [random_topological_order(program, seed) for seed in (1, 2, 3)]
     assert all([i.opcode for i in o] != [i.opcode for i in program] for o in orders[1:])  # really reordered
     kv0 = r.kv.kv.clone()
-    results = []
-    for prog in orders:
-        r.kv.kv.copy_(kv0)
-        results.append(run_and_read(build_executor(r.config, r.weights, r.kv.kv, BS, r.inv_freq, program=prog),
-                                    r, step))
+    results = run_each_order(r, step, orders, kv0)
     assert results[0]["logits"].abs().max() > 0 and not torch.equal(results[0]["kv"], kv0)
-    for got in results[1:]:
-        for name, want in results[0].items():
-            assert torch.equal(got[name], want), name
+    assert_identical(results)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_any_topological_order_of_a_moe_program_gives_identical_buffers(arch, dtype):
-    # The MoE ops run outside the executor's parallel region; reordering them among the
-    # attention ops changes the region boundaries and barriers, never a buffer.
+    # The MoE ops split across the executor's threads like LINEAR; reordering them among the
+    # attention ops changes where the barriers fall, never a buffer.
     r = runner(arch, dtype)
     step = decode_inputs(r, [[5, 9, 13], list(range(20, 31)), [40], [7, 7, 7, 7]])
     program = parallel_moe_program(r.config)
@@ -183,15 +193,9 @@ def test_any_topological_order_of_a_moe_program_gives_identical_buffers(arch, dt
     position = [[i for i, ins in enumerate(o) if ins.opcode == Opcode.ROUTER] for o in orders]
     assert any(p != position[0] for p in position[1:])  # the routers really moved
     kv0 = r.kv.kv.clone()
-    results = []
-    for prog in orders:
-        r.kv.kv.copy_(kv0)
-        results.append(run_and_read(build_executor(r.config, r.weights, r.kv.kv, BS, r.inv_freq, program=prog),
-                                    r, step))
+    results = run_each_order(r, step, orders, kv0)
     assert results[0]["logits"].abs().max() > 0 and results[0]["ROUTE"].abs().max() > 0
-    for got in results[1:]:
-        for name, want in results[0].items():
-            assert torch.equal(got[name], want), name
+    assert_identical(results)
 
 
 def barriers_by_the_rule(program: list[Instruction]) -> int:
