@@ -5,39 +5,12 @@
 #include <cstring>
 #include <limits>
 
-
 #include "common/errors.h"
 #include "cpu/kernels.h"
 #include "cpu/thread_pool.h"
+#include "engine/scalar_dtype.h"
 
 namespace kog::engine {
-namespace {
-
-float load_f32(const void* p, int64_t i, DType t) {
-  if (t == DType::kF32) return static_cast<const float*>(p)[i];
-  uint32_t bits;
-  if (t == DType::kBF16) {
-    bits = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
-  } else {
-    // f16 -> f32 by hand (this file is built for the baseline ISA, no F16C).
-    const uint16_t h = static_cast<const uint16_t*>(p)[i];
-    const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-    if (exp == 0x1f) {
-      bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-      bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else {
-      float f = float(man) * (1.0f / 16777216.0f);  // subnormal: man * 2^-24
-      std::memcpy(&bits, &f, 4);
-      bits |= sign;
-    }
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-}  // namespace
 
 DecodeExecutor::DecodeExecutor(const ModelDims& dims, const KVCacheDesc& kv,
                                std::vector<float> inv_freq, std::vector<Op> program)

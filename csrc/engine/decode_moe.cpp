@@ -12,32 +12,10 @@
 #include "cpu/kernels.h"
 #include "cpu/thread_pool.h"
 #include "engine/decode_executor.h"
+#include "engine/scalar_dtype.h"
 
 namespace kog::engine {
 namespace {
-
-float load(const char* p, int64_t i, DType t) {
-  if (t == DType::kF32) return reinterpret_cast<const float*>(p)[i];
-  if (t == DType::kF16) return float(reinterpret_cast<const _Float16*>(p)[i]);
-  const uint32_t u = uint32_t(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// One rounding to the run dtype: round to nearest even, as torch's .to(dtype).
-void store(char* p, int64_t i, float v, DType t) {
-  if (t == DType::kF32) {
-    reinterpret_cast<float*>(p)[i] = v;
-  } else if (t == DType::kF16) {
-    reinterpret_cast<_Float16*>(p)[i] = _Float16(v);
-  } else {
-    uint32_t u;
-    std::memcpy(&u, &v, 4);
-    const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
-    reinterpret_cast<uint16_t*>(p)[i] = uint16_t(nan ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  }
-}
 
 using Scored = std::pair<float, int64_t>;  // (probability, expert id)
 
@@ -90,10 +68,10 @@ void DecodeExecutor::route(int64_t batch) {
   std::vector<Scored> q(static_cast<size_t>(E));
   for (int64_t b = 0; b < batch; ++b) {
     float mx = -INFINITY;
-    for (int64_t e = 0; e < E; ++e) mx = std::max(mx, load(logits, b * n + e, d_.dtype));
+    for (int64_t e = 0; e < E; ++e) mx = std::max(mx, load_f32(logits, b * n + e, d_.dtype));
     float sum = 0.f;
     for (int64_t e = 0; e < E; ++e) {
-      q[size_t(e)] = {std::exp(load(logits, b * n + e, d_.dtype) - mx), e};
+      q[size_t(e)] = {std::exp(load_f32(logits, b * n + e, d_.dtype) - mx), e};
       sum += q[size_t(e)].first;
     }
     const float inv = 1.f / sum;
@@ -109,7 +87,7 @@ void DecodeExecutor::route(int64_t batch) {
       std::memcpy(row + W + j, &w, 4);
     }
     if (S > 0) {
-      const float g = 1.f / (1.f + std::exp(-load(logits, b * n + E, d_.dtype)));
+      const float g = 1.f / (1.f + std::exp(-load_f32(logits, b * n + E, d_.dtype)));
       for (int64_t j = K; j < W; ++j) {
         row[j] = int32_t(E + j - K);
         std::memcpy(row + W + j, &g, 4);
@@ -189,10 +167,10 @@ void DecodeExecutor::experts_part(const Op& op, int64_t batch, int t, int nt) {
     float w;
     std::memcpy(&w, route + row * 2 * K + K + pair % K, 4);
     float* acc = moe_acc_.data() + row * H;
-    for (int64_t h = 0; h < H; ++h) acc[h] += w * load(y, j * H + h, d_.dtype);
+    for (int64_t h = 0; h < H; ++h) acc[h] += w * load_f32(y, j * H + h, d_.dtype);
   }
   char* out = buf(op.out);
-  for (int64_t i = 0; i < batch * H; ++i) store(out, i, moe_acc_[size_t(i)], d_.dtype);
+  for (int64_t i = 0; i < batch * H; ++i) store_f32(out, i, moe_acc_[size_t(i)], d_.dtype);
 }
 
 }  // namespace kog::engine
