@@ -24,6 +24,14 @@ DecodeExecutor::DecodeExecutor(const ModelDims& dims, const KVCacheDesc& kv,
   qkv_width_ = width(Buffer::kQkv);
   layer_stride_ = kv_.num_blocks * 2 * d_.n_kv_heads * kv_.block_size * d_.head_dim;
   plan_barriers();
+  // Row-queue epochs: one per matrix a step splits over the team (a lane LINEAR is one matrix
+  // per lane and output segment), unique within the step.
+  op_epoch_.resize(program_.size());
+  program_epochs_ = 0;
+  for (size_t j = 0; j < program_.size(); ++j) {
+    op_epoch_[j] = program_epochs_;
+    program_epochs_ += program_[j].lanes > 1 ? uint32_t(lane_matrices(program_[j])) : 1u;
+  }
 }
 
 // NOTE (invariant): inside a step's parallel region an op runs either on thread 0 alone
@@ -143,9 +151,9 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
         if (j > i && barrier_before_[size_t(j)]) pool.barrier();
         const Op& op = program_[size_t(j)];
         if (Opcode(op.op) == Opcode::kLinear) {
-          linear_part(op, s.batch, epoch_base_ + uint32_t(j), t);
+          linear_part(op, s.batch, epoch_base_ + op_epoch_[size_t(j)], t);
         } else if (Opcode(op.op) == Opcode::kRouter) {
-          route_part(op, s.batch, epoch_base_ + uint32_t(j), t);
+          route_part(op, s.batch, epoch_base_ + op_epoch_[size_t(j)], t);
         } else if (Opcode(op.op) == Opcode::kMoeExperts) {
           experts_part(op, s.batch, t, nt);
         } else if (t == 0) {
@@ -155,7 +163,7 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
     });
     i = end;
   }
-  epoch_base_ += uint32_t(program_.size()) + moe_epochs_;
+  epoch_base_ += program_epochs_ + moe_epochs_;
   moe_epochs_ = 0;
 }
 
@@ -178,6 +186,10 @@ void DecodeExecutor::exec(const Op& op, const DecodeStep& s) {
     case Opcode::kLinear: {  // outside a region: the kernel's own threads
       if (op.w_type != schedule::kWeightRunDtype) {
         k.linear_quant(linear_quant_params(op, B, scratch_.data()));
+        break;
+      }
+      if (op.lanes > 1) {
+        for (int64_t i = 0; i < lane_matrices(op); ++i) k.linear(lane_matrix(op, B, i), scratch_.data());
         break;
       }
       const LinearParams p = linear_params(op, B);
@@ -207,6 +219,12 @@ void DecodeExecutor::exec(const Op& op, const DecodeStep& s) {
       break;
     }
     case Opcode::kSample: sample(op, s); break;
+    case Opcode::kLaneScale:
+    case Opcode::kLaneSum:
+    case Opcode::kLaneGather:
+    case Opcode::kLaneAddPast:
+    case Opcode::kLaneMean:
+    case Opcode::kLaneMergeSum: lane_op(op, B); break;
     default: break;
   }
 }
@@ -215,6 +233,7 @@ void DecodeExecutor::embed(const Op& op, const DecodeStep& s) {
   const int64_t row = d_.hidden * elem_;
   const int32_t* tokens = reinterpret_cast<const int32_t*>(buf(int(Buffer::kTokens)));
   if (op.w_type != schedule::kWeightRunDtype) {  // f32 run (validate_program): one row dequantized per token
+    KOG_ASSERT(width(Buffer(op.out)) == d_.hidden, "decode: a quantized embedding into lanes");
     for (int64_t b = 0; b < s.batch; ++b) {
       const int64_t id = tokens[b];
       cpu::kernels().dequantize_rows({reinterpret_cast<float*>(buf(op.out) + b * row),
@@ -222,14 +241,32 @@ void DecodeExecutor::embed(const Op& op, const DecodeStep& s) {
     }
     return;
   }
+  // Every lane of a lane-wide buffer starts from the same embedding (Laneformer).
+  const int64_t lanes = width(Buffer(op.out)) / d_.hidden;
   for (int64_t b = 0; b < s.batch; ++b)
-    std::memcpy(buf(op.out) + b * row, static_cast<const char*>(op.w0) + tokens[b] * row, size_t(row));
+    for (int64_t l = 0; l < lanes; ++l)
+      std::memcpy(buf(op.out) + (b * lanes + l) * row, static_cast<const char*>(op.w0) + tokens[b] * row, size_t(row));
 }
 
 void DecodeExecutor::rmsnorm(const Op& op, int64_t batch) {
   const int64_t w = width(Buffer(op.out));
-  RMSNormParams p{buf(op.out), buf(op.in), op.residual >= 0 ? buf(op.residual) : nullptr, op.w0,
-                  batch, w, w, w, w, d_.rms_eps, d_.dtype};
+  char* res = op.residual >= 0 ? buf(op.residual) : nullptr;
+  if (w == d_.hidden * d_.n_lanes && d_.n_lanes > 1) {
+    // Each lane is normalized on its own: [B L] rows of hidden with one weight, or per lane l
+    // the B rows of lane l (stride L hidden) with weight row l.
+    const int64_t h = d_.hidden, L = d_.n_lanes;
+    if (!d_.lane_norm_weights) {
+      cpu::kernels().rmsnorm({buf(op.out), buf(op.in), res, op.w0, batch * L, h, h, h, h, d_.rms_eps, d_.dtype});
+      return;
+    }
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t off = l * h * elem_;
+      cpu::kernels().rmsnorm({buf(op.out) + off, buf(op.in) + off, res ? res + off : nullptr,
+                              static_cast<const char*>(op.w0) + off, batch, h, w, w, w, d_.rms_eps, d_.dtype});
+    }
+    return;
+  }
+  RMSNormParams p{buf(op.out), buf(op.in), res, op.w0, batch, w, w, w, w, d_.rms_eps, d_.dtype};
   cpu::kernels().rmsnorm(p);
 }
 
@@ -268,8 +305,13 @@ void DecodeExecutor::linear_part(const Op& op, int64_t batch, uint32_t epoch, in
                                      *row_queue_, epoch, part);
     return;
   }
-  cpu::kernels().linear_part(linear_params(op, batch), scratch_.data() + part * scratch_stride_, *row_queue_,
-                             epoch, part);
+  float* scratch = scratch_.data() + part * scratch_stride_;
+  if (op.lanes > 1) {  // one matrix per (segment, lane), consecutive epochs, no barrier between them
+    for (int64_t i = 0; i < lane_matrices(op); ++i)
+      cpu::kernels().linear_part(lane_matrix(op, batch, i), scratch, *row_queue_, epoch + uint32_t(i), part);
+    return;
+  }
+  cpu::kernels().linear_part(linear_params(op, batch), scratch, *row_queue_, epoch, part);
 }
 
 void DecodeExecutor::attention(const Op& op, const DecodeStep& s) {

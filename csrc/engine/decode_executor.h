@@ -75,6 +75,12 @@ class DecodeExecutor {
   // LINEAR as thread `part` of the region's team, rows from row_queue_ (epoch: see run).
   void linear_part(const Op& op, int64_t batch, uint32_t epoch, int part);
   LinearParams linear_params(const Op& op, int64_t batch);
+  // A lane LINEAR (op.lanes > 1) is lane_matrices(op) matrices, one per (output segment, lane)
+  // in output-row order; lane_matrix(op, batch, i) is the i-th (decode_lanes.cpp).
+  int64_t lane_matrices(const Op& op) const;
+  LinearParams lane_matrix(const Op& op, int64_t batch, int64_t i);
+  // LANE_* ops, on the calling thread (decode_lanes.cpp).
+  void lane_op(const Op& op, int64_t batch);
   // A LINEAR over quantized weights (w_type a QuantType); scratch: linear_quant_scratch_bytes.
   LinearQuantParams linear_quant_params(const Op& op, int64_t batch, float* scratch);
   // Ops that run outside the step's parallel region (long-context attention).
@@ -104,8 +110,10 @@ class DecodeExecutor {
   std::vector<float> scratch_;  // linear: [threads, B, max k] f32, one slice per thread
   int64_t scratch_stride_ = 0;  // B * max k
   std::unique_ptr<cpu::RowQueue> row_queue_;  // sized to the region's team
-  uint32_t epoch_base_ = 0;     // + op index = a LINEAR's row-queue epoch
-  uint32_t moe_epochs_ = 0;     // epochs the step's expert GEMMs took, after the ops' (+ program size)
+  uint32_t epoch_base_ = 0;     // + op_epoch_[op] = a LINEAR's (first) row-queue epoch
+  std::vector<uint32_t> op_epoch_;  // [ops] first epoch of each op within a step
+  uint32_t program_epochs_ = 0;     // epochs the ops take per step (a lane LINEAR: one per matrix)
+  uint32_t moe_epochs_ = 0;     // epochs the step's expert GEMMs took, after the ops' (+ program_epochs_)
   std::vector<int64_t> moe_start_;  // [E + 1] first sorted pair of each expert (experts_part)
   char* base_[int(Buffer::kNumBuffers)] = {};
   // MoE scratch, sized by reserve() (empty in a dense model): run dtype rows for the router

@@ -133,7 +133,7 @@ void DecodeExecutor::experts_part(const Op& op, int64_t batch, int t, int nt) {
   }
   pool.barrier();
   const bool merge = merge_rows_per_expert();
-  uint32_t epoch = epoch_base_ + uint32_t(program_.size()) + moe_epochs_;
+  uint32_t epoch = epoch_base_ + program_epochs_ + moe_epochs_;
   float* scratch = scratch_.data() + t * scratch_stride_;
   // One GEMM per group of pairs (an expert's, or one pair when not merging): rows [first, first + m).
   auto gemms = [&](auto&& params) {
@@ -160,7 +160,7 @@ void DecodeExecutor::experts_part(const Op& op, int64_t batch, int t, int nt) {
   });
   pool.barrier();
   if (t != 0) return;
-  moe_epochs_ = epoch - (epoch_base_ + uint32_t(program_.size()));
+  moe_epochs_ = epoch - (epoch_base_ + program_epochs_);
   std::fill(moe_acc_.begin(), moe_acc_.begin() + batch * H, 0.f);
   for (int64_t j = 0; j < P; ++j) {  // pairs in ascending expert order
     const int64_t pair = moe_order_[size_t(j)], row = pair / K;

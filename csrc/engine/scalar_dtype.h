@@ -48,4 +48,12 @@ inline void store_f32(void* p, int64_t i, float v, DType t) {
   }
 }
 
+// v rounded to the run dtype and back: the value an intermediate tensor of the reference holds.
+inline float round_to(float v, DType t) {
+  if (t == DType::kF32) return v;
+  uint16_t h;
+  store_f32(&h, 0, v, t);
+  return load_f32(&h, 0, t);
+}
+
 }  // namespace kog::engine

@@ -19,23 +19,33 @@ enum class Opcode : int32_t {
   kSample = 8,      // tokens = sample(logits); the step's f32 logits output = logits
   kRouter = 9,      // route = top_k(softmax(in @ router^T)) per row: expert ids and weights (MoE)
   kMoeExperts = 10, // out = sum over the row's routed experts of weight * down(silu(gate) * up)(in)
-  kNumOpcodes = 11,
+  // Laneformer lanes (n_lanes > 1): a lane-wide buffer is [batch, n_lanes, hidden]; lane l of a
+  // layer's attention / MLP output is a_l (program.h: ModelDims::n_lanes).
+  kLaneScale = 11,   // in place: a_l *= sqrt(n_lanes) (no communication)
+  kLaneSum = 12,     // in place: every lane = sum over lanes of a (all-reduce)
+  kLaneGather = 13,  // LANE_HIST slot `slot` = in, all lanes (all-gather of a_l: read broadcast_delay layers later)
+  kLaneAddPast = 14, // in place: a_l += sum over lanes of hist[slot] - hist[slot]_l (the delayed reduction)
+  kLaneMean = 15,    // out [batch, hidden] = mean over the lanes of in (final norm, replicated head)
+  kLaneMergeSum = 16,// out [batch, hidden] = sum over lanes of (residual + in) (pre-norm lane aggregation)
+  kNumOpcodes = 17,
 };
 
 // Activation buffers of one decode step, each [batch, width] in the run dtype (widths:
 // program.h buffer_width).
 enum class Buffer : int32_t {
   kTokens = 0,    // [batch] int32: input token ids, then the sampled ones
-  kHidden = 1,    // [batch, hidden]
-  kResidual = 2,  // [batch, hidden]: the residual stream
-  kNormed = 3,    // [batch, hidden]
+  kHidden = 1,    // [batch, n_lanes hidden] (n_lanes = 1 but in Laneformer: one stream per lane)
+  kResidual = 2,  // [batch, n_lanes hidden]: the residual stream
+  kNormed = 3,    // [batch, n_lanes hidden]
   kQkv = 4,       // [batch, (n_q_heads + 2 n_kv_heads) head_dim]
   kAttn = 5,      // [batch, n_q_heads head_dim]
   kGateUp = 6,    // [batch, 2 intermediate]
   kAct = 7,       // [batch, intermediate]
   kLogits = 8,    // [batch, vocab] run dtype (SAMPLE copies it out as f32, on both backends)
   kRoute = 9,     // [batch, 2 (top_k + shared_slots)] 4-byte words: int32 expert ids, then their f32 weights (MoE)
-  kNumBuffers = 10,
+  kMerged = 10,   // [batch, hidden]: the lanes merged into one stream before the LM head (Laneformer)
+  kLaneHist = 11, // [batch, lane_hist_slots, n_lanes, hidden]: lane outputs kept for the delayed reduction
+  kNumBuffers = 12,
 };
 
 }  // namespace kog::schedule

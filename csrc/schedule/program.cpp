@@ -11,6 +11,8 @@ bool valid_buffer(int32_t b) { return b >= 0 && b < int32_t(Buffer::kNumBuffers)
 
 bool is_moe(Opcode op) { return op == Opcode::kRouter || op == Opcode::kMoeExperts; }
 
+bool is_lane(Opcode op) { return op >= Opcode::kLaneScale && op <= Opcode::kLaneMergeSum; }
+
 bool needs_layer(Opcode op) {
   return op == Opcode::kKvAppend || op == Opcode::kAttnDecode || op == Opcode::kQkNorm || is_moe(op);
 }
@@ -57,6 +59,48 @@ void check_weight_type(const Op& o, size_t i, const ModelDims& d) {
             " blocks of ", info.elems);
 }
 
+// Lane ops read lane-wide buffers ([batch, n_lanes, hidden]); the in-place ones write what they
+// read, LANE_GATHER / LANE_ADD_PAST name a LANE_HIST slot, the merges write a hidden-wide buffer;
+// only LANE_GATHER writes LANE_HIST. A lane LINEAR cuts its input and every output segment
+// into n_lanes equal parts.
+void check_lanes(const Op& o, size_t i, const ModelDims& d) {
+  const auto op = Opcode(o.op);
+  const int32_t hist = int32_t(Buffer::kLaneHist);
+  KOG_CHECK(op == Opcode::kLaneGather || o.out != hist, "program: op ", i, " (opcode ", o.op,
+            ") writes LANE_HIST, which only LANE_GATHER writes");
+  const bool has_slot = op == Opcode::kLaneGather || op == Opcode::kLaneAddPast;
+  KOG_CHECK(has_slot ? o.slot >= 0 && o.slot < d.lane_hist_slots : o.slot == -1, "program: op ", i,
+            " has LANE_HIST slot ", o.slot, has_slot ? " (the dims have " : " but is not a lane-history op (",
+            d.lane_hist_slots, " slots)");
+  KOG_CHECK(o.lanes == 1 || (op == Opcode::kLinear && o.lanes == d.n_lanes), "program: op ", i, " has lanes=",
+            o.lanes, " (1, or n_lanes=", d.n_lanes, " on a LINEAR)");
+  if (op == Opcode::kLinear && o.lanes > 1) {
+    int64_t seg[3];
+    const int n = lane_segments(d, o.out, seg);
+    bool even = buffer_width(d, o.in) % o.lanes == 0;
+    for (int s = 0; s < n; ++s) even = even && seg[s] % o.lanes == 0;
+    KOG_CHECK(even, "program: op ", i, " (lane LINEAR) reads buffer ", o.in, " and writes ", o.out,
+              ", which do not split into ", o.lanes, " lanes");
+    KOG_CHECK(o.w_type == kWeightRunDtype, "program: op ", i, " is a lane LINEAR over a quantized weight");
+  }
+  if (!is_lane(op)) return;
+  const int64_t lane_w = d.n_lanes * d.hidden;
+  KOG_CHECK(o.in != hist && buffer_width(d, o.in) == lane_w, "program: op ", i, " (opcode ", o.op,
+            ") must read a lane-wide buffer, reads ", o.in);
+  if (op == Opcode::kLaneGather) {
+    KOG_CHECK(o.out == hist, "program: op ", i, " (LANE_GATHER) must write LANE_HIST, writes ", o.out);
+  } else if (op == Opcode::kLaneMean || op == Opcode::kLaneMergeSum) {
+    KOG_CHECK(buffer_width(d, o.out) == d.hidden && o.out != int32_t(Buffer::kTokens), "program: op ", i,
+              " (opcode ", o.op, ") must write a hidden-wide buffer, writes ", o.out);
+    KOG_CHECK((op == Opcode::kLaneMergeSum) == (o.residual >= 0) &&
+                  (o.residual < 0 || buffer_width(d, o.residual) == lane_w),
+              "program: op ", i, ": LANE_MERGE_SUM (only) adds a lane-wide residual");
+  } else {
+    KOG_CHECK(o.out == o.in, "program: op ", i, " (opcode ", o.op, ") works in place: writes ", o.out,
+              ", reads ", o.in);
+  }
+}
+
 void check_op(const Op& o, size_t i, const ModelDims& d) {
   KOG_CHECK(o.op >= 0 && o.op < int32_t(Opcode::kNumOpcodes), "program: op ", i, " has opcode ", o.op);
   const auto op = Opcode(o.op);
@@ -66,7 +110,8 @@ void check_op(const Op& o, size_t i, const ModelDims& d) {
   KOG_CHECK(valid_buffer(o.in), "program: op ", i, " reads buffer ", o.in);
   KOG_CHECK(o.out == -1 || valid_buffer(o.out), "program: op ", i, " writes buffer ", o.out);
   KOG_CHECK(o.residual == -1 || valid_buffer(o.residual), "program: op ", i, " residual ", o.residual);
-  KOG_CHECK(o.residual == -1 || op == Opcode::kRmsNorm, "program: op ", i, " has a residual but is not RMS_NORM");
+  KOG_CHECK(o.residual == -1 || op == Opcode::kRmsNorm || op == Opcode::kLaneMergeSum, "program: op ", i,
+            " has a residual but is not RMS_NORM or LANE_MERGE_SUM");
   KOG_CHECK(op == Opcode::kKvAppend || o.out >= 0, "program: op ", i, " writes no buffer");
   KOG_CHECK(!needs_weight(op) || o.w0 != nullptr, "program: op ", i, " has no weight");
   KOG_CHECK(op != Opcode::kQkNorm || o.w1 != nullptr, "program: op ", i, " needs q and k norm weights");
@@ -74,6 +119,7 @@ void check_op(const Op& o, size_t i, const ModelDims& d) {
             " writes the token buffer");
   check_weight_type(o, i, d);
   check_moe(o, i, d);
+  check_lanes(o, i, d);
   KOG_CHECK(o.n_deps >= 0 && o.n_deps <= kMaxDeps, "program: op ", i, " has ", o.n_deps, " deps (at most ",
             kMaxDeps, ")");
   for (int k = 0; k < o.n_deps; ++k) {
@@ -102,6 +148,12 @@ void validate_dims(const ModelDims& d) {
   KOG_CHECK(d.n_experts == 0 || (d.top_k >= 1 && d.top_k <= d.n_experts && d.expert_intermediate > 0),
             "model dims: top_k ", d.top_k, " must be in [1, n_experts ", d.n_experts,
             "] and expert_intermediate positive");
+  KOG_CHECK(d.n_lanes >= 1 && d.lane_hist_slots >= 0, "model dims: n_lanes ", d.n_lanes, " must be >= 1 and ",
+            "lane_hist_slots ", d.lane_hist_slots, " >= 0");
+  KOG_CHECK(d.n_q_heads % d.n_lanes == 0 && d.n_kv_heads % d.n_lanes == 0 && d.intermediate % d.n_lanes == 0,
+            "model dims: ", d.n_lanes, " lanes must divide the query heads (", d.n_q_heads, "), the KV heads (",
+            d.n_kv_heads, ") and intermediate (", d.intermediate, ")");
+  KOG_CHECK(d.n_lanes == 1 || d.n_experts == 0, "model dims: lanes and experts in one model are not supported");
 }
 
 void validate_program(const std::vector<Op>& ops, const ModelDims& d) {

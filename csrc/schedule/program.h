@@ -46,6 +46,13 @@ struct ModelDims {
   // expert cut into expert_intermediate-wide slices (qwen2_moe), each weighted by
   // sigmoid(in @ router row n_experts), the router's extra row.
   int64_t shared_slots = 0;
+  // Laneformer lanes (1 / false / 0 in every other model): HIDDEN, RESIDUAL and NORMED hold one
+  // hidden-wide stream per lane ([batch, n_lanes, hidden]); RMS_NORM normalizes each lane, with
+  // a weight per lane ([n_lanes, hidden]) when lane_norm_weights, else one shared [hidden]
+  // weight; LANE_HIST holds lane_hist_slots lane-wide rows per batch row.
+  int64_t n_lanes = 1;
+  bool lane_norm_weights = false;
+  int64_t lane_hist_slots = 0;
 };
 
 // The paged KV cache an executor writes and attends over (host or device memory).
@@ -84,6 +91,12 @@ struct Op {
   // quant GEMV writes f32). w2 and w_type come last, with defaults, so aggregate initializers
   // that predate them keep meaning a float weight and no prologue.
   int32_t w_type = kWeightRunDtype;
+  // LINEAR only: 1, or n_lanes for a lane projection: each segment of the output row
+  // (lane_segments) is cut into `lanes` equal ranges, and range l reads columns
+  // [l k, (l + 1) k) of in, k = width(in) / lanes (the weight is [n, k], rows lane-major).
+  int32_t lanes = 1;
+  // LANE_GATHER: the LANE_HIST slot written; LANE_ADD_PAST: the slot read. -1 otherwise.
+  int32_t slot = -1;
 };
 
 // Elements per batch row of buffer b (TOKENS: one int32 id; LOGITS: vocab in the run dtype).
@@ -92,7 +105,9 @@ KOG_HOST_DEVICE inline int64_t buffer_width(const ModelDims& d, int32_t b) {
     case Buffer::kTokens: return 1;
     case Buffer::kHidden:
     case Buffer::kResidual:
-    case Buffer::kNormed: return d.hidden;
+    case Buffer::kNormed: return d.n_lanes * d.hidden;
+    case Buffer::kMerged: return d.hidden;
+    case Buffer::kLaneHist: return d.lane_hist_slots * d.n_lanes * d.hidden;
     case Buffer::kQkv: return (d.n_q_heads + 2 * d.n_kv_heads) * d.head_dim;
     case Buffer::kAttn: return d.n_q_heads * d.head_dim;
     case Buffer::kGateUp: return 2 * d.intermediate;
@@ -101,6 +116,22 @@ KOG_HOST_DEVICE inline int64_t buffer_width(const ModelDims& d, int32_t b) {
     case Buffer::kRoute: return 2 * (d.top_k + d.shared_slots);
     default: return 0;
   }
+}
+
+// The output segments a lane LINEAR cuts into lanes: QKV is [q | k | v] (each lane owns
+// n_q_heads / n_lanes query heads and n_kv_heads / n_lanes KV heads), GATE_UP [gate | up], any
+// other buffer one segment. Returns the count, widths in seg[0..count).
+KOG_HOST_DEVICE inline int lane_segments(const ModelDims& d, int32_t out, int64_t seg[3]) {
+  if (out == int32_t(Buffer::kQkv)) {
+    seg[0] = d.n_q_heads * d.head_dim, seg[1] = seg[2] = d.n_kv_heads * d.head_dim;
+    return 3;
+  }
+  if (out == int32_t(Buffer::kGateUp)) {
+    seg[0] = seg[1] = d.intermediate;
+    return 2;
+  }
+  seg[0] = buffer_width(d, out);
+  return 1;
 }
 
 // Bytes per element of buffer b: TOKENS holds int32 ids and ROUTE 4-byte words (int32 ids, f32

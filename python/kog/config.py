@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kog.errors import ModelLoadError
+from kog.lane_config import LaneConfig
 
 # HF `model_type` -> (family, HF architecture class). Families differ only in switches below:
 # Qwen2 has a bias on q/k/v, Qwen3 an RMSNorm on each head of q and k; the rest is Llama.
@@ -28,6 +29,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "laneformer_tp": "LaneformerTPForCausalLM",
 }
 # Families whose MLP is (in some layers) a routed mixture of experts.
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe")
@@ -74,6 +76,8 @@ class ModelConfig:
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0  # qwen2_moe: the shared expert's width (0: none)
+    # Laneformer (laneformer_tp): the lane layout (kog.lane_config); None for every other family.
+    lanes: LaneConfig | None = None
 
     @property
     def hf_architecture(self) -> str:
@@ -101,6 +105,11 @@ class ModelConfig:
         self.eos_token_ids = tuple(int(i) for i in self.eos_token_ids)
         self.moe_layers = tuple(int(i) for i in self.moe_layers)
         self._check_moe()
+        if (self.architecture == "laneformer_tp") != (self.lanes is not None):
+            raise ModelLoadError(f"lanes={self.lanes}: only laneformer_tp has (and needs) a lane layout")
+        if self.lanes is not None:
+            self.lanes.check(self.num_hidden_layers, self.num_attention_heads, self.num_key_value_heads,
+                             self.intermediate_size, self.vocab_size, self.tie_word_embeddings)
 
     def _check_moe(self) -> None:
         """ModelLoadError naming the field of an inconsistent mixture-of-experts config."""
@@ -153,6 +162,7 @@ class ModelConfig:
             ModelLoadError: unknown architecture, or a required key is missing.
         """
         family = _family_from_hf(d, source)
+        lanes = LaneConfig.from_hf(d) if family == "laneformer_tp" else None
         try:
             hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
             theta, scaling = _rope_from_hf(d)
@@ -166,7 +176,7 @@ class ModelConfig:
                 head_dim=int(d.get("head_dim") or hidden // heads),
                 intermediate_size=int(d["intermediate_size"]),
                 vocab_size=int(d["vocab_size"]),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rms_norm_eps=float(d.get("norm_eps", 1e-5) if lanes else d.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
                 rope_scaling=scaling,
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
@@ -178,6 +188,7 @@ class ModelConfig:
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
                 torch_dtype=_dtype_name(d.get("dtype") or d.get("torch_dtype") or "float32"),
+                lanes=lanes,
                 **_moe_from_hf(d, family, int(d["num_hidden_layers"]), source),
             )
         except KeyError as e:
@@ -234,6 +245,9 @@ class ModelConfig:
         if self.architecture == "mixtral":
             d |= {"num_local_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
                   "sliding_window": self.sliding_window}
+        if self.lanes is not None:  # LaneformerTPConfig's names: norm_eps, no head_dim (hidden / heads)
+            d |= {"norm_eps": d.pop("rms_norm_eps"), "sliding_window": self.sliding_window} | self.lanes.to_hf()
+            del d["head_dim"]
         return d
 
 

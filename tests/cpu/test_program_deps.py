@@ -2,6 +2,7 @@
 to the same bits, meets at a barrier only where a dependency crosses threads, and refuses a bad
 dependency list naming the op."""
 
+import dataclasses
 import random
 
 import numpy as np
@@ -123,8 +124,7 @@ def random_topological_order(program: list[Instruction], seed: int) -> list[Inst
         for d in waiting.values():
             d.discard(pick)
     new = {old: n for n, old in enumerate(order)}
-    return [Instruction(program[i].opcode, program[i].layer, program[i].reads, program[i].writes,
-                        program[i].weights, tuple(sorted(new[d] for d in program[i].deps))) for i in order]
+    return [dataclasses.replace(program[i], deps=tuple(sorted(new[d] for d in program[i].deps))) for i in order]
 
 
 def decode_inputs(r: ModelRunner, prompts) -> dict:

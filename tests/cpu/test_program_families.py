@@ -16,7 +16,7 @@ def ops_of(program, opcode):
 
 def test_registry_covers_every_architecture_the_config_accepts():
     assert set(FAMILIES) == set(kog.config.ARCHITECTURES) == {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
-                                                              "mixtral", "qwen2_moe"}
+                                                              "mixtral", "qwen2_moe", "laneformer_tp"}
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])

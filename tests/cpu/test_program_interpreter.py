@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from kog.lane_config import LaneConfig
 from kog.loader import LoadedModel
 from kog.models import ModelRunner, PrefillChunk
 from kog.models.decode import build_executor
 from kog.program import Buffer, Opcode, TokenBatch
 from kog.program.interpreter import ProgramInterpreter
+from kog.program.program import slot_of
 from kog.testing.tiny_models import random_weights, tiny_config
 
 BS = 4  # small blocks: sequences cross block boundaries
@@ -23,8 +25,18 @@ ONE_OP_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 WHOLE_RUN_TOL = {torch.float32: 1e-4, torch.bfloat16: 6e-2}
 
 
+# Laneformer with its other reductions: layer 0 scales (no early communication), per-lane norm
+# weights, the lanes summed before the final norm.
+LANE_VARIANTS = {"laneformer_tp/agg": dict(lanes=LaneConfig(num_lanes=2, broadcast_delay=1, use_early_comm=False,
+                                                            pre_norm_lane_agg=True, replicated_rmsn_scale=False))}
+
+
+def config_of(arch: str):
+    return tiny_config(arch.split("/")[0], **LANE_VARIANTS.get(arch, {}))
+
+
 def tiny_runner(arch: str, dtype: torch.dtype, num_blocks: int = 64) -> ModelRunner:
-    config = tiny_config(arch)
+    config = config_of(arch)
     weights = {k: v.to(dtype) for k, v in random_weights(config, seed=3).items()}
     model = LoadedModel(path=None, config=config, weights=weights, dtype=dtype, tokenizer=None,
                         chat_template=None, stop_token_ids=())
@@ -80,7 +92,10 @@ class NativeStep:
         t = self.tables
         self.ex.run(self.n, self.tokens.ctypes.data, self.positions.ctypes.data, t.ctypes.data, t.shape[1],
                     self.seq_lens.ctypes.data, self.slots.ctypes.data, logits.data_ptr(), 0, stop_after)
-        written = {Buffer.TOKENS} | {w for ins in self.r.program[:stop_after] for w in ins.writes if isinstance(w, Buffer)}
+        writes = [w for ins in self.r.program[:stop_after] for w in ins.writes]
+        written = {Buffer.TOKENS} | {w for w in writes if isinstance(w, Buffer)}
+        if any(slot_of(w) is not None for w in writes):  # lane-history slots: slices of LANE_HIST
+            written.add(Buffer.LANE_HIST)
         out = {}
         for b in written:
             buf = torch.empty((self.n, self.ex.width(int(b))) if b != Buffer.TOKENS else (self.n,),
@@ -96,7 +111,8 @@ def decode_step_after_prefill(r: ModelRunner) -> NativeStep:
     return NativeStep(r, [p[-1] + 7 for p in ps], [len(p) for p in ps], np.stack([table(i) for i in range(3)]))
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe",
+                                  "laneformer_tp", "laneformer_tp/agg"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_program_op_by_op_interpreter_equals_native_executor(arch, dtype):
     r = tiny_runner(arch, dtype)
@@ -136,11 +152,12 @@ def test_decode_program_op_by_op_interpreter_equals_native_executor(arch, dtype)
 def test_every_opcode_is_exercised():
     # The op-by-op comparison above covers every opcode the families emit.
     from kog.program import program_for
-    seen = {ins.opcode for arch in ("llama", "qwen2", "qwen3", "qwen3_moe") for ins in program_for(tiny_config(arch))}
+    seen = {ins.opcode for arch in ("llama", "qwen2", "qwen3", "qwen3_moe", "laneformer_tp", "laneformer_tp/agg")
+            for ins in program_for(config_of(arch))}
     assert seen == set(Opcode)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "laneformer_tp"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_chunk_then_decode_equals_full_prefill(arch, dtype):
     tokens = prompts((20,), seed=4)[0]

@@ -48,6 +48,10 @@ def run_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dty
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, by HF name, with its shape."""
+    if config.lanes is not None:
+        from kog.loader.laneformer import lane_expected_shapes
+
+        return lane_expected_shapes(config)
     h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     shapes: dict[str, tuple[int, ...]] = {

@@ -18,12 +18,9 @@ from kog.config import ModelConfig
 from kog.errors import InvalidRequest
 from kog.ops import DTYPE_CODE
 from kog.program import Buffer, Instruction, Opcode, program_for
+from kog.program.families import ROPE_NEOX
+from kog.program.program import slot_of
 from kog.quantized import QuantizedWeight
-
-# RoPE pairing of each family's checkpoints as Kog loads them: rotate_half, i.e. dims (i, i + R/2)
-# (HF Llama, Mistral and Qwen; GGUF llama weights are permuted back to it on load).
-ROPE_NEOX: dict[str, bool] = {"llama": True, "mistral": True, "qwen2": True, "qwen3": True, "qwen3_moe": True,
-                              "mixtral": True, "qwen2_moe": True}
 
 
 def model_dims(config: ModelConfig, dtype: torch.dtype) -> _C.ModelDims:
@@ -46,7 +43,17 @@ def model_dims(config: ModelConfig, dtype: torch.dtype) -> _C.ModelDims:
         n_experts=config.num_experts if config.is_moe else 0,
         top_k=config.num_experts_per_tok if config.is_moe else 0,
         expert_intermediate=config.moe_intermediate_size if config.is_moe else 0,
-        norm_topk=config.norm_topk_prob, shared_slots=config.shared_expert_slots if config.is_moe else 0)
+        norm_topk=config.norm_topk_prob, shared_slots=config.shared_expert_slots if config.is_moe else 0,
+        **lane_dims(config))
+
+
+def lane_dims(config: ModelConfig) -> dict:
+    """ModelDims' lane fields (n_lanes, lane_norm_weights, lane_hist_slots); one lane otherwise."""
+    lanes = config.lanes
+    if lanes is None:
+        return {}
+    return dict(n_lanes=lanes.num_lanes, lane_norm_weights=not lanes.replicated_rmsn_scale,
+                lane_hist_slots=2 * lanes.hist_slots_per_kind)
 
 
 def schedule_for(config: ModelConfig) -> list[Instruction]:
@@ -64,15 +71,19 @@ def lower(ins: Instruction, weights: dict[str, torch.Tensor]) -> _C.Op:
     bufs_in = [r for r in ins.reads if isinstance(r, Buffer)]
     bufs_out = [w for w in ins.writes if isinstance(w, Buffer)]
     residual = -1
-    if ins.opcode == Opcode.RMS_NORM and len(bufs_in) == 2:
+    if ins.opcode in (Opcode.RMS_NORM, Opcode.LANE_MERGE_SUM) and len(bufs_in) == 2:
         residual = int(bufs_in[1])
+    # A lane-history slot ("lanes.hist.<slot>") is a slice of LANE_HIST the op names by index.
+    slots = [s for s in map(slot_of, ins.reads + ins.writes) if s is not None]
+    if ins.opcode == Opcode.LANE_GATHER:
+        bufs_out = [Buffer.LANE_HIST]
     ptrs = [weights[name].data_ptr() for name in ins.weights] + [0, 0]
     w0 = weights[ins.weights[0]] if ins.weights else None
     # The first weight's storage: a ggml type for a QuantizedWeight (EMBED, LINEAR), else the run dtype.
     w_type = w0.qtype if isinstance(w0, QuantizedWeight) else _C.WEIGHT_RUN_DTYPE
     return _C.Op(int(ins.opcode), ins.layer, int(bufs_in[0]) if bufs_in else -1, residual,
                  int(bufs_out[0]) if bufs_out else -1, ptrs[0], ptrs[1], sorted(ins.deps),
-                 w_type=w_type)
+                 w_type=w_type, lanes=ins.lanes, slot=slots[0] if slots else -1)
 
 
 def lower_program(program: list[Instruction], weights: dict[str, torch.Tensor]) -> list[_C.Op]:

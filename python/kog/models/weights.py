@@ -38,6 +38,11 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
         QuantizedWeight stay so (fused by byte rows, see kog.quantized.cat_rows).
     """
 
+    if config.lanes is not None:  # Laneformer: its tensors under the Llama names, lane-major
+        from kog.loader.laneformer import lane_weights_as_llama
+
+        weights = lane_weights_as_llama(config, weights)
+
     def get(name: str) -> Tensor:
         if name not in weights:
             raise ModelLoadError(f"weight {name!r} is missing")

@@ -48,8 +48,11 @@ def embed(p: ProgramBuilder) -> None:
     p.op(Opcode.EMBED, -1, (B.TOKENS,), (B.RESIDUAL,), ("model.embed_tokens.weight",))
 
 
-def attention_block(p: ProgramBuilder, layer: int, qkv_bias: bool, qk_norm: bool) -> None:
-    """Pre-norm GQA attention over the paged cache; its output (o_proj) lands in HIDDEN."""
+def attention_block(p: ProgramBuilder, layer: int, qkv_bias: bool, qk_norm: bool, lanes: int = 1) -> None:
+    """Pre-norm GQA attention over the paged cache; its output (o_proj) lands in HIDDEN.
+
+    With lanes > 1 (Laneformer) the projections are lane projections: lane l's q/k/v heads come
+    from lane l's normed stream, and o_proj maps lane l's heads to lane l of HIDDEN."""
     w = f"model.layers.{layer}."
     kv = f"kv.{layer}"
     if layer == 0:
@@ -57,23 +60,24 @@ def attention_block(p: ProgramBuilder, layer: int, qkv_bias: bool, qk_norm: bool
     else:
         p.op(Opcode.RMS_NORM, layer, (B.HIDDEN, B.RESIDUAL), (B.NORMED, B.RESIDUAL), (w + "input_layernorm.weight",))
     qkv_w = (w + "self_attn.qkv_proj.weight",) + ((w + "self_attn.qkv_proj.bias",) if qkv_bias else ())
-    p.op(Opcode.LINEAR, layer, (B.NORMED,), (B.QKV,), qkv_w)
+    p.op(Opcode.LINEAR, layer, (B.NORMED,), (B.QKV,), qkv_w, lanes=lanes)
     if qk_norm:
         p.op(Opcode.QK_NORM, layer, (B.QKV,), (B.QKV,), (w + "self_attn.q_norm.weight", w + "self_attn.k_norm.weight"))
     p.op(Opcode.ROPE, layer, (B.QKV,), (B.QKV,))
     p.op(Opcode.KV_APPEND, layer, (B.QKV,), (kv,))
     # Each token attends to its sequence's cache up to its own position (decode: the newest token).
     p.op(Opcode.ATTN_DECODE, layer, (B.QKV, kv), (B.ATTN,))
-    p.op(Opcode.LINEAR, layer, (B.ATTN,), (B.HIDDEN,), (w + "self_attn.o_proj.weight",))
+    p.op(Opcode.LINEAR, layer, (B.ATTN,), (B.HIDDEN,), (w + "self_attn.o_proj.weight",), lanes=lanes)
 
 
-def mlp_block(p: ProgramBuilder, layer: int) -> None:
-    """Pre-norm SwiGLU MLP; adds the attention output into RESIDUAL, its own lands in HIDDEN."""
+def mlp_block(p: ProgramBuilder, layer: int, lanes: int = 1) -> None:
+    """Pre-norm SwiGLU MLP; adds the attention output into RESIDUAL, its own lands in HIDDEN
+    (with lanes > 1, each lane's from its own stream: lane projections)."""
     w = f"model.layers.{layer}."
     p.op(Opcode.RMS_NORM, layer, (B.HIDDEN, B.RESIDUAL), (B.NORMED, B.RESIDUAL), (w + "post_attention_layernorm.weight",))
-    p.op(Opcode.LINEAR, layer, (B.NORMED,), (B.GATE_UP,), (w + "mlp.gate_up_proj.weight",))
+    p.op(Opcode.LINEAR, layer, (B.NORMED,), (B.GATE_UP,), (w + "mlp.gate_up_proj.weight",), lanes=lanes)
     p.op(Opcode.SILU_MUL, layer, (B.GATE_UP,), (B.ACT,))
-    p.op(Opcode.LINEAR, layer, (B.ACT,), (B.HIDDEN,), (w + "mlp.down_proj.weight",))
+    p.op(Opcode.LINEAR, layer, (B.ACT,), (B.HIDDEN,), (w + "mlp.down_proj.weight",), lanes=lanes)
 
 
 def moe_block(p: ProgramBuilder, layer: int) -> None:

@@ -15,6 +15,7 @@ from typing import Callable
 from kog.config import ModelConfig
 from kog.errors import ModelLoadError
 from kog.program.decoder import DecoderSpec, decoder_program
+from kog.program.lanes import laneformer_program
 from kog.program.program import Instruction
 
 FamilyFunction = Callable[[ModelConfig], list[Instruction]]
@@ -82,9 +83,24 @@ def qwen2_moe(config: ModelConfig) -> list[Instruction]:
                                        moe_layers=config.moe_layers))
 
 
+def laneformer_tp(config: ModelConfig) -> list[Instruction]:
+    """Laneformer: Llama-like layers over config.lanes.num_lanes residual streams, combined after
+    each block by a lane reduction, possibly delayed (kog.program.lanes, kog.lane_config)."""
+    _check_qk_norm(config, False)
+    return laneformer_program(config)
+
+
 # HF model_type -> the family's program function.
 FAMILIES: dict[str, FamilyFunction] = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3,
-                                       "qwen3_moe": qwen3_moe, "mixtral": mixtral, "qwen2_moe": qwen2_moe}
+                                       "qwen3_moe": qwen3_moe, "mixtral": mixtral, "qwen2_moe": qwen2_moe,
+                                       "laneformer_tp": laneformer_tp}
+
+
+# RoPE pairing of each family's checkpoints as Kog loads them: rotate_half, i.e. dims (i, i + R/2)
+# (HF Llama, Mistral and Qwen; GGUF llama weights are permuted back to it on load).
+ROPE_NEOX: dict[str, bool] = {"llama": True, "mistral": True, "qwen2": True, "qwen3": True, "qwen3_moe": True,
+                              "mixtral": True, "qwen2_moe": True,
+                              "laneformer_tp": False}  # Laneformer: interleaved pairs (2i, 2i + 1), as trained
 
 
 def program_for(config: ModelConfig) -> list[Instruction]:

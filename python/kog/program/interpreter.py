@@ -14,14 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from kog import ops
 from kog.config import ModelConfig
 from kog.program.batch import TokenBatch
+from kog.program.families import ROPE_NEOX
 from kog.program.opcodes import Buffer, Opcode
-from kog.program.program import Instruction, Rows
+from kog.program.program import Instruction, Rows, slot_of
 from kog.quantized import QuantizedWeight
 
 
@@ -73,6 +76,8 @@ class ProgramInterpreter:
     def __init__(self, config: ModelConfig, program: Sequence[Instruction], weights: dict[str, torch.Tensor],
                  kv: torch.Tensor, inv_freq: torch.Tensor) -> None:
         self.config, self.program, self.kv, self.inv_freq = config, list(program), kv, inv_freq
+        self.rope_neox = ROPE_NEOX[config.architecture]
+        self.n_lanes = config.lanes.num_lanes if config.lanes else 1
         hd = config.head_dim
         self._q_w, self._kv_w = config.num_attention_heads * hd, config.num_key_value_heads * hd
         self._ops = [(ins, _HANDLERS[ins.opcode], tuple(weights[n] for n in ins.weights)) for ins in self.program]
@@ -111,20 +116,41 @@ def _embed(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) 
     if isinstance(w[0], QuantizedWeight):  # one row of blocks per token, f32 (the run dtype of quantized models)
         s.write(ins.writes[0], w[0].dequantize(ids.cpu()).to(ids.device), ins.rows)
         return
-    s.write(ins.writes[0], w[0][ids], ins.rows)
+    rows = w[0][ids]
+    # Laneformer: every lane of the residual stream starts from the embedding.
+    s.write(ins.writes[0], rows.repeat(1, it.n_lanes) if it.n_lanes > 1 else rows, ins.rows)
 
 
 def _rms_norm(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
     # reads (x,) or (x, residual): with a residual, residual += x in place and the sum is normalized.
     x = s.read(ins.reads[0], ins.rows).contiguous()
     res = s.read(ins.reads[1], ins.rows).contiguous() if len(ins.reads) == 2 else None
-    s.write(ins.writes[0], ops.rmsnorm(x, w[0], it.config.rms_norm_eps, residual=res), ins.rows)
+    eps, L, h = it.config.rms_norm_eps, it.n_lanes, it.config.hidden_size
+    if L > 1 and x.shape[1] == L * h:  # each lane on its own: rows of hidden
+        if w[0].numel() == h:  # one weight for every lane
+            out = ops.rmsnorm(x.view(-1, h), w[0], eps, residual=None if res is None else res.view(-1, h))
+            out = out.view(x.shape)
+        else:  # [lanes, hidden]: lane l with weight row l
+            out = torch.empty_like(x)
+            for lane in range(L):
+                cols = slice(lane * h, (lane + 1) * h)
+                r = None if res is None else res[:, cols].contiguous()
+                out[:, cols] = ops.rmsnorm(x[:, cols].contiguous(), w[0].view(L, h)[lane], eps, residual=r)
+                if res is not None:
+                    res[:, cols] = r
+    else:
+        out = ops.rmsnorm(x, w[0], eps, residual=res)
+    s.write(ins.writes[0], out, ins.rows)
     if res is not None:
         s.write(ins.writes[1], res, ins.rows)
 
 
 def _linear(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
     x = s.read(ins.reads[0], ins.rows)
+    if ins.lanes > 1:
+        s.write(ins.writes[0], lane_matmul(x, w[0], w[1] if len(w) > 1 else None, ins.lanes,
+                                           lane_segments(it.config, ins.writes[0], w[0].shape[0])), ins.rows)
+        return
     mm = quant_matmul if isinstance(w[0], QuantizedWeight) else matmul
     s.write(ins.writes[0], mm(x, w[0], w[1] if len(w) > 1 else None), ins.rows)
 
@@ -138,7 +164,7 @@ def _qk_norm(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple
 
 def _rope(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
     q, k, _ = it.q_k_v(s)
-    ops.rope(q, k, s.batch.positions, it.inv_freq)
+    ops.rope(q, k, s.batch.positions, it.inv_freq, is_neox=it.rope_neox)
 
 
 def _kv_append(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
@@ -207,11 +233,85 @@ def _moe_experts(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: t
     s.write(ins.writes[0], acc.to(x.dtype), ins.rows)
 
 
+def _lane_scale(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
+    s.write(ins.writes[0], s.read(ins.reads[0], ins.rows) * math.sqrt(it.n_lanes), ins.rows)
+
+
+def _lane_sum(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
+    a = s.read(ins.reads[0], ins.rows)
+    T = a.shape[0]
+    s.write(ins.writes[0], a.view(T, it.n_lanes, -1).sum(1, keepdim=True).expand(-1, it.n_lanes, -1).reshape(T, -1),
+            ins.rows)
+
+
+def _lane_hist(it: ProgramInterpreter, s: ProgramState, like: torch.Tensor) -> torch.Tensor:
+    """LANE_HIST [T, slots * lanes * hidden], made (zeros) on first use."""
+    if Buffer.LANE_HIST not in s.buffers:
+        lanes = it.config.lanes
+        slots = 2 * lanes.hist_slots_per_kind if lanes else 0
+        s.write(Buffer.LANE_HIST, like.new_zeros(like.shape[0], slots * like.shape[1]), Rows.ALL)
+    return s.buffers[Buffer.LANE_HIST]
+
+
+def _lane_gather(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
+    a = s.read(ins.reads[0], ins.rows)
+    slot, width = slot_of(ins.writes[0]), a.shape[1]
+    _lane_hist(it, s, a)[:, slot * width:(slot + 1) * width] = a
+
+
+def _lane_add_past(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
+    # The reference's rounding steps: round(sum of the past), round(that - past_l), round(a_l + that).
+    a = s.read(ins.reads[0], ins.rows)
+    T, width, slot = a.shape[0], a.shape[1], slot_of(ins.reads[1])
+    past = _lane_hist(it, s, a)[:, slot * width:(slot + 1) * width].view(T, it.n_lanes, -1)
+    others = past.sum(1, keepdim=True) - past
+    s.write(ins.writes[0], a + others.reshape(T, -1), ins.rows)
+
+
+def _lane_mean(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
+    x = s.read(ins.reads[0], ins.rows)
+    s.write(ins.writes[0], x.view(x.shape[0], it.n_lanes, -1).mean(1), ins.rows)
+
+
+def _lane_merge_sum(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
+    x, res = (s.read(b, ins.rows) for b in ins.reads)
+    s.write(ins.writes[0], (res + x).view(x.shape[0], it.n_lanes, -1).sum(1), ins.rows)
+
+
 _HANDLERS: dict[Opcode, Callable[[ProgramInterpreter, ProgramState, Instruction, tuple], None]] = {
     Opcode.EMBED: _embed, Opcode.RMS_NORM: _rms_norm, Opcode.LINEAR: _linear, Opcode.QK_NORM: _qk_norm,
     Opcode.ROPE: _rope, Opcode.KV_APPEND: _kv_append, Opcode.ATTN_DECODE: _attention,
     Opcode.SILU_MUL: _silu_mul, Opcode.SAMPLE: _sample, Opcode.ROUTER: _router, Opcode.MOE_EXPERTS: _moe_experts,
+    Opcode.LANE_SCALE: _lane_scale, Opcode.LANE_SUM: _lane_sum, Opcode.LANE_GATHER: _lane_gather,
+    Opcode.LANE_ADD_PAST: _lane_add_past, Opcode.LANE_MEAN: _lane_mean, Opcode.LANE_MERGE_SUM: _lane_merge_sum,
 }
+
+
+def lane_segments(config: ModelConfig, out: Buffer, width: int) -> list[int]:
+    """The output segments a lane LINEAR cuts into lanes (csrc/schedule/program.h lane_segments)."""
+    hd = config.head_dim
+    if out == Buffer.QKV:
+        return [config.num_attention_heads * hd] + [config.num_key_value_heads * hd] * 2
+    if out == Buffer.GATE_UP:
+        return [config.intermediate_size] * 2
+    return [width]
+
+
+def lane_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, lanes: int,
+                segments: list[int]) -> torch.Tensor:
+    """A lane projection: x [T, lanes k], w [n, k] rows lane-major within each segment ->
+    [T, n]; segment rows l n_s/lanes .. read x columns l k .. (l + 1) k. fp32 math, one rounding."""
+    T = x.shape[0]
+    xl = x.float().view(T, lanes, -1).transpose(0, 1)  # [lanes, T, k]
+    outs, row = [], 0
+    for n_s in segments:
+        ws = w[row:row + n_s].float().view(lanes, n_s // lanes, -1)  # [lanes, n_s / lanes, k]
+        outs.append(torch.bmm(xl, ws.transpose(1, 2)).transpose(0, 1).reshape(T, n_s))
+        row += n_s
+    out = torch.cat(outs, dim=1)
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
 
 
 # A quantized LINEAR by rows of x: one row runs the decode's int8 kernel (x in two int8 stages,

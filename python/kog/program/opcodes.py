@@ -21,6 +21,13 @@ class Opcode(IntEnum):
     SAMPLE = 8
     ROUTER = 9        # MoE: routing buffer (expert ids + weights) from the router GEMV
     MOE_EXPERTS = 10  # MoE: the routed experts' SwiGLU MLPs, weighted, summed
+    # Laneformer lanes (kog.lane_config): lane-wide buffers are [rows, lanes, hidden]
+    LANE_SCALE = 11      # in place: a_l * sqrt(lanes)
+    LANE_SUM = 12        # in place: every lane = the sum over lanes
+    LANE_GATHER = 13     # a lane-history slot = every lane of the input (an all-gather across lane ranks)
+    LANE_ADD_PAST = 14   # in place: a_l + sum over lanes of a history slot - its lane l
+    LANE_MEAN = 15       # MERGED = mean over the lanes
+    LANE_MERGE_SUM = 16  # MERGED = sum over the lanes of (residual + in)
 
 
 class Buffer(IntEnum):
@@ -34,3 +41,5 @@ class Buffer(IntEnum):
     ACT = 7
     LOGITS = 8
     ROUTE = 9  # [rows, 2 top_k] int32 words: top_k expert ids, then the f32 bits of their weights
+    MERGED = 10     # [rows, hidden]: the lanes merged before the LM head (Laneformer)
+    LANE_HIST = 11  # [rows, slots, lanes, hidden]: kept lane outputs; ops name a slot as "lanes.hist.<slot>"

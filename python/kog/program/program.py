@@ -14,7 +14,9 @@ from typing import Union
 
 from kog.program.opcodes import Buffer, Opcode
 
-# A resource is an activation buffer or a layer's KV cache ("kv.<layer>").
+# A resource is an activation buffer, a layer's KV cache ("kv.<layer>") or a slot of the lane
+# history ("lanes.hist.<slot>", a slice of Buffer.LANE_HIST: one resource per slot, so a delayed
+# reduction waits for the gather it reads, nothing later).
 Resource = Union[Buffer, str]
 
 
@@ -39,6 +41,19 @@ class Instruction:
     weights: tuple[str, ...]      # names of prepared weights (kog.models.weights: fused qkv_proj / gate_up_proj)
     deps: tuple[int, ...] = ()    # indices of earlier instructions that must complete first
     rows: Rows = Rows.ALL
+    lanes: int = 1                # LINEAR: 1, or the lanes of a lane projection (csrc/schedule/program.h Op::lanes)
+
+
+def hist_slot(slot: int) -> str:
+    """The resource of a lane-history slot."""
+    return f"lanes.hist.{slot}"
+
+
+def slot_of(resource: Resource) -> int | None:
+    """The lane-history slot a resource names, or None."""
+    if isinstance(resource, str) and resource.startswith("lanes.hist."):
+        return int(resource.rsplit(".", 1)[1])
+    return None
 
 
 class ProgramBuilder:
@@ -48,15 +63,15 @@ class ProgramBuilder:
         self._ops: list[tuple[Opcode, int, tuple, tuple, tuple, Rows]] = []
 
     def op(self, opcode: Opcode, layer: int, reads: tuple[Resource, ...], writes: tuple[Resource, ...],
-           weights: tuple[str, ...] = (), rows: Rows = Rows.ALL) -> None:
-        self._ops.append((opcode, layer, tuple(reads), tuple(writes), tuple(weights), rows))
+           weights: tuple[str, ...] = (), rows: Rows = Rows.ALL, lanes: int = 1) -> None:
+        self._ops.append((opcode, layer, tuple(reads), tuple(writes), tuple(weights), rows, lanes))
 
     def build(self) -> list[Instruction]:
         return with_dependencies(self._ops)
 
 
 def with_dependencies(raw: list[tuple]) -> list[Instruction]:
-    """Instructions of (opcode, layer, reads, writes, weights, rows) rows, each with its deps.
+    """Instructions of (opcode, layer, reads, writes, weights, rows[, lanes]) rows, each with its deps.
 
     NOTE: deps of an instruction are the last writer of everything it reads or writes (RAW,
     WAW) and every reader since that write of what it writes (WAR): enough for any executor
@@ -66,7 +81,7 @@ def with_dependencies(raw: list[tuple]) -> list[Instruction]:
     last_writer: dict[Resource, int] = {}
     readers_since_write: dict[Resource, list[int]] = {}
     out: list[Instruction] = []
-    for i, (op, layer, reads, writes, weights, rows) in enumerate(raw):
+    for i, (op, layer, reads, writes, weights, rows, *lanes) in enumerate(raw):
         deps: set[int] = set()
         for r in reads + writes:
             if r in last_writer:
@@ -79,5 +94,5 @@ def with_dependencies(raw: list[tuple]) -> list[Instruction]:
         for w in writes:
             last_writer[w] = i
             readers_since_write[w] = []
-        out.append(Instruction(op, layer, reads, writes, weights, tuple(sorted(deps)), rows))
+        out.append(Instruction(op, layer, reads, writes, weights, tuple(sorted(deps)), rows, *lanes))
     return out

@@ -66,7 +66,7 @@ def tiny_config(architecture: str = "llama", vocab_size: int | None = None, **ov
 
     MoE families get 4 experts of width 32, 2 per token, renormalized; every layer is MoE but
     layer 1 of qwen3_moe / qwen2_moe, which stays dense (mlp_only_layers); qwen2_moe's shared
-    expert is 48 wide.
+    expert is 48 wide. laneformer_tp gets 2 lanes with a broadcast delay of 1.
     """
     n_layers = overrides.get("num_hidden_layers", 2)
     moe: dict[str, Any] = {}
@@ -77,6 +77,10 @@ def tiny_config(architecture: str = "llama", vocab_size: int | None = None, **ov
         moe["intermediate_size"] = 32
     if architecture == "qwen2_moe":  # a shared expert 1.5 experts wide: two slots, the second half padding
         moe["shared_expert_intermediate_size"] = 48
+    if architecture == "laneformer_tp":  # 2 lanes, layer 1 reduced with layer 0's outputs (delay 1)
+        from kog.lane_config import LaneConfig
+
+        moe["lanes"] = LaneConfig(num_lanes=2, broadcast_delay=1)
     fields: dict[str, Any] = dict(
         architecture=architecture, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, intermediate_size=128,
