@@ -83,7 +83,8 @@ void paged_attention(bool decode, uintptr_t out, uintptr_t q, uintptr_t kv_cache
                      int64_t head_dim, int64_t block_size, int64_t num_blocks,
                      int64_t max_blocks_per_seq, int64_t block_tables_stride, int64_t q_stride,
                      int64_t out_stride, int64_t max_seq_len, int64_t max_q_len, float scale,
-                     int dtype, int64_t device, uintptr_t stream, uintptr_t partials, int kernel) {
+                     int dtype, int64_t device, uintptr_t stream, uintptr_t partials, int kernel,
+                     int64_t window) {
   const char* op = decode ? "paged_attention_decode" : "paged_attention_prefill";
   KOG_CHECK(n_seqs >= 0 && n_tokens >= 0 && n_kv_heads > 0 && n_q_heads % n_kv_heads == 0 &&
                 n_q_heads > 0 && block_size > 0 && num_blocks > 0 && max_blocks_per_seq >= 0,
@@ -100,7 +101,8 @@ void paged_attention(bool decode, uintptr_t out, uintptr_t q, uintptr_t kv_cache
       reinterpret_cast<const int32_t*>(seq_lens), reinterpret_cast<const int32_t*>(query_start_loc),
       n_seqs, n_tokens, n_q_heads, n_kv_heads, head_dim, block_size, num_blocks,
       max_blocks_per_seq, block_tables_stride, q_stride, out_stride, max_seq_len, max_q_len,
-      scale, float_dtype(dtype)};
+      scale, float_dtype(dtype), window};
+  KOG_CHECK(window >= 0, op, ": window must be >= 0 (0: no sliding window), got ", window);
   KOG_CHECK(kernel >= 0 && kernel <= 2, op, ": kernel must be 0 (auto), 1 (split) or 2 (flash), got ", kernel);
   if (n_seqs == 0) return;
   if (device >= 0) {
@@ -136,7 +138,7 @@ void bind_attention(py::module_& m) {
         arg("block_size"), arg("num_blocks"), arg("max_blocks_per_seq"),
         arg("block_tables_stride"), arg("q_stride"), arg("out_stride"), arg("max_seq_len"),
         arg("max_q_len"), arg("scale"), arg("dtype"), arg("device"), arg("stream"), arg("partials") = 0,
-        arg("kernel") = 0, nogil);
+        arg("kernel") = 0, arg("window") = 0, nogil);
   m.def(
       "paged_attention_partials_floats",
       [](int64_t n_tokens, int64_t n_q_heads, int64_t head_dim, int64_t max_seq_len, bool decode, int64_t max_q_len,

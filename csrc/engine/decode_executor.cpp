@@ -338,6 +338,7 @@ void DecodeExecutor::attention(const Op& op, const DecodeStep& s) {
   p.max_q_len = 1;
   p.scale = d_.attn_scale;
   p.dtype = d_.dtype;
+  p.window = op.window;
   cpu::kernels().paged_attention_decode(p);
 }
 

@@ -6,6 +6,8 @@
 // token i sits at absolute position seq_len - q_len + i and attends causally to the cached
 // positions <= that one. Cached token t lives in block block_tables[s][t / block_size] at
 // offset t % block_size. Query head h reads KV head h / (n_q_heads / n_kv_heads) (GQA).
+// With window > 0 (a sliding-window layer) a query at position t sees only the cached positions
+// in (t - window, t] (HF's sliding_window: key j visible iff t - window < j <= t).
 //   out = softmax(scale * q k^T) v, softmax and accumulation in fp32, one rounding to dtype.
 #pragma once
 #include <cstdint>
@@ -41,6 +43,8 @@ struct PagedAttentionParams {
                                    //   prefill kernel and sizes the flash kernel's grid
   float scale;                     // softmax scale, usually head_dim^-0.5
   DType dtype;                     // f32, f16 or bf16: q, out and kv_cache alike
+  int64_t window = 0;              // 0: causal over the whole context; else the last `window` positions
+                                   //   up to the query's own (CPU kernels; the GPU launchers refuse it)
 };
 
 // Kernels split a sequence's context into partitions of this many tokens (rounded to whole

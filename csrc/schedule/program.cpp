@@ -120,6 +120,8 @@ void check_op(const Op& o, size_t i, const ModelDims& d) {
   check_weight_type(o, i, d);
   check_moe(o, i, d);
   check_lanes(o, i, d);
+  KOG_CHECK(o.window == 0 || (op == Opcode::kAttnDecode && o.window > 0), "program: op ", i, " has window ",
+            o.window, " (a positive window on ATTN_DECODE only)");
   KOG_CHECK(o.n_deps >= 0 && o.n_deps <= kMaxDeps, "program: op ", i, " has ", o.n_deps, " deps (at most ",
             kMaxDeps, ")");
   for (int k = 0; k < o.n_deps; ++k) {

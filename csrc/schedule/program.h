@@ -97,6 +97,8 @@ struct Op {
   int32_t lanes = 1;
   // LANE_GATHER: the LANE_HIST slot written; LANE_ADD_PAST: the slot read. -1 otherwise.
   int32_t slot = -1;
+  // ATTN_DECODE: 0, or a sliding window (PagedAttentionParams::window). 0 on every other op.
+  int32_t window = 0;
 };
 
 // Elements per batch row of buffer b (TOKENS: one int32 id; LOGITS: vocab in the run dtype).

@@ -478,8 +478,11 @@ def kv_append(
 def paged_attention_decode(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     scale: float | None = None, out: torch.Tensor | None = None, validate_indices: bool = True,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its cached context (FlashDecoding on CPU).
+
+    window > 0 (CPU only): a sliding-window layer; the token sees its last `window` positions.
 
     Args:
         q: [n_seqs, n_q_heads, head_dim], heads contiguous; n_q_heads a multiple of n_kv_heads,
@@ -496,15 +499,18 @@ def paged_attention_decode(
     Returns:
         out: [n_seqs, n_q_heads, head_dim].
     """
-    return _paged_attention(q, kv_cache, block_tables, seq_lens, None, scale, out, validate_indices)
+    return _paged_attention(q, kv_cache, block_tables, seq_lens, None, scale, out, validate_indices, window=window)
 
 
 def paged_attention_prefill(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor, scale: float | None = None, out: torch.Tensor | None = None,
-    validate_indices: bool = True, kernel: str = "auto",
+    validate_indices: bool = True, kernel: str = "auto", window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of a batch of query chunks over their cached context.
+
+    window > 0 (CPU only): a sliding-window layer; a row at position t sees positions in
+    (t - window, t] (HF's sliding_window).
 
     Serves prompt prefill, chunked prefill and multi-token (speculative) verification. Sequence
     s owns q rows [query_start_loc[s], query_start_loc[s+1]) (q_len of them); its row i sits at
@@ -528,15 +534,17 @@ def paged_attention_prefill(
     if kernel not in _PREFILL_KERNEL:
         raise InvalidRequest(f"kernel must be one of {sorted(_PREFILL_KERNEL)}, got {kernel!r}")
     return _paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, validate_indices,
-                            _PREFILL_KERNEL[kernel])
+                            _PREFILL_KERNEL[kernel], window)
 
 
 # GpuPrefillKernel (csrc/ops/attention.h).
 _PREFILL_KERNEL = {"auto": 0, "split": 1, "flash": 2}
 
 
-def _paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, validate, kernel=0):
+def _paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, validate, kernel=0, window=0):
     decode = query_start_loc is None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise InvalidRequest(f"window must be an int >= 0 (0: no sliding window), got {window!r}")
     num_blocks, n_kv_heads, block_size, head_dim = _kv_cache_shape(kv_cache)
     code = DTYPE_CODE[kv_cache.dtype]
     _same("q", q, kv_cache, "kv_cache")
@@ -590,7 +598,7 @@ def _paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale
         n_q_heads, n_kv_heads, head_dim, block_size, num_blocks, max_blocks,
         block_tables.stride(0) if n_seqs > 1 else max_blocks, _token_stride(q), _token_stride(out),
         max_seq_len, max_q_len, float(scale), code, device, stream,
-        partials.data_ptr() if partials is not None else 0, kernel,
+        partials.data_ptr() if partials is not None else 0, kernel, window,
     )
     return out
 

@@ -104,6 +104,36 @@ def test_prefill_matches_reference(cpu_isa, gen, dtype, hq, hk, d, bs):
     torch.testing.assert_close(out, ref.paged_attention(q, cache, table, lens, qsl), **TOL[dtype])
 
 
+@pytest.mark.parametrize("window", [1, 7, 16, 100, 600])
+@pytest.mark.parametrize("hq, hk, d, bs", [(8, 2, 64, 16), (3, 1, 64, 5)])
+def test_sliding_window_decode_and_prefill_match_the_reference(cpu_isa, gen, window, hq, hk, d, bs):
+    # Windows shorter than a block, unaligned, across partitions (600 > a 512-token partition)
+    # and longer than some sequences (then: plain causal); decode and prefill (tiles and the
+    # split path for short chunks over long contexts).
+    dtype = torch.float32
+    seq_lens = [1, bs + 1, 37, 1024, 2500]
+    cache, table, lens = make_cache(gen, seq_lens, hk, d, bs, dtype)
+    q = randn(gen, len(seq_lens), hq, d, dtype=dtype)
+    out = ops.paged_attention_decode(q, cache, table, lens, window=window)
+    torch.testing.assert_close(out, ref.paged_attention(q, cache, table, lens, window=window), **TOL[dtype])
+    batch = prefill_batch(bs)
+    cache, table, lens = make_cache(gen, [n for _, n in batch], hk, d, bs, dtype)
+    qsl = torch.tensor([0] + [n for n, _ in batch], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = randn(gen, int(qsl[-1]), hq, d, dtype=dtype)
+    out = ops.paged_attention_prefill(q, cache, table, lens, qsl, window=window)
+    torch.testing.assert_close(out, ref.paged_attention(q, cache, table, lens, qsl, window=window), **TOL[dtype])
+    if window < 100:  # the window really changes the result
+        assert not torch.allclose(out, ref.paged_attention(q, cache, table, lens, qsl), **TOL[dtype])
+
+
+def test_sliding_window_must_be_a_non_negative_int(gen):
+    cache, table, lens = make_cache(gen, [20], 2, 64, 16, torch.float32)
+    q = randn(gen, 1, 4, 64, dtype=torch.float32)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(kog.InvalidRequest, match="window"):
+            ops.paged_attention_decode(q, cache, table, lens, window=bad)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_equals_prefill_with_one_query(cpu_isa, gen, dtype):
     cache, table, lens = make_cache(gen, [1, 16, 33, 700, 2049], 2, 64, 16, dtype)

@@ -27,7 +27,8 @@ def lane_model_config(n_layers: int = 4, **lanes) -> kog.config.ModelConfig:
     """hidden 128, 8 query heads over 4 KV heads (head_dim 16), ffn 256: up to 4 lanes."""
     return tiny_config("laneformer_tp", vocab_size=VOCAB, hidden_size=128, num_attention_heads=8,
                        num_key_value_heads=4, head_dim=16, intermediate_size=256, num_hidden_layers=n_layers,
-                       tie_word_embeddings=lanes.pop("tie", False), lanes=LaneConfig(**lanes))
+                       tie_word_embeddings=lanes.pop("tie", False), sliding_window=lanes.pop("sliding_window", None),
+                       lanes=LaneConfig(**lanes))
 
 
 def reference_logits(config, w: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
@@ -68,6 +69,16 @@ def reference_logits(config, w: dict[str, torch.Tensor], ids: list[int]) -> torc
         return a + (p.sum(1, keepdim=True) - p)
 
     causal = torch.full((T, T), float("-inf")).triu(1)
+    # the reference's mask choice: unclamped layers full; the first sliding_window_n_layers (or,
+    # negative, the last) windowed: key j visible from query t iff t - window < j <= t
+    windowed = causal.masked_fill(torch.arange(T)[None, :] <= torch.arange(T)[:, None] - (config.sliding_window or 0),
+                                  float("-inf"))
+
+    def mask(i):
+        sw = c.sliding_window_n_layers
+        if config.sliding_window is None or i in c.unclamped_layers or not (i < sw or i >= n + sw):
+            return causal
+        return windowed
     x = w["model.tok_embeddings.weight"][ids][:, None, :].expand(T, L, h)
     past_attn, past_mlp = [], []
     for i in range(n):
@@ -77,7 +88,7 @@ def reference_logits(config, w: dict[str, torch.Tensor], ids: list[int]) -> torc
         k = rope(lane_proj(hn, w[p + "attention.wk.weight"]).reshape(T, KV, d))
         v = lane_proj(hn, w[p + "attention.wv.weight"]).reshape(T, KV, d)
         k, v = (t.repeat_interleave(H // KV, dim=1) for t in (k, v))
-        scores = torch.einsum("thd,shd->hts", q, k) * d ** -0.5 + causal
+        scores = torch.einsum("thd,shd->hts", q, k) * d ** -0.5 + mask(i)
         o = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(T, L, H * d // L)
         a = lane_proj(o, w[p + "attention.wo.weight"])
         past_attn.append(a)
@@ -109,6 +120,9 @@ VARIANTS = {
     "vocab_parallel": dict(num_lanes=4, broadcast_delay=1, lm_head_type="vocab_parallel"),
     "delay0_tied": dict(num_lanes=2, broadcast_delay=0, tie=True),
     "one_lane": dict(num_lanes=1, broadcast_delay=1),
+    "window_first_layers": dict(num_lanes=2, broadcast_delay=1, sliding_window=8, sliding_window_n_layers=2),
+    "window_last_layers_one_unclamped": dict(num_lanes=2, broadcast_delay=1, sliding_window=5,
+                                             sliding_window_n_layers=-2, unclamped_layers=(3,)),
 }
 
 
@@ -116,6 +130,15 @@ def runner(config, weights, dtype=torch.float32, blocks=64):
     m = LoadedModel(path=None, config=config, weights={k: v.to(dtype) for k, v in weights.items()}, dtype=dtype,
                     tokenizer=None, chat_template=None, stop_token_ids=())
     return ModelRunner(m, num_kv_blocks=blocks, block_size=16)
+
+
+def test_windowed_layers_follow_the_reference_mask_choice():
+    from kog.program import Opcode, program_for
+
+    config = lane_model_config(**VARIANTS["window_last_layers_one_unclamped"])
+    windows = [ins.window for ins in program_for(config) if ins.opcode == Opcode.ATTN_DECODE]
+    assert windows == [0, 0, 5, 0]
+    assert runner(config, random_weights(config)).max_model_len == config.max_position_embeddings  # no cap
 
 
 def test_reduce_modes_follow_the_reference_layer_choice():

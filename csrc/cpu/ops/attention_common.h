@@ -22,6 +22,7 @@ constexpr int kMaxRowBlock = 4;
 
 static inline float max_f(float a, float b) { return a > b ? a : b; }
 static inline int64_t min_i(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t max_i(int64_t a, int64_t b) { return a > b ? a : b; }
 
 // Heap scratch freed on scope exit (std::unique_ptr would be a template shared across ISAs).
 template <typename T>
@@ -41,6 +42,7 @@ struct Rows {
   float* m = nullptr;        // [n] running max of the scores
   float* l = nullptr;        // [n] running sum of exp(score - m)
   int64_t* limit = nullptr;  // [n] last key position each row attends to
+  int64_t window = 0;        // > 0: row i attends only to positions > limit[i] - window
   float* s = nullptr;        // [n, kKeyChunk] scores, then probabilities, of one key chunk
   float* kbuf = nullptr;     // [kKeyChunk, head_dim] K chunk as fp32 (non-f32 caches)
   float* vbuf = nullptr;     // [kKeyChunk, head_dim] V chunk as fp32
@@ -319,11 +321,14 @@ static inline vfloat fast_exp_v(vfloat x) {
 static inline float softmax_step(Rows& r, int64_t i, int64_t t0, int64_t n) {
   float* s = r.s + i * kKeyChunk;
   const int64_t visible = min_i(n, r.limit[i] - t0 + 1);  // keys j < visible are unmasked
+  // ... and keys j >= first, with a sliding window
+  const int64_t first = r.window > 0 ? max_i(0, r.limit[i] - r.window + 1 - t0) : 0;
   const int64_t padded = (n + kVec - 1) / kVec * kVec;     // <= kKeyChunk
-  if (visible <= 0) {
+  if (visible <= first) {
     for (int64_t j = 0; j < n; ++j) s[j] = 0.f;
     return 1.f;
   }
+  for (int64_t j = 0; j < first; ++j) s[j] = -__builtin_inff();
   for (int64_t j = visible; j < padded; ++j) s[j] = -__builtin_inff();
   vfloat vmax = load_v(s);
   for (int64_t j = kVec; j < padded; j += kVec) {
@@ -353,6 +358,7 @@ static inline void attend_chunk(Rows& r, const S* k, const S* v, int64_t t0, int
     const int64_t rb = min_i(kMaxRowBlock, r.n - i0);
     // NOTE: limits never decrease along the rows (token-major rows), so the last is the max.
     if (r.limit[i0 + rb - 1] < t0) continue;  // none of these rows sees a key
+    if (r.window > 0 && r.limit[i0] - r.window + 1 >= t0 + n) continue;  // all before the rows' windows
     float* s = r.s + i0 * kKeyChunk;
     score_any(r.q + i0 * D, k, n, D, s, rb, i0 == 0 ? pf_k : none);
     for (int64_t i = 0; i < rb; ++i) alpha[i] = softmax_step(r, i0 + i, t0, n);

@@ -137,6 +137,7 @@ void split_context(const PagedAttentionParams& p, const int64_t* seqs, int64_t n
   if (nthreads == 1) {
     Rows r;
     bind_rows(r, scratch.p, max_rows, D, limits.p);
+    r.window = p.window;
     for (int64_t w = 0; w < n_items * Hkv; ++w) attend_item(w, r);
     for (int64_t w = 0; w < n_sel * Hq; ++w) merge_head(w, r.acc);  // row 0 is free now
     return;
@@ -146,6 +147,7 @@ void split_context(const PagedAttentionParams& p, const int64_t* seqs, int64_t n
   pool.run(nthreads, [&](int tid, int) {
     Rows r;
     bind_rows(r, scratch.p + tid * per_thread, max_rows, D, limits.p + tid * max_rows);
+    r.window = p.window;
     for (int64_t w; (w = next_item.fetch_add(1, std::memory_order_relaxed)) < n_items * Hkv;) attend_item(w, r);
     pool.barrier();
     for (int64_t w; (w = next_head.fetch_add(1, std::memory_order_relaxed)) < n_sel * Hq;)

@@ -52,6 +52,7 @@ void prefill(const PagedAttentionParams& p, const int64_t* seqs, int64_t n_sel) 
   pool.run(nthreads, [&](int tid, int) {
     Rows r;
     bind_rows(r, scratch.p + tid * per_thread, max_rows, D, limits.p + tid * max_rows);
+    r.window = p.window;
     for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < n_items * Hkv;) {
       // Last tiles first: they see the most keys, so the tail of the loop is the cheap work.
       const int64_t rev = n_items * Hkv - 1 - w;
@@ -66,7 +67,9 @@ void prefill(const PagedAttentionParams& p, const int64_t* seqs, int64_t n_sel) 
           load_row(r, i * G + g, q_base + (q_start + q0 + i) * p.q_stride + (kvh * G + g) * D, p.scale, D);
           r.limit[i * G + g] = pos0 + i;
         }
-      attend<T>(p, p.block_tables + s * p.block_tables_stride, kvh, 0, pos0 + nq, r);
+      // With a window no row sees a key before pos0 - window + 1 (the first row's first).
+      const int64_t k_begin = p.window > 0 ? max_i(0, pos0 - p.window + 1) : 0;
+      attend<T>(p, p.block_tables + s * p.block_tables_stride, kvh, k_begin, pos0 + nq, r);
       for (int64_t i = 0; i < nq; ++i)
         for (int64_t g = 0; g < G; ++g)
           store_row(r, i * G + g, out_base + (q_start + q0 + i) * p.out_stride + (kvh * G + g) * D, D);

@@ -65,6 +65,8 @@ __global__ void __launch_bounds__(kThreads) attention_combine_kernel(PagedAttent
 
 void paged_attention(const PagedAttentionParams& p, float* partials, void* stream, GpuPrefillKernel kernel) {
   KOG_CHECK(p.head_dim <= decode::kMaxHeadDim, "paged_attention: head_dim ", p.head_dim, " > ", decode::kMaxHeadDim);
+  KOG_CHECK(p.window == 0, "paged_attention: the GPU kernels have no sliding window yet (window ", p.window,
+            "); run sliding-window layers on the CPU");
   if (p.n_tokens == 0) return;
   if (gpu_prefill_uses_flash(p.query_start_loc == nullptr, p.max_q_len, kernel)) return prefill_attention(p, stream);
   // The split kernel reads q, K and V in 16-byte vectors (decode/attention_item.cuh).

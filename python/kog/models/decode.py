@@ -83,7 +83,7 @@ def lower(ins: Instruction, weights: dict[str, torch.Tensor]) -> _C.Op:
     w_type = w0.qtype if isinstance(w0, QuantizedWeight) else _C.WEIGHT_RUN_DTYPE
     return _C.Op(int(ins.opcode), ins.layer, int(bufs_in[0]) if bufs_in else -1, residual,
                  int(bufs_out[0]) if bufs_out else -1, ptrs[0], ptrs[1], sorted(ins.deps),
-                 w_type=w_type, lanes=ins.lanes, slot=slots[0] if slots else -1)
+                 w_type=w_type, lanes=ins.lanes, slot=slots[0] if slots else -1, window=ins.window)
 
 
 def lower_program(program: list[Instruction], weights: dict[str, torch.Tensor]) -> list[_C.Op]:

@@ -58,8 +58,10 @@ class ModelRunner:
         self.dtype = model.dtype
         self.block_size = block_size
         self.vocab_size = c.vocab_size
-        # A sliding window is not implemented: cap sequences at it so results stay exact.
-        self.max_model_len = min(c.max_position_embeddings, c.sliding_window or c.max_position_embeddings)
+        # Laneformer's sliding-window layers attend through their window (the program's ATTN_DECODE
+        # window); the other families' program has no window yet: cap sequences at it so results stay exact.
+        window = None if c.lanes is not None else c.sliding_window
+        self.max_model_len = min(c.max_position_embeddings, window or c.max_position_embeddings)
         try:
             self.device = torch.device(device)
         except RuntimeError:

@@ -48,11 +48,13 @@ def embed(p: ProgramBuilder) -> None:
     p.op(Opcode.EMBED, -1, (B.TOKENS,), (B.RESIDUAL,), ("model.embed_tokens.weight",))
 
 
-def attention_block(p: ProgramBuilder, layer: int, qkv_bias: bool, qk_norm: bool, lanes: int = 1) -> None:
+def attention_block(p: ProgramBuilder, layer: int, qkv_bias: bool, qk_norm: bool, lanes: int = 1,
+                    window: int = 0) -> None:
     """Pre-norm GQA attention over the paged cache; its output (o_proj) lands in HIDDEN.
 
     With lanes > 1 (Laneformer) the projections are lane projections: lane l's q/k/v heads come
-    from lane l's normed stream, and o_proj maps lane l's heads to lane l of HIDDEN."""
+    from lane l's normed stream, and o_proj maps lane l's heads to lane l of HIDDEN. window > 0:
+    a sliding-window layer (each token sees its last `window` positions)."""
     w = f"model.layers.{layer}."
     kv = f"kv.{layer}"
     if layer == 0:
@@ -66,7 +68,7 @@ def attention_block(p: ProgramBuilder, layer: int, qkv_bias: bool, qk_norm: bool
     p.op(Opcode.ROPE, layer, (B.QKV,), (B.QKV,))
     p.op(Opcode.KV_APPEND, layer, (B.QKV,), (kv,))
     # Each token attends to its sequence's cache up to its own position (decode: the newest token).
-    p.op(Opcode.ATTN_DECODE, layer, (B.QKV, kv), (B.ATTN,))
+    p.op(Opcode.ATTN_DECODE, layer, (B.QKV, kv), (B.ATTN,), window=window)
     p.op(Opcode.LINEAR, layer, (B.ATTN,), (B.HIDDEN,), (w + "self_attn.o_proj.weight",), lanes=lanes)
 
 

@@ -177,7 +177,7 @@ def _attention(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tup
     q, _, _ = it.q_k_v(s)
     b = s.batch
     out = ops.paged_attention_prefill(q, it.kv[ins.layer], b.block_tables, b.seq_lens, b.query_start_loc,
-                                      validate_indices=s.first_run_of(ins.opcode))  # [T, n_q, hd]
+                                      validate_indices=s.first_run_of(ins.opcode), window=ins.window)  # [T, n_q, hd]
     s.write(ins.writes[0], out.view(q.shape[0], -1), ins.rows)
 
 

@@ -28,7 +28,8 @@ def laneformer_program(config: ModelConfig) -> list[Instruction]:
     p = ProgramBuilder()
     embed(p)  # every lane starts from the embedding
     for layer in range(n):
-        attention_block(p, layer, qkv_bias=False, qk_norm=False, lanes=lanes.num_lanes)
+        window = config.sliding_window if config.sliding_window and lanes.windowed(layer, n) else 0
+        attention_block(p, layer, qkv_bias=False, qk_norm=False, lanes=lanes.num_lanes, window=window)
         reduce_lanes(p, lanes, layer, ATTENTION, n)
         mlp_block(p, layer, lanes=lanes.num_lanes)
         reduce_lanes(p, lanes, layer, MLP, n)

@@ -42,6 +42,7 @@ class Instruction:
     deps: tuple[int, ...] = ()    # indices of earlier instructions that must complete first
     rows: Rows = Rows.ALL
     lanes: int = 1                # LINEAR: 1, or the lanes of a lane projection (csrc/schedule/program.h Op::lanes)
+    window: int = 0               # ATTN_DECODE: 0, or a sliding window (the last `window` positions)
 
 
 def hist_slot(slot: int) -> str:
@@ -63,15 +64,15 @@ class ProgramBuilder:
         self._ops: list[tuple[Opcode, int, tuple, tuple, tuple, Rows]] = []
 
     def op(self, opcode: Opcode, layer: int, reads: tuple[Resource, ...], writes: tuple[Resource, ...],
-           weights: tuple[str, ...] = (), rows: Rows = Rows.ALL, lanes: int = 1) -> None:
-        self._ops.append((opcode, layer, tuple(reads), tuple(writes), tuple(weights), rows, lanes))
+           weights: tuple[str, ...] = (), rows: Rows = Rows.ALL, lanes: int = 1, window: int = 0) -> None:
+        self._ops.append((opcode, layer, tuple(reads), tuple(writes), tuple(weights), rows, lanes, window))
 
     def build(self) -> list[Instruction]:
         return with_dependencies(self._ops)
 
 
 def with_dependencies(raw: list[tuple]) -> list[Instruction]:
-    """Instructions of (opcode, layer, reads, writes, weights, rows[, lanes]) rows, each with its deps.
+    """Instructions of (opcode, layer, reads, writes, weights, rows[, lanes, window]) rows, each with its deps.
 
     NOTE: deps of an instruction are the last writer of everything it reads or writes (RAW,
     WAW) and every reader since that write of what it writes (WAR): enough for any executor
@@ -81,7 +82,7 @@ def with_dependencies(raw: list[tuple]) -> list[Instruction]:
     last_writer: dict[Resource, int] = {}
     readers_since_write: dict[Resource, list[int]] = {}
     out: list[Instruction] = []
-    for i, (op, layer, reads, writes, weights, rows, *lanes) in enumerate(raw):
+    for i, (op, layer, reads, writes, weights, rows, *extra) in enumerate(raw):
         deps: set[int] = set()
         for r in reads + writes:
             if r in last_writer:
@@ -94,5 +95,5 @@ def with_dependencies(raw: list[tuple]) -> list[Instruction]:
         for w in writes:
             last_writer[w] = i
             readers_since_write[w] = []
-        out.append(Instruction(op, layer, reads, writes, weights, tuple(sorted(deps)), rows, *lanes))
+        out.append(Instruction(op, layer, reads, writes, weights, tuple(sorted(deps)), rows, *extra))
     return out

@@ -121,11 +121,13 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor | None = None,
     scale: float | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query rows over its gathered cache, in fp32.
 
     q: [T, Hq, D]; query_start_loc [S + 1] (None = one query per sequence, decode); a query
-    row i of a chunk of q_len rows sits at position seq_len - q_len + i.
+    row i of a chunk of q_len rows sits at position seq_len - q_len + i. window > 0: a row at
+    position t sees only positions j with t - window < j (a sliding window).
     """
     n_seqs = block_tables.shape[0]
     if query_start_loc is None:
@@ -144,7 +146,9 @@ def paged_attention(
         v = v.float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[a:b].float(), k) * scale  # [Hq, q_len, L]
         pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > pos, float("-inf"))
+        keys = torch.arange(seq_len)[None, :]
+        hidden = (keys > pos) | ((keys <= pos - window) if window > 0 else False)
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[a:b] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
     return out.to(q.dtype)
 
