@@ -132,6 +132,8 @@ void bind_schedule(py::module_& m) {
   ops["LANE_ADD_PAST"] = int(Opcode::kLaneAddPast);
   ops["LANE_MEAN"] = int(Opcode::kLaneMean);
   ops["LANE_MERGE_SUM"] = int(Opcode::kLaneMergeSum);
+  ops["ALL_REDUCE"] = int(Opcode::kAllReduce);
+  ops["ALL_GATHER"] = int(Opcode::kAllGather);
   m.attr("SCHEDULE_OPCODES") = ops;
   m.attr("SCHEDULE_NUM_OPCODES") = int(Opcode::kNumOpcodes);
   py::dict bufs;

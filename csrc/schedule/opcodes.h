@@ -27,7 +27,11 @@ enum class Opcode : int32_t {
   kLaneAddPast = 14, // in place: a_l += sum over lanes of hist[slot] - hist[slot]_l (the delayed reduction)
   kLaneMean = 15,    // out [batch, hidden] = mean over the lanes of in (final norm, replicated head)
   kLaneMergeSum = 16,// out [batch, hidden] = sum over lanes of (residual + in) (pre-norm lane aggregation)
-  kNumOpcodes = 17,
+  // Collectives of a tensor-parallel rank's program (kog.parallel). No native executor runs them
+  // yet: validate_program refuses them.
+  kAllReduce = 17,   // in place: the sum of the buffer over the ranks
+  kAllGather = 18,   // the ranks' buffers side by side
+  kNumOpcodes = 19,
 };
 
 // Activation buffers of one decode step, each [batch, width] in the run dtype (widths:

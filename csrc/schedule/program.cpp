@@ -120,6 +120,9 @@ void check_op(const Op& o, size_t i, const ModelDims& d) {
   check_weight_type(o, i, d);
   check_moe(o, i, d);
   check_lanes(o, i, d);
+  KOG_CHECK(op != Opcode::kAllReduce && op != Opcode::kAllGather, "program: op ", i, " is a collective (",
+            op == Opcode::kAllReduce ? "ALL_REDUCE" : "ALL_GATHER", "); a tensor-parallel rank's program runs on ",
+            "the program interpreter with a transport, not on a native executor yet");
   KOG_CHECK(o.window == 0 || (op == Opcode::kAttnDecode && o.window > 0), "program: op ", i, " has window ",
             o.window, " (a positive window on ATTN_DECODE only)");
   KOG_CHECK(o.n_deps >= 0 && o.n_deps <= kMaxDeps, "program: op ", i, " has ", o.n_deps, " deps (at most ",

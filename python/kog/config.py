@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kog.errors import ModelLoadError
-from kog.lane_config import LaneConfig
+from kog.lane_config import LaneConfig, LaneShard
 
 # HF `model_type` -> (family, HF architecture class). Families differ only in switches below:
 # Qwen2 has a bias on q/k/v, Qwen3 an RMSNorm on each head of q and k; the rest is Llama.
@@ -77,7 +77,10 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0  # qwen2_moe: the shared expert's width (0: none)
     # Laneformer (laneformer_tp): the lane layout (kog.lane_config); None for every other family.
+    # With a shard, this config is one tensor-parallel rank's view (kog.parallel.shard): heads,
+    # intermediate and lanes are the rank's share, lanes.num_lanes its local lanes.
     lanes: LaneConfig | None = None
+    shard: LaneShard = LaneShard()
 
     @property
     def hf_architecture(self) -> str:

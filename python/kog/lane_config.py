@@ -27,6 +27,15 @@ LM_HEAD_TYPES = ("replicate", "lane", "vocab_parallel")
 
 
 @dataclasses.dataclass(frozen=True)
+class LaneShard:
+    """Rank `rank` of `size` tensor-parallel ranks: it holds lanes [rank L / size, (rank + 1) L / size)
+    of the model's L lanes (kog.parallel.shard). size 1: the whole model, no communication."""
+
+    rank: int = 0
+    size: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
 class LaneConfig:
     num_lanes: int
     broadcast_delay: int = 1

@@ -154,7 +154,9 @@ def test_every_opcode_is_exercised():
     from kog.program import program_for
     seen = {ins.opcode for arch in ("llama", "qwen2", "qwen3", "qwen3_moe", "laneformer_tp", "laneformer_tp/agg")
             for ins in program_for(config_of(arch))}
-    assert seen == set(Opcode)
+    # The collectives exist only in a tensor-parallel rank's program, which no native executor
+    # runs yet: tests/cpu/test_tensor_parallel.py compares those ranks with one process instead.
+    assert seen == set(Opcode) - {Opcode.ALL_REDUCE, Opcode.ALL_GATHER}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "laneformer_tp"])

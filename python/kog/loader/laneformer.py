@@ -43,8 +43,8 @@ def lane_expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes |= {"model.norm.weight": (h,)} if lanes.pre_norm_lane_agg else norm("model.norm")
     if lanes.lm_head_type == "lane":
         shapes["lm_head.linear.weight"] = (V, L * h)
-    elif lanes.lm_head_type == "vocab_parallel":
-        shapes["lm_head.weight"] = (L, V // L, h)
+    elif lanes.lm_head_type == "vocab_parallel":  # a rank's shard: its lanes' rows of V / (all lanes)
+        shapes["lm_head.weight"] = (L, V // (L * config.shard.size), h)
     elif not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (V, h)
     return shapes

@@ -28,6 +28,7 @@ from kog.hugepages import to_hugepages
 from kog.models.weights import prepare_weights, weight_bytes
 from kog.quantized import QuantizedWeight
 from kog.program import Buffer, TokenBatch, program_for
+from kog.parallel.transport import Transport
 from kog.program.interpreter import ProgramInterpreter
 
 
@@ -53,7 +54,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: LoadedModel, num_kv_blocks: int, block_size: int = 16,
-                 num_host_blocks: int = 0, device: str | torch.device = "cpu") -> None:
+                 num_host_blocks: int = 0, device: str | torch.device = "cpu", transport: Transport | None = None) -> None:
         c = self.config = model.config
         self.dtype = model.dtype
         self.block_size = block_size
@@ -84,8 +85,14 @@ class ModelRunner:
         # [head_dim / 2] f32 RoPE frequencies, on the device
         self.inv_freq = ops.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(self.device)
         self.program = program_for(c)
-        self._interpreter = ProgramInterpreter(c, self.program, self.weights, self.kv.kv, self.inv_freq)
-        if self.device.type == "cuda":
+        self._interpreter = ProgramInterpreter(c, self.program, self.weights, self.kv.kv, self.inv_freq, transport)
+        self._executor = None
+        if c.shard.size > 1:
+            # NOTE: a tensor-parallel rank decodes through the interpreter: the native executors
+            # have no transport for the program's collectives yet (issue 19).
+            if self.device.type != "cpu":
+                raise InvalidRequest("tensor-parallel ranks run on the CPU only for now")
+        elif self.device.type == "cuda":
             from kog.models.gpu_decode import GpuDecoder
 
             self._gpu = GpuDecoder(c, self.weights, self.kv.kv, block_size, self.inv_freq)
@@ -157,6 +164,13 @@ class ModelRunner:
             raise InvalidRequest(f"decode: sampled must be a contiguous int64 array of shape ({n},)")
         if self.device.type == "cuda":
             return self._decode_gpu(tokens, positions, tables, sampled)
+        if self._executor is None:  # a tensor-parallel rank: the program through the interpreter
+            batch = TokenBatch.decode(torch.from_numpy(tokens), torch.from_numpy(positions), torch.from_numpy(tables),
+                                      torch.from_numpy(slots))
+            logits = self._interpreter.run(batch).buffers[Buffer.LOGITS].float()
+            if sampled is not None:
+                sampled[:] = logits.argmax(-1).numpy()
+            return logits
         logits = torch.empty(n, self.vocab_size, dtype=torch.float32)
         self._executor.run(n, tokens.ctypes.data, positions.ctypes.data, tables.ctypes.data, tables.shape[1],
                            seq_lens.ctypes.data, slots.ctypes.data, logits.data_ptr(),

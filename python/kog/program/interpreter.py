@@ -21,6 +21,8 @@ import torch.nn.functional as F
 
 from kog import ops
 from kog.config import ModelConfig
+from kog.errors import InvalidRequest
+from kog.parallel.transport import Transport
 from kog.program.batch import TokenBatch
 from kog.program.families import ROPE_NEOX
 from kog.program.opcodes import Buffer, Opcode
@@ -74,10 +76,17 @@ class ProgramInterpreter:
     """
 
     def __init__(self, config: ModelConfig, program: Sequence[Instruction], weights: dict[str, torch.Tensor],
-                 kv: torch.Tensor, inv_freq: torch.Tensor) -> None:
+                 kv: torch.Tensor, inv_freq: torch.Tensor, transport: Transport | None = None) -> None:
         self.config, self.program, self.kv, self.inv_freq = config, list(program), kv, inv_freq
         self.rope_neox = ROPE_NEOX[config.architecture]
-        self.n_lanes = config.lanes.num_lanes if config.lanes else 1
+        self.n_lanes = config.lanes.num_lanes if config.lanes else 1  # this rank's lanes
+        # A tensor-parallel rank (config.shard.size > 1) reduces lanes over every rank's through
+        # the transport; its lanes are lanes rank n_lanes .. of all_lanes.
+        if config.shard.size > 1 and (transport is None or transport.size != config.shard.size
+                                      or transport.rank != config.shard.rank):
+            raise InvalidRequest(f"rank {config.shard.rank} of {config.shard.size} needs that rank's transport")
+        self.transport = transport if config.shard.size > 1 else None
+        self.all_lanes = self.n_lanes * config.shard.size
         hd = config.head_dim
         self._q_w, self._kv_w = config.num_attention_heads * hd, config.num_key_value_heads * hd
         self._ops = [(ins, _HANDLERS[ins.opcode], tuple(weights[n] for n in ins.weights)) for ins in self.program]
@@ -234,14 +243,21 @@ def _moe_experts(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: t
 
 
 def _lane_scale(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
-    s.write(ins.writes[0], s.read(ins.reads[0], ins.rows) * math.sqrt(it.n_lanes), ins.rows)
+    s.write(ins.writes[0], s.read(ins.reads[0], ins.rows) * math.sqrt(it.all_lanes), ins.rows)
+
+
+def _over_lanes(it: ProgramInterpreter, x: torch.Tensor) -> torch.Tensor:
+    """[T, lanes, hidden] -> [T, hidden]: the sum over every lane (every rank's, in lane order)."""
+    if it.transport is None:
+        return x.sum(1)
+    return it.transport.all_reduce(x.float().sum(1)).to(x.dtype)
 
 
 def _lane_sum(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
     a = s.read(ins.reads[0], ins.rows)
     T = a.shape[0]
-    s.write(ins.writes[0], a.view(T, it.n_lanes, -1).sum(1, keepdim=True).expand(-1, it.n_lanes, -1).reshape(T, -1),
-            ins.rows)
+    total = _over_lanes(it, a.view(T, it.n_lanes, -1))[:, None]
+    s.write(ins.writes[0], total.expand(-1, it.n_lanes, -1).reshape(T, -1), ins.rows)
 
 
 def _lane_hist(it: ProgramInterpreter, s: ProgramState, like: torch.Tensor) -> torch.Tensor:
@@ -249,12 +265,15 @@ def _lane_hist(it: ProgramInterpreter, s: ProgramState, like: torch.Tensor) -> t
     if Buffer.LANE_HIST not in s.buffers:
         lanes = it.config.lanes
         slots = 2 * lanes.hist_slots_per_kind if lanes else 0
-        s.write(Buffer.LANE_HIST, like.new_zeros(like.shape[0], slots * like.shape[1]), Rows.ALL)
+        width = it.all_lanes * it.config.hidden_size  # every rank's lanes
+        s.write(Buffer.LANE_HIST, like.new_zeros(like.shape[0], slots * width), Rows.ALL)
     return s.buffers[Buffer.LANE_HIST]
 
 
 def _lane_gather(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
     a = s.read(ins.reads[0], ins.rows)
+    if it.transport is not None:  # every rank's lanes, in lane order
+        a = it.transport.all_gather(a)
     slot, width = slot_of(ins.writes[0]), a.shape[1]
     _lane_hist(it, s, a)[:, slot * width:(slot + 1) * width] = a
 
@@ -262,20 +281,34 @@ def _lane_gather(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: t
 def _lane_add_past(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
     # The reference's rounding steps: round(sum of the past), round(that - past_l), round(a_l + that).
     a = s.read(ins.reads[0], ins.rows)
-    T, width, slot = a.shape[0], a.shape[1], slot_of(ins.reads[1])
-    past = _lane_hist(it, s, a)[:, slot * width:(slot + 1) * width].view(T, it.n_lanes, -1)
-    others = past.sum(1, keepdim=True) - past
+    T, width, slot = a.shape[0], it.all_lanes * it.config.hidden_size, slot_of(ins.reads[1])
+    past = _lane_hist(it, s, a)[:, slot * width:(slot + 1) * width].view(T, it.all_lanes, -1)
+    first = it.config.shard.rank * it.n_lanes  # this rank's lanes among all
+    others = past.sum(1, keepdim=True) - past[:, first:first + it.n_lanes]
     s.write(ins.writes[0], a + others.reshape(T, -1), ins.rows)
 
 
 def _lane_mean(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
     x = s.read(ins.reads[0], ins.rows)
-    s.write(ins.writes[0], x.view(x.shape[0], it.n_lanes, -1).mean(1), ins.rows)
+    if it.transport is None:
+        s.write(ins.writes[0], x.view(x.shape[0], it.n_lanes, -1).mean(1), ins.rows)
+        return
+    total = _over_lanes(it, x.float().view(x.shape[0], it.n_lanes, -1))
+    s.write(ins.writes[0], (total / it.all_lanes).to(x.dtype), ins.rows)
 
 
 def _lane_merge_sum(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
     x, res = (s.read(b, ins.rows) for b in ins.reads)
-    s.write(ins.writes[0], (res + x).view(x.shape[0], it.n_lanes, -1).sum(1), ins.rows)
+    s.write(ins.writes[0], _over_lanes(it, (res + x).view(x.shape[0], it.n_lanes, -1)), ins.rows)
+
+
+def _all_reduce(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
+    x = s.read(ins.reads[0], ins.rows)
+    s.write(ins.writes[0], it.transport.all_reduce(x.float()).to(x.dtype), ins.rows)
+
+
+def _all_gather(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
+    s.write(ins.writes[0], it.transport.all_gather(s.read(ins.reads[0], ins.rows)), ins.rows)
 
 
 _HANDLERS: dict[Opcode, Callable[[ProgramInterpreter, ProgramState, Instruction, tuple], None]] = {
@@ -284,6 +317,7 @@ _HANDLERS: dict[Opcode, Callable[[ProgramInterpreter, ProgramState, Instruction,
     Opcode.SILU_MUL: _silu_mul, Opcode.SAMPLE: _sample, Opcode.ROUTER: _router, Opcode.MOE_EXPERTS: _moe_experts,
     Opcode.LANE_SCALE: _lane_scale, Opcode.LANE_SUM: _lane_sum, Opcode.LANE_GATHER: _lane_gather,
     Opcode.LANE_ADD_PAST: _lane_add_past, Opcode.LANE_MEAN: _lane_mean, Opcode.LANE_MERGE_SUM: _lane_merge_sum,
+    Opcode.ALL_REDUCE: _all_reduce, Opcode.ALL_GATHER: _all_gather,
 }
 
 

@@ -33,7 +33,7 @@ def laneformer_program(config: ModelConfig) -> list[Instruction]:
         reduce_lanes(p, lanes, layer, ATTENTION, n)
         mlp_block(p, layer, lanes=lanes.num_lanes)
         reduce_lanes(p, lanes, layer, MLP, n)
-    lane_lm_head(p, lanes, tied=config.tie_word_embeddings)
+    lane_lm_head(p, lanes, tied=config.tie_word_embeddings, sharded=config.shard.size > 1)
     return p.build()
 
 
@@ -52,8 +52,12 @@ def reduce_lanes(p: ProgramBuilder, lanes: LaneConfig, layer: int, kind: int, n_
         p.op(Opcode.LANE_ADD_PAST, layer, (B.HIDDEN, past), (B.HIDDEN,))
 
 
-def lane_lm_head(p: ProgramBuilder, lanes: LaneConfig, tied: bool) -> None:
-    """Final norm, lane merge and LM head (config.lanes.lm_head_type), greedy sample; sampled rows."""
+def lane_lm_head(p: ProgramBuilder, lanes: LaneConfig, tied: bool, sharded: bool = False) -> None:
+    """Final norm, lane merge and LM head (config.lanes.lm_head_type), greedy sample; sampled rows.
+
+    On a tensor-parallel rank (sharded) the lane ops reduce over every rank's lanes, a "lane"
+    head's product over the rank's lanes is a partial sum (ALL_REDUCE) and a "vocab_parallel"
+    head's the rank's slice of the vocabulary (ALL_GATHER)."""
     head = "model.embed_tokens.weight" if tied else "lm_head.weight"
     s = Rows.SAMPLED
     if lanes.pre_norm_lane_agg:  # sum of the lanes' residual streams, then one norm
@@ -67,6 +71,10 @@ def lane_lm_head(p: ProgramBuilder, lanes: LaneConfig, tied: bool) -> None:
             p.op(Opcode.LINEAR, -1, (B.MERGED,), (B.LOGITS,), (head,), s)
         elif lanes.lm_head_type == "lane":  # [vocab, lanes hidden]: the lanes concatenated
             p.op(Opcode.LINEAR, -1, (B.NORMED,), (B.LOGITS,), (head,), s)
+            if sharded:
+                p.op(Opcode.ALL_REDUCE, -1, (B.LOGITS,), (B.LOGITS,), (), s)
         else:  # vocab_parallel: lane l's stream gives vocabulary rows l V/L .. (l + 1) V/L
             p.op(Opcode.LINEAR, -1, (B.NORMED,), (B.LOGITS,), (head,), s, lanes=lanes.num_lanes)
+            if sharded:
+                p.op(Opcode.ALL_GATHER, -1, (B.LOGITS,), (B.LOGITS,), (), s)
     p.op(Opcode.SAMPLE, -1, (B.LOGITS,), (B.TOKENS,), (), s)

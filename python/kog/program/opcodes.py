@@ -28,6 +28,9 @@ class Opcode(IntEnum):
     LANE_ADD_PAST = 14   # in place: a_l + sum over lanes of a history slot - its lane l
     LANE_MEAN = 15       # MERGED = mean over the lanes
     LANE_MERGE_SUM = 16  # MERGED = sum over the lanes of (residual + in)
+    # Collectives of a tensor-parallel rank's program (kog.parallel): only in a shard's program
+    ALL_REDUCE = 17      # in place: the sum of the buffer over the ranks
+    ALL_GATHER = 18      # the ranks' buffers side by side: rank r's columns r w .. (r + 1) w
 
 
 class Buffer(IntEnum):

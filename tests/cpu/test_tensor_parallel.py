@@ -1,0 +1,128 @@
+"""Tensor parallelism over lanes: a Laneformer split over N ranks computes what one process
+computes with every lane (prefill and decode), ranks as threads (ThreadGroup) and as processes
+(torch.distributed gloo over loopback); a rank that never arrives fails the others, never hangs.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kog.errors import ModelLoadError
+from kog.loader import LoadedModel
+from kog.models import ModelRunner, PrefillChunk
+from kog.parallel import ThreadGroup, shard_config, shard_weights
+from kog.parallel.transport import TransportError
+from kog.testing.tiny_models import random_weights
+
+from test_laneformer import VARIANTS, lane_model_config, reference_logits
+
+IDS = torch.randint(3, 400, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+SPLIT = 18  # prefill 18 tokens (every row's logits), decode the other 6 one by one
+
+
+def rank_runner(config, weights, rank, size, transport):
+    local = shard_config(config, rank, size)
+    model = LoadedModel(path=None, config=local, weights=shard_weights(local, weights), dtype=torch.float32,
+                        tokenizer=None, chat_template=None, stop_token_ids=())
+    return ModelRunner(model, num_kv_blocks=16, block_size=16, transport=transport)
+
+
+def run_sequence(r: ModelRunner) -> torch.Tensor:
+    """[len(IDS), vocab] logits: a prefill of SPLIT tokens, then one decode step per token."""
+    table = np.arange(4, dtype=np.int32)
+    rows = list(r.verify([PrefillChunk(IDS[:SPLIT], 0, table, np.arange(SPLIT, dtype=np.int64))])[0])
+    for p in range(SPLIT, len(IDS)):
+        rows.append(r.decode(np.array([IDS[p]]), np.array([p]), table[None], np.array([p + 1], np.int32),
+                             np.array([p], np.int64))[0])
+    return torch.stack(rows)
+
+
+def run_threads(config, weights, size):
+    group = ThreadGroup(size)
+    runners = [rank_runner(config, weights, r, size, group.transport(r)) for r in range(size)]
+    out, errors = [None] * size, []
+
+    def work(r):
+        try:
+            out[r] = run_sequence(runners[r])
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.mark.parametrize("variant, size", [
+    ("delay1", 2), ("delay2_4lanes_lane_scale_lane_head", 2), ("delay2_4lanes_lane_scale_lane_head", 4),
+    ("no_comm", 2), ("pre_norm_agg", 2), ("vocab_parallel", 4), ("vocab_parallel", 2),
+    ("window_last_layers_one_unclamped", 2), ("delay0_tied", 2),
+])
+def test_ranks_as_threads_compute_what_one_process_computes(variant, size):
+    config = lane_model_config(**VARIANTS[variant])
+    w = random_weights(config, seed=9)
+    one = run_sequence(rank_runner(config, w, 0, 1, None))
+    ranks = run_threads(config, w, size)
+    for r in range(1, size):  # every rank ends with the same logits
+        assert torch.equal(ranks[r], ranks[0])
+    scale = one.abs().max().item()
+    torch.testing.assert_close(ranks[0], one, rtol=0, atol=1e-5 * scale)  # only the sums' order differs
+    assert ranks[0].argmax(-1).tolist() == one.argmax(-1).tolist()
+    torch.testing.assert_close(one, reference_logits(config, w, IDS), rtol=0, atol=1e-4 * scale)
+
+
+def test_shard_config_divides_heads_units_and_lanes():
+    config = lane_model_config(**VARIANTS["delay2_4lanes_lane_scale_lane_head"])
+    local = shard_config(config, 1, 2)
+    assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) == (4, 2, 128)
+    assert local.lanes.num_lanes == 2 and (local.shard.rank, local.shard.size) == (1, 2)
+    with pytest.raises(ModelLoadError, match="tensor_parallel_size=3"):
+        shard_config(config, 0, 3)
+    with pytest.raises(ModelLoadError, match="already"):
+        shard_config(local, 0, 2)
+
+
+def test_a_rank_that_never_arrives_fails_the_other_with_a_transport_error():
+    config = lane_model_config(**VARIANTS["delay1"])
+    w = random_weights(config)
+    group = ThreadGroup(2, timeout_s=0.5)
+    r0 = rank_runner(config, w, 0, 2, group.transport(0))
+    with pytest.raises(TransportError, match="did not reach"):
+        run_sequence(r0)  # rank 1 never runs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ranks_as_processes_over_gloo_compute_what_one_process_computes(tmp_path):
+    variant, size, port = "delay2_4lanes_lane_scale_lane_head", 2, _free_port()
+    here = Path(__file__).parent
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(here), str(here.parents[1] / "python"),
+                                                       os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, str(here / "tp_rank_worker.py"), str(r), str(size), str(port), variant,
+                               str(tmp_path / f"rank{r}.pt")], env=env, stderr=subprocess.PIPE, text=True)
+             for r in range(size)]
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-2000:]
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(size)]
+    config = lane_model_config(**VARIANTS[variant])
+    one = run_sequence(rank_runner(config, random_weights(config, seed=9), 0, 1, None))
+    assert torch.equal(got[0], got[1])
+    torch.testing.assert_close(got[0], one, rtol=0, atol=1e-5 * one.abs().max().item())
+    assert got[0].argmax(-1).tolist() == one.argmax(-1).tolist()
