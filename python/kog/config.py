@@ -31,6 +31,10 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "laneformer_tp": "LaneformerTPForCausalLM",
 }
+# Families with lanes: Laneformer's own, and the tensor-parallel lane form of the dense families
+# (kog.parallel.shard.lane_form: each lane a shard of the heads and MLP units, summed after
+# every block).
+LANE_ARCHITECTURES = ("laneformer_tp", "llama", "mistral", "qwen2", "qwen3")
 # Families whose MLP is (in some layers) a routed mixture of experts.
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe")
 _FAMILY_OF_CLASS = {cls: family for family, cls in ARCHITECTURES.items()}
@@ -108,8 +112,15 @@ class ModelConfig:
         self.eos_token_ids = tuple(int(i) for i in self.eos_token_ids)
         self.moe_layers = tuple(int(i) for i in self.moe_layers)
         self._check_moe()
-        if (self.architecture == "laneformer_tp") != (self.lanes is not None):
-            raise ModelLoadError(f"lanes={self.lanes}: only laneformer_tp has (and needs) a lane layout")
+        if self.architecture == "laneformer_tp" and self.lanes is None:
+            raise ModelLoadError("laneformer_tp needs a lane layout (num_lanes, broadcast_delay, ...)")
+        if self.lanes is not None and self.architecture not in LANE_ARCHITECTURES:
+            raise ModelLoadError(f"lanes={self.lanes}: {self.architecture} has no lane form "
+                                 f"(lane models: {list(LANE_ARCHITECTURES)})")
+        if self.lanes is not None and self.architecture != "laneformer_tp" and (
+                self.lanes.broadcast_delay or not self.lanes.use_comm or not self.lanes.replicated_rmsn_scale):
+            raise ModelLoadError(f"lanes={self.lanes}: the lane form of a {self.architecture} model sums its lanes "
+                                 f"after every block (broadcast_delay 0, use_comm, replicated norms)")
         if self.lanes is not None:
             self.lanes.check(self.num_hidden_layers, self.num_attention_heads, self.num_key_value_heads,
                              self.intermediate_size, self.vocab_size, self.tie_word_embeddings)
@@ -248,7 +259,7 @@ class ModelConfig:
         if self.architecture == "mixtral":
             d |= {"num_local_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
                   "sliding_window": self.sliding_window}
-        if self.lanes is not None:  # LaneformerTPConfig's names: norm_eps, no head_dim (hidden / heads)
+        if self.architecture == "laneformer_tp":  # LaneformerTPConfig's names: norm_eps, no head_dim (hidden / heads)
             d |= {"norm_eps": d.pop("rms_norm_eps"), "sliding_window": self.sliding_window} | self.lanes.to_hf()
             del d["head_dim"]
         return d

@@ -17,9 +17,9 @@ import torch
 from kog.errors import ModelLoadError
 from kog.loader import LoadedModel
 from kog.models import ModelRunner, PrefillChunk
-from kog.parallel import ThreadGroup, shard_config, shard_weights
+from kog.parallel import ThreadGroup, lane_form, shard_config, shard_weights
 from kog.parallel.transport import TransportError
-from kog.testing.tiny_models import random_weights
+from kog.testing.tiny_models import random_weights, tiny_config
 
 from test_laneformer import VARIANTS, lane_model_config, reference_logits
 
@@ -126,3 +126,37 @@ def test_ranks_as_processes_over_gloo_compute_what_one_process_computes(tmp_path
     assert torch.equal(got[0], got[1])
     torch.testing.assert_close(got[0], one, rtol=0, atol=1e-5 * one.abs().max().item())
     assert got[0].argmax(-1).tolist() == one.argmax(-1).tolist()
+
+
+def dense_run(config, w, lanes=None, size=1):
+    """The token sequence's logits of a dense tiny model: plain, in lane form on one process
+    (lanes), or that lane form over `size` thread ranks (rank 0's logits)."""
+    if lanes is None:
+        model = LoadedModel(path=None, config=config, weights=w, dtype=torch.float32, tokenizer=None,
+                            chat_template=None, stop_token_ids=())
+        return run_sequence(ModelRunner(model, num_kv_blocks=16, block_size=16))
+    form = lane_form(config, lanes)
+    if size == 1:
+        return run_sequence(rank_runner(form, w, 0, 1, None))
+    return run_threads(form, w, size)[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_dense_families_in_lane_form_equal_the_plain_model_on_one_process_and_over_ranks(arch):
+    config = tiny_config(arch, num_hidden_layers=3)  # 4 query heads over 2 KV heads: 2 lanes
+    w = random_weights(config, seed=4)
+    plain = dense_run(config, w)
+    scale = plain.abs().max().item()
+    for lanes, size in ((2, 1), (2, 2)):
+        got = dense_run(config, w, lanes, size)
+        torch.testing.assert_close(got, plain, rtol=0, atol=1e-5 * scale, msg=f"{lanes} lanes on {size} ranks")
+        assert got.argmax(-1).tolist() == plain.argmax(-1).tolist()
+    form = lane_form(config, 2)
+    assert form.lanes.lm_head_type == ("replicate" if config.tie_word_embeddings else "vocab_parallel")
+
+
+def test_lane_form_refuses_what_it_cannot_split():
+    with pytest.raises(ModelLoadError, match="num_key_value_heads"):
+        lane_form(tiny_config("llama"), 4)  # 2 KV heads
+    with pytest.raises(ModelLoadError, match="no lane form"):
+        lane_form(tiny_config("qwen3_moe"), 2)

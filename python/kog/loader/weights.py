@@ -48,7 +48,7 @@ def run_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dty
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, by HF name, with its shape."""
-    if config.lanes is not None:
+    if config.architecture == "laneformer_tp":
         from kog.loader.laneformer import lane_expected_shapes
 
         return lane_expected_shapes(config)

@@ -38,7 +38,7 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
         QuantizedWeight stay so (fused by byte rows, see kog.quantized.cat_rows).
     """
 
-    if config.lanes is not None:  # Laneformer: its tensors under the Llama names, lane-major
+    if config.architecture == "laneformer_tp":  # its tensors under the Llama names, lane-major
         from kog.loader.laneformer import lane_weights_as_llama
 
         weights = lane_weights_as_llama(config, weights)
@@ -82,7 +82,18 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
             out[m + "down_proj.weight"] = _contiguous(get(m + "down_proj.weight"))
         for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             out[p + norm] = get(p + norm).contiguous()
+        if config.lanes is not None and config.architecture != "laneformer_tp":
+            # A dense model's lane form: o_proj and down_proj as lane-column matrices [L hidden, k / L]
+            # (lane l: the columns of its heads / units), what a lane LINEAR into HIDDEN reads.
+            for name in (a + "o_proj.weight", m + "down_proj.weight"):
+                out[name] = lane_columns(out[name], config.lanes.num_lanes)
     return out
+
+
+def lane_columns(w: torch.Tensor, lanes: int) -> torch.Tensor:
+    """[n, k] -> [lanes n, k / lanes]: block l is w[:, l k/lanes .. (l + 1) k/lanes]."""
+    n, k = w.shape
+    return w.view(n, lanes, k // lanes).transpose(0, 1).reshape(lanes * n, k // lanes).contiguous()
 
 
 def weight_bytes(weights: dict[str, Tensor]) -> int:

@@ -15,7 +15,25 @@ import torch
 
 from kog.config import ModelConfig
 from kog.errors import ModelLoadError
-from kog.lane_config import LaneShard
+from kog.lane_config import LaneConfig, LaneShard
+
+
+def lane_form(config: ModelConfig, lanes: int) -> ModelConfig:
+    """A dense model (llama, mistral, qwen2, qwen3) as `lanes` lanes: lane l computes heads
+    l H/lanes .. and MLP units l I/lanes .. from its own copy of the residual stream, and the
+    lanes' partial o_proj / down_proj sums are added after every block -- Megatron-style
+    tensor parallelism, written in the program's lane ops so that a rank runs its lanes. The
+    same function of the tokens as config (up to the order of the partial sums). The head is
+    vocabulary-parallel when lanes divide the vocabulary (and the head is not tied), else
+    replicated. A Laneformer is returned as is: its lanes are already the parallel axis.
+
+    Raises:
+        ModelLoadError: a family without a lane form, or lanes not dividing heads / units.
+    """
+    if config.architecture == "laneformer_tp":
+        return config
+    head = "vocab_parallel" if config.vocab_size % lanes == 0 and not config.tie_word_embeddings else "replicate"
+    return dataclasses.replace(config, lanes=LaneConfig(num_lanes=lanes, broadcast_delay=0, lm_head_type=head))
 
 
 def shard_config(config: ModelConfig, rank: int, size: int) -> ModelConfig:
@@ -45,6 +63,8 @@ def shard_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict
     rows; replicate: whole). Views, no copies."""
     lanes, shard = config.lanes, config.shard
     assert lanes is not None
+    if config.architecture != "laneformer_tp":
+        return _shard_dense(config, weights)
     L_local, h = lanes.num_lanes, config.hidden_size
     lo, hi = shard.rank * L_local, (shard.rank + 1) * L_local
     lane_tensors = {"model.norm.scale"} | ({"lm_head.weight"} if lanes.lm_head_type == "vocab_parallel" else set())
@@ -55,5 +75,28 @@ def shard_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict
         elif name in lane_tensors or (name.startswith("model.layers.") and w.dim() >= 2):  # [L, ...]
             out[name] = w[lo:hi]
         else:  # the embedding, replicated norm weights [h], a replicated head
+            out[name] = w
+    return out
+
+
+def _shard_dense(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A dense checkpoint (HF Llama names) cut to a lane-form shard: the rank's rows of q/k/v
+    (and biases) and gate/up, its columns of o_proj and down_proj, its vocabulary rows of a
+    vocabulary-parallel head; the rest whole."""
+    r, hd = config.shard.rank, config.head_dim
+    q, kv, units = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
+    vocab_rows = config.vocab_size // config.shard.size
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": units, "up_proj": units}  # per rank
+    cols = {"o_proj": q, "down_proj": units}
+    out = {}
+    for name, w in weights.items():
+        kind = name.split(".")[-2] if name.startswith("model.layers.") else None
+        if kind in rows:
+            out[name] = w[r * rows[kind]:(r + 1) * rows[kind]]
+        elif kind in cols:
+            out[name] = w[:, r * cols[kind]:(r + 1) * cols[kind]]
+        elif name == "lm_head.weight" and config.lanes.lm_head_type == "vocab_parallel":
+            out[name] = w[r * vocab_rows:(r + 1) * vocab_rows]
+        else:
             out[name] = w
     return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kog.lane_config import LaneConfig
 from kog.program.opcodes import Buffer as B
 from kog.program.opcodes import Opcode
 from kog.program.program import Instruction, ProgramBuilder, Rows
@@ -26,6 +27,8 @@ class DecoderSpec:
     qkv_bias: bool = False         # bias on the fused qkv projection (Qwen2)
     tie_word_embeddings: bool = False
     moe_layers: tuple[int, ...] = ()  # layers whose MLP is routed experts (moe_block)
+    lanes: LaneConfig | None = None  # the tensor-parallel lane form (kog.parallel.shard.lane_form)
+    sharded: bool = False            # a rank's share of the lanes (its head ends in a collective)
 
 
 def decoder_program(spec: DecoderSpec) -> list[Instruction]:
@@ -34,13 +37,23 @@ def decoder_program(spec: DecoderSpec) -> list[Instruction]:
         raise ValueError(f"n_layers must be >= 1, got {spec.n_layers}")
     p = ProgramBuilder()
     embed(p)
+    n_lanes = spec.lanes.num_lanes if spec.lanes else 1
     for layer in range(spec.n_layers):
-        attention_block(p, layer, qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm)
+        attention_block(p, layer, qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm, lanes=n_lanes)
+        if spec.lanes:  # the lanes' partial o_proj sums, added up (an all-reduce across ranks)
+            p.op(Opcode.LANE_SUM, layer, (B.HIDDEN,), (B.HIDDEN,))
         if layer in spec.moe_layers:
             moe_block(p, layer)
         else:
-            mlp_block(p, layer)
-    lm_head(p, tied=spec.tie_word_embeddings)
+            mlp_block(p, layer, lanes=n_lanes)
+        if spec.lanes:
+            p.op(Opcode.LANE_SUM, layer, (B.HIDDEN,), (B.HIDDEN,))
+    if spec.lanes:
+        from kog.program.lanes import lane_lm_head
+
+        lane_lm_head(p, spec.lanes, tied=spec.tie_word_embeddings, sharded=spec.sharded)
+    else:
+        lm_head(p, tied=spec.tie_word_embeddings)
     return p.build()
 
 

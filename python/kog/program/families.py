@@ -29,7 +29,7 @@ def llama(config: ModelConfig) -> list[Instruction]:
     """Llama: pre-norm GQA attention (RoPE) and a SwiGLU MLP; some checkpoints bias q/k/v."""
     _check_qk_norm(config, False)
     return decoder_program(DecoderSpec(config.num_hidden_layers, qkv_bias=config.attention_bias,
-                                       tie_word_embeddings=config.tie_word_embeddings))
+                                       tie_word_embeddings=config.tie_word_embeddings, **_lanes(config)))
 
 
 def mistral(config: ModelConfig) -> list[Instruction]:
@@ -37,7 +37,7 @@ def mistral(config: ModelConfig) -> list[Instruction]:
     sequences at the window, where full attention and windowed attention agree."""
     _check_qk_norm(config, False)
     return decoder_program(DecoderSpec(config.num_hidden_layers, qkv_bias=config.attention_bias,
-                                       tie_word_embeddings=config.tie_word_embeddings))
+                                       tie_word_embeddings=config.tie_word_embeddings, **_lanes(config)))
 
 
 def qwen2(config: ModelConfig) -> list[Instruction]:
@@ -45,14 +45,14 @@ def qwen2(config: ModelConfig) -> list[Instruction]:
     which defaults to true for qwen2)."""
     _check_qk_norm(config, False)
     return decoder_program(DecoderSpec(config.num_hidden_layers, qkv_bias=config.attention_bias,
-                                       tie_word_embeddings=config.tie_word_embeddings))
+                                       tie_word_embeddings=config.tie_word_embeddings, **_lanes(config)))
 
 
 def qwen3(config: ModelConfig) -> list[Instruction]:
     """Qwen3: Llama's layers with an RMSNorm on every head of q and k before RoPE."""
     _check_qk_norm(config, True)
     return decoder_program(DecoderSpec(config.num_hidden_layers, qk_norm=True, qkv_bias=config.attention_bias,
-                                       tie_word_embeddings=config.tie_word_embeddings))
+                                       tie_word_embeddings=config.tie_word_embeddings, **_lanes(config)))
 
 
 def qwen3_moe(config: ModelConfig) -> list[Instruction]:
@@ -114,6 +114,11 @@ def program_for(config: ModelConfig) -> list[Instruction]:
         raise UnknownModelFamily(f"no model program for model_type {config.architecture!r}; "
                                  f"Kog has programs for {sorted(FAMILIES)}")
     return family(config)
+
+
+def _lanes(config: ModelConfig) -> dict:
+    """DecoderSpec's lane fields: a dense family's tensor-parallel lane form, if config has one."""
+    return {} if config.lanes is None else dict(lanes=config.lanes, sharded=config.shard.size > 1)
 
 
 def _check_qk_norm(config: ModelConfig, family_has_it: bool) -> None:
