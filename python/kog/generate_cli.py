@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="run dtype; auto: bfloat16 for bf16 checkpoints, else float32 (half is float16)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU build of kog)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model over N ranks (processes on this host; CPU, float weights)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--system", default=None, help="a system message (chat mode; default: none)")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
@@ -52,7 +54,8 @@ def run(args: argparse.Namespace, llm=None, out: TextIO = sys.stdout, err: TextI
             model = args.model if args.model is not None else args.model_option
             llm = LLM(model, None if args.dtype == "auto" else args.dtype, max_num_seqs=1, device=args.device,
                       chat_template=args.chat_template,
-                      allow_special_tokens_in_content=args.allow_special_tokens_in_content)
+                      allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+                      tensor_parallel_size=args.tensor_parallel_size)
             print(f"[kog] loaded {llm.model.path.name} ({_weights_kind(llm)}) "
                   f"in {time.perf_counter() - t0:.1f}s", file=err)
         if args.raw or llm.chat_template is None:

@@ -66,6 +66,10 @@ class LLM:
         allow_special_tokens_in_content: tokenize control-token text in messages and tools
             (`<|im_end|>` in a tool result) as the control token. Off by default: untrusted text
             must not be able to end a turn or open a system one.
+        tensor_parallel_size: ranks to split the model over (kog.parallel): ranks 1 .. N-1 run as
+            processes on this host, each with its share of the heads, MLP units (or Laneformer
+            lanes) and KV heads; N must divide the KV heads (Laneformer: the lanes). CPU only,
+            float weights; decode runs through the program interpreter on every rank for now.
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, dtype: str | torch.dtype | None = None, *,
@@ -74,7 +78,7 @@ class LLM:
                  swap_space_gib: float = 0.0, enable_prefix_caching: bool = True,
                  device: str = "cpu", speculative_model: str | os.PathLike[str] | None = None,
                  gpu_memory_utilization: float | None = None, chat_template: str | None = None,
-                 allow_special_tokens_in_content: bool = False) -> None:
+                 allow_special_tokens_in_content: bool = False, tensor_parallel_size: int = 1) -> None:
         from kog.kvcache import KVLayout
         from kog.models.runner import ModelRunner
 
@@ -85,15 +89,28 @@ class LLM:
         if loaded.chat_template is not None:
             loaded.chat_template.allow_special_tokens_in_content = allow_special_tokens_in_content
         cfg = loaded.config
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise InvalidRequest(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
+        if tensor_parallel_size > 1 and device != "cpu":
+            raise InvalidRequest("tensor_parallel_size > 1 runs on the CPU only for now")
         context = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, loaded.dtype)
+        # a rank's KV holds its share of the KV heads
+        layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads // tensor_parallel_size, cfg.head_dim,
+                          block_size, loaded.dtype)
         num_blocks = _num_kv_blocks(layout.bytes_per_block, max_num_seqs * -(-context // block_size), kv_cache_gib,
                                     gpu_memory_utilization, device, loaded.weights)
         if swap_space_gib < 0:
             raise InvalidRequest(f"swap_space_gib must be >= 0, got {swap_space_gib}")
         num_host_blocks = int(swap_space_gib * 2**30) // layout.bytes_per_block
-        runner = ModelRunner(loaded, num_kv_blocks=num_blocks, block_size=block_size, num_host_blocks=num_host_blocks,
-                             device=device)
+        if tensor_parallel_size > 1:
+            from kog.parallel.ranks import RankSpec, start_ranks
+
+            dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else None
+            runner = start_ranks(RankSpec(None if model is None else str(model), dtype_name, tensor_parallel_size,
+                                          num_blocks, block_size, num_host_blocks), loaded)
+        else:
+            runner = ModelRunner(loaded, num_kv_blocks=num_blocks, block_size=block_size,
+                                 num_host_blocks=num_host_blocks, device=device)
         engine = LLMEngine(runner, loaded.tokenizer, loaded.stop_token_ids, context,
                            EngineConfig(max_num_seqs, max_num_batched_tokens, context, num_host_blocks,
                                         str(loaded.path), enable_prefix_caching))

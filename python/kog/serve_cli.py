@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "memory; on the CPU backend, the KV cache takes this fraction of the host memory available "
                          "once the weights are loaded (default: unset, --kv-cache-gib's default applies)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model over N ranks (processes on this host; CPU, float weights)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of cached prompt prefixes across requests")
     p.add_argument("--max-waiting", type=int, default=256,
@@ -127,7 +129,8 @@ def load_llm(args: argparse.Namespace):
                kv_cache_gib=args.kv_cache_gib, gpu_memory_utilization=args.gpu_memory_utilization,
                block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching, progress=False,
                speculative_model=args.speculative_model, device=args.device, chat_template=args.chat_template,
-               allow_special_tokens_in_content=args.allow_special_tokens_in_content)
+               allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+               tensor_parallel_size=args.tensor_parallel_size)
 
 
 def bind_port(host: str, port: int) -> socket.socket:

@@ -160,3 +160,55 @@ def test_lane_form_refuses_what_it_cannot_split():
         lane_form(tiny_config("llama"), 4)  # 2 KV heads
     with pytest.raises(ModelLoadError, match="no lane form"):
         lane_form(tiny_config("qwen3_moe"), 2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "laneformer_tp"])
+def test_kog_llm_with_two_ranks_generates_what_one_rank_generates(tmp_path, arch):
+    import kog
+    from kog.testing.tiny_models import write_hf_model
+
+    config = tiny_config(arch, num_hidden_layers=3) if arch == "llama" else lane_model_config(
+        **VARIANTS["delay2_4lanes_lane_scale_lane_head"])
+    folder = write_hf_model(tmp_path / arch, config, random_weights(config, seed=6))
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3, 250, 8, 41]}, {"prompt_token_ids": list(range(30, 52))}]
+    greedy = kog.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in kog.LLM(str(folder), dtype="float32").generate(prompts, greedy)]
+    llm = kog.LLM(str(folder), dtype="float32", tensor_parallel_size=2)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        assert got == want
+        worker = llm.engine.runner._procs[0]
+        assert worker.poll() is None  # the second rank is alive between requests
+    finally:
+        llm.engine.runner.close()
+    assert worker.wait(timeout=30) == 0  # and exits cleanly when rank 0 closes
+
+
+def test_tensor_parallel_size_must_divide_and_be_positive(tmp_path):
+    import kog
+    from kog.testing.tiny_models import write_hf_model
+
+    folder = write_hf_model(tmp_path / "m", tiny_config("llama"))
+    for bad in (0, -1, 1.5):
+        with pytest.raises(kog.InvalidRequest, match="tensor_parallel_size"):
+            kog.LLM(str(folder), dtype="float32", tensor_parallel_size=bad)
+
+
+def test_a_dead_rank_fails_the_request_with_a_transport_error_instead_of_hanging(tmp_path):
+    import time
+
+    import kog
+    from kog.testing.tiny_models import write_hf_model
+
+    folder = write_hf_model(tmp_path / "m", tiny_config("llama"))
+    llm = kog.LLM(str(folder), dtype="float32", tensor_parallel_size=2)
+    try:
+        worker = llm.engine.runner._procs[0]
+        worker.kill()
+        worker.wait(timeout=30)
+        t0 = time.monotonic()
+        with pytest.raises(TransportError):
+            llm.generate({"prompt_token_ids": [5, 6, 7]}, kog.SamplingParams(max_tokens=4, temperature=0.0))
+        assert time.monotonic() - t0 < 60  # the closed connection is seen at once, not after a timeout
+    finally:
+        llm.engine.runner.close()

@@ -26,6 +26,7 @@ from kog.engine.engine import LLMEngine
 from kog.engine.outputs import StreamDelta
 from kog.engine.request_stream import END, RequestStream, RequestUpdate
 from kog.errors import EngineDraining, EngineStepError, QueueFull, SessionClosed
+from kog.parallel.transport import TransportError
 from kog.sampling_params import SamplingParams
 
 log = logging.getLogger("kog.engine")
@@ -328,7 +329,8 @@ class AsyncEngine:
         try:
             deltas = self.engine.step()
         except Exception as e:
-            self._fail_all(e)
+            # A failed collective leaves the ranks out of step: nothing can run after it.
+            self._fail_all(e, fatal=isinstance(e, TransportError))
             return
         by_request: dict[str, list[StreamDelta]] = {}
         for d in deltas:

@@ -1,0 +1,221 @@
+"""Tensor-parallel ranks as processes: rank 0 runs the engine, ranks 1 .. N-1 mirror its calls.
+
+    runner = start_ranks(model, dtype, size, num_kv_blocks, block_size)   # in rank 0's process
+    LLMEngine(runner, ...)                                                 # what a ModelRunner is
+    runner.close()
+
+Each rank loads the model, keeps its shard (kog.parallel.shard) and owns the KV cache of its KV
+heads. Rank 0's ParallelRunner sends every call that touches the model or the cache (prefill,
+verify, decode, KV moves) to the other ranks, in order, over a command group, then makes the
+call itself; the calls' collectives run over the data group, whose timeout bounds every one of
+them. The command group waits without a timeout (a server may sit idle), but a rank whose peer
+dies sees its connection close and exits; a rank that hangs makes rank 0's next collective
+fail with TransportError after the timeout. Ranks 1 .. N-1 are started with `python -m
+kog.parallel.worker` on this host (loopback), or by torchrun / any launcher that runs that
+module with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+
+from kog.errors import InvalidRequest
+from kog.parallel.shard import lane_form, shard_config, shard_weights
+from kog.parallel.transport import TorchDistTransport, TransportError
+
+# Seconds a collective may wait for the slowest rank before it fails (TransportError).
+COLLECTIVE_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank needs to build its runner: the same on every rank."""
+
+    model: str | None
+    dtype: str | None
+    size: int
+    num_kv_blocks: int
+    block_size: int
+    num_host_blocks: int
+
+
+@dataclass(frozen=True)
+class PlainMoves:
+    """A KVMoves as plain arrays, to send to the other ranks."""
+
+    swap_out: np.ndarray
+    swap_in: np.ndarray
+    cow: np.ndarray
+
+
+def build_rank_runner(spec: RankSpec, rank: int, transport, loaded=None):
+    """This rank's ModelRunner: the model (loaded here unless given), cut to the rank's lanes."""
+    from kog.loader import load_model
+    from kog.models.runner import ModelRunner
+
+    loaded = load_model(spec.model, spec.dtype) if loaded is None else loaded
+    if any(not isinstance(w, torch.Tensor) for w in loaded.weights.values()):
+        raise InvalidRequest("tensor parallelism needs float weights: load a quantized GGUF with dtype='float32' "
+                             "or 'bfloat16'")
+    local = shard_config(lane_form(loaded.config, spec.size) if loaded.config.lanes is None else loaded.config,
+                         rank, spec.size)
+    import dataclasses
+
+    model = dataclasses.replace(loaded, config=local, weights=shard_weights(local, loaded.weights))
+    return ModelRunner(model, num_kv_blocks=spec.num_kv_blocks, block_size=spec.block_size,
+                       num_host_blocks=spec.num_host_blocks, transport=transport), loaded
+
+
+def init_groups(rank: int, size: int, addr: str, port: int):
+    """The data group (the default group, collective timeout) and the command group (no
+    practical timeout: a server may be idle for days)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    commands = dist.new_group(backend="gloo", timeout=timedelta(days=365))
+    return TorchDistTransport(), commands
+
+
+class _MirroredKV:
+    """Rank 0's KV storage: apply() is sent to every rank first; the rest is the local one's."""
+
+    def __init__(self, kv, parent: ParallelRunner) -> None:
+        self._kv, self._parent = kv, parent
+
+    def apply(self, moves) -> None:
+        plain = PlainMoves(*(np.array(getattr(moves, n)) for n in ("swap_out", "swap_in", "cow")))
+        self._parent.send("kv_apply", plain)
+        self._kv.apply(plain)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kv, name)
+
+
+class ParallelRunner:
+    """Rank 0's runner: the ModelRunner interface, each call mirrored on every rank."""
+
+    def __init__(self, local, commands, procs: list[subprocess.Popen]) -> None:
+        self.local, self._commands, self._procs = local, commands, procs
+        self.kv = _MirroredKV(local.kv, self)
+        self.native_decoder = None  # ranks decode through the interpreter (no native transport yet)
+        self._closed = False
+        atexit.register(self.close)
+
+    def __getattr__(self, name: str) -> Any:  # block_size, vocab_size, config, weights, ...
+        return getattr(self.local, name)
+
+    def send(self, name: str, *args: Any) -> None:
+        import torch.distributed as dist
+
+        if self._closed:
+            raise InvalidRequest("the tensor-parallel ranks are closed")
+        try:
+            dist.broadcast_object_list([(name, args)], src=0, group=self._commands)
+        except RuntimeError as e:
+            raise TransportError(f"rank 0: sending {name!r} to the other ranks failed: {e}") from None
+
+    def prefill(self, chunks, all_logits: bool = False):
+        self.send("prefill", chunks, all_logits)
+        return self.local.prefill(chunks, all_logits)
+
+    def verify(self, chunks):
+        self.send("verify", chunks)
+        return self.local.verify(chunks)
+
+    def decode(self, tokens, positions, block_tables, seq_lens, slots, sampled: np.ndarray | None = None):
+        args = tuple(np.ascontiguousarray(a) for a in (tokens, positions, block_tables, seq_lens, slots))
+        self.send("decode", *args)
+        return self.local.decode(*args, sampled)
+
+    def close(self) -> None:
+        """Stops the other ranks (their processes exit) and leaves the groups."""
+        if self._closed:
+            return
+        import torch.distributed as dist
+
+        try:
+            self.send("stop")
+        except Exception:  # noqa: BLE001 - a dead rank: nothing left to stop
+            pass
+        self._closed = True
+        for p in self._procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start_ranks(spec: RankSpec, loaded=None) -> ParallelRunner:
+    """Rank 0 in this process (with `loaded`, the model rank 0 already loaded, if given), ranks
+    1 .. size-1 as worker processes on this host."""
+    if loaded is not None:  # a bad split fails here, before any process starts
+        shard_config(lane_form(loaded.config, spec.size) if loaded.config.lanes is None else loaded.config, 0, spec.size)
+    addr, port = "127.0.0.1", _free_port()
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in [_package_root(), os.environ.get("PYTHONPATH")] if p)}
+    procs = [subprocess.Popen([sys.executable, "-m", "kog.parallel.worker", "--rank", str(r), "--addr", addr,
+                               "--port", str(port), "--spec", _encode(spec)], env=env)
+             for r in range(1, spec.size)]
+    try:
+        transport, commands = init_groups(0, spec.size, addr, port)
+        local, _ = build_rank_runner(spec, 0, transport, loaded)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    return ParallelRunner(local, commands, procs)
+
+
+def serve_rank(spec: RankSpec, rank: int, addr: str, port: int) -> None:
+    """A worker rank's life: join the groups, build the runner, run rank 0's calls until "stop"."""
+    import torch.distributed as dist
+
+    transport, commands = init_groups(rank, spec.size, addr, port)
+    runner, _ = build_rank_runner(spec, rank, transport)
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=commands)
+        name, args = box[0]
+        if name == "stop":
+            break
+        if name == "kv_apply":
+            runner.kv.apply(args[0])
+        else:
+            getattr(runner, name)(*args)
+    dist.destroy_process_group()
+
+
+def _encode(spec: RankSpec) -> str:
+    import json
+
+    return json.dumps(spec.__dict__)
+
+
+def decode_spec(text: str) -> RankSpec:
+    import json
+
+    return RankSpec(**json.loads(text))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _package_root() -> str:
+    import kog
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(kog.__file__)))
