@@ -149,3 +149,20 @@ def test_a_busy_port_fails_before_the_model_loads(model, monkeypatch, capsys):
         port = busy.getsockname()[1]
         assert serve_cli.run(parse(model, "--port", str(port))) == 1
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_tensor_parallel_size_flag_starts_the_ranks_and_serves_the_same_tokens(tmp_path):
+    from kog.testing.tiny_models import random_weights, tiny_config, write_hf_model
+
+    config = tiny_config("llama", num_hidden_layers=2)  # 2 KV heads: 2 ranks
+    folder = str(write_hf_model(tmp_path / "m", config, random_weights(config, seed=1)))
+    assert parse(folder).tensor_parallel_size == 1
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = load_llm(parse(folder, "--dtype", "float32", "--kv-cache-gib", "0.01")).generate("hello", greedy)
+    llm = load_llm(parse(folder, "--dtype", "float32", "--kv-cache-gib", "0.01", "-tp", "2"))
+    try:
+        assert len(llm.engine.runner._procs) == 1
+        got = llm.generate("hello", greedy)
+        assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    finally:
+        llm.engine.runner.close()
