@@ -17,6 +17,7 @@ const char* python_class(kog::ErrorKind kind) {
     case kog::ErrorKind::kInvalidOperation: return "InvalidOperation";
     case kog::ErrorKind::kBackend: return "BackendError";
     case kog::ErrorKind::kInternal: return "InternalError";
+    case kog::ErrorKind::kTransport: return "TransportError";
   }
   return "KogError";
 }

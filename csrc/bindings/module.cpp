@@ -15,6 +15,7 @@ void bind_attention(py::module_& m);
 void bind_engine(py::module_& m);
 void bind_decode_loop(py::module_& m);
 void bind_gpu_decode(py::module_& m);
+void bind_transport(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "Kog native core: CPU/GPU kernels and the paged KV allocator";
@@ -30,4 +31,5 @@ PYBIND11_MODULE(_C, m) {
   bind_engine(m);
   bind_decode_loop(m);
   bind_gpu_decode(m);
+  bind_transport(m);
 }

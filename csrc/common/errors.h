@@ -14,6 +14,7 @@ enum class ErrorKind {
   kInvalidOperation,  // -> kog.InvalidOperation
   kBackend,           // -> kog.BackendError (a GPU runtime failure, a missing backend)
   kInternal,          // -> kog.errors.InternalError: a broken invariant of Kog itself (HTTP 500)
+  kTransport,         // -> kog.errors.TransportError: a tensor-parallel peer died or hung
 };
 
 class Error : public std::runtime_error {

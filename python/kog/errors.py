@@ -43,6 +43,11 @@ class BackendError(KogError, RuntimeError):
     """The native backend failed, or the requested backend is not in this build."""
 
 
+class TransportError(BackendError):
+    """A tensor-parallel collective failed: a rank died, hung past the timeout, or sent a
+    mismatched shape (kog.parallel). The ranks are out of step: nothing more can run."""
+
+
 class InternalError(KogError, RuntimeError):
     """A broken invariant inside Kog (a bug, not a bad request: HTTP 500). Native KOG_ASSERT
     failures are raised as this class; KOG_CHECK failures (bad arguments) as InvalidRequest."""

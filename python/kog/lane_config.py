@@ -89,9 +89,12 @@ class LaneConfig:
 
     @property
     def hist_slots_per_kind(self) -> int:
-        """Ring slots of kept outputs per kind (attention, MLP): layer i's output must live until
-        layer i + delay has read it, while layers i + 1 .. i + delay store theirs."""
-        return self.broadcast_delay + 1 if self.use_comm and self.broadcast_delay > 0 else 0
+        """Ring slots of kept outputs per kind (attention, MLP): 2 delay + 2. One process needs
+        delay + 1 (layer i's output lives until layer i + delay reads it); ranks that run ahead
+        of each other need 2 delay + 2: a rank keeping layer j's output has read layer
+        j - 1 - delay's, so every other rank kept that one and may still read layers from
+        j - 1 - 2 delay on (csrc/engine/shm_transport.h). One program for both."""
+        return 2 * self.broadcast_delay + 2 if self.use_comm and self.broadcast_delay > 0 else 0
 
     def hist_slot(self, kind: int, layer: int) -> int:
         """LANE_HIST slot of layer's kept output; kind 0 attention, 1 MLP."""

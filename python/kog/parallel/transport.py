@@ -19,11 +19,7 @@ from typing import Protocol
 
 import torch
 
-from kog.errors import BackendError
-
-
-class TransportError(BackendError):
-    """A collective failed: a rank died, hung past the timeout, or sent a mismatched shape."""
+from kog.errors import BackendError, TransportError
 
 
 class Transport(Protocol):

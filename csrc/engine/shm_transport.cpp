@@ -1,0 +1,162 @@
+// Shared-memory collectives between tensor-parallel ranks. Contract: shm_transport.h.
+#include "engine/shm_transport.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "common/errors.h"
+
+namespace kog::engine {
+
+namespace {
+
+constexpr uint64_t kMagic = 0x6b6f672d74702d31ull;  // "kog-tp-1"
+
+struct Header {
+  std::atomic<uint64_t> magic;  // set last by the creator: the layout below is ready
+  int32_t size;
+  int32_t n_slots;
+  int64_t reduce_floats;
+  int64_t slot_bytes;
+};
+
+size_t round_up(size_t x) { return (x + 63) / 64 * 64; }
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+ShmTransport::ShmTransport(const std::string& name, int rank, int size, int64_t reduce_floats, int n_slots,
+                           int64_t slot_bytes, double timeout_s)
+    : name_(name), rank_(rank), size_(size), n_slots_(n_slots), reduce_floats_(reduce_floats),
+      slot_bytes_(round_up(size_t(slot_bytes))), timeout_s_(timeout_s) {
+  KOG_CHECK(size >= 1 && rank >= 0 && rank < size, "shm transport: rank ", rank, " of ", size);
+  KOG_CHECK(reduce_floats >= 0 && n_slots >= 0 && slot_bytes >= 0 && timeout_s > 0, "shm transport: bad sizes");
+  KOG_CHECK(!name.empty() && name[0] == '/', "shm transport: the segment name must start with '/', got ", name);
+  const size_t header = round_up(sizeof(Header));
+  const size_t reduce_flags = round_up(sizeof(Flag) * size_t(size));
+  const size_t reduce_data = round_up(sizeof(float) * 2 * size_t(size) * size_t(reduce_floats));
+  const size_t slot_flags = round_up(sizeof(Flag) * size_t(n_slots) * size_t(size));
+  bytes_ = header + reduce_flags + reduce_data + slot_flags + size_t(n_slots) * size_t(size) * size_t(slot_bytes_);
+  int fd = -1;
+  if (rank == 0) {
+    fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    KOG_CHECK_KIND(fd >= 0, kTransport, "shm transport: cannot create ", name, ": ", std::strerror(errno));
+    if (ftruncate(fd, off_t(bytes_)) != 0) {
+      close(fd);
+      shm_unlink(name.c_str());
+      KOG_CHECK_KIND(false, kTransport, "shm transport: cannot size ", name, " to ", bytes_, " bytes");
+    }
+  } else {  // the creator may not have run yet
+    const double deadline = now_s() + timeout_s;
+    while ((fd = shm_open(name.c_str(), O_RDWR, 0600)) < 0 && now_s() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    KOG_CHECK_KIND(fd >= 0, kTransport, "shm transport: rank ", rank, " found no segment ", name,
+                   " within ", timeout_s, " s (rank 0 did not start)");
+    struct stat st{};
+    const double size_deadline = now_s() + timeout_s;
+    while (fstat(fd, &st) == 0 && size_t(st.st_size) < bytes_ && now_s() < size_deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    if (size_t(st.st_size) < bytes_) close(fd);
+    KOG_CHECK_KIND(size_t(st.st_size) >= bytes_, kTransport, "shm transport: segment ", name, " has ",
+                   st.st_size, " bytes, this rank needs ", bytes_, " (ranks disagree on the sizes)");
+  }
+  void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  KOG_CHECK_KIND(p != MAP_FAILED, kTransport, "shm transport: cannot map ", name);
+  base_ = static_cast<char*>(p);
+  auto* h = reinterpret_cast<Header*>(base_);
+  reduce_flags_ = reinterpret_cast<Flag*>(base_ + header);
+  reduce_data_ = reinterpret_cast<float*>(base_ + header + reduce_flags);
+  slot_flags_ = reinterpret_cast<Flag*>(base_ + header + reduce_flags + reduce_data);
+  slot_data_ = base_ + header + reduce_flags + reduce_data + slot_flags;
+  slot_epoch_ = new uint64_t[size_t(n_slots > 0 ? n_slots : 1)]();
+  if (rank == 0) {  // ftruncate zeroed the flags; publish the layout last
+    h->size = size, h->n_slots = n_slots, h->reduce_floats = reduce_floats, h->slot_bytes = slot_bytes_;
+    h->magic.store(kMagic, std::memory_order_release);
+    return;
+  }
+  const double deadline = now_s() + timeout_s;
+  while (h->magic.load(std::memory_order_acquire) != kMagic && now_s() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const bool same = h->magic.load(std::memory_order_acquire) == kMagic && h->size == size &&
+                    h->n_slots == n_slots && h->reduce_floats == reduce_floats && h->slot_bytes == slot_bytes_;
+  if (!same) {
+    munmap(base_, bytes_);
+    base_ = nullptr;
+    KOG_CHECK_KIND(false, kTransport, "shm transport: segment ", name,
+                   " was not initialized in time or its sizes differ from rank ", rank, "'s");
+  }
+}
+
+ShmTransport::~ShmTransport() {
+  delete[] slot_epoch_;
+  if (base_ != nullptr) munmap(base_, bytes_);
+  if (rank_ == 0) shm_unlink(name_.c_str());
+}
+
+void ShmTransport::delay_link() const {
+  if (latency_us_ <= 0) return;
+  const double until = now_s() + latency_us_ * 1e-6;
+  while (now_s() < until) {
+  }
+}
+
+void ShmTransport::spin_until(Flag* flags, uint64_t target, const char* what) {
+  const double t0 = now_s();
+  for (int q = 0; q < size_; ++q) {
+    uint64_t spins = 0;
+    while (flags[q].v.load(std::memory_order_acquire) < target) {
+      if (++spins % 1024 == 0) {
+        const double t = now_s();
+        KOG_CHECK_KIND(t - t0 < timeout_s_, kTransport, "shm transport: rank ", rank_, " waited ",
+                       timeout_s_, " s for rank ", q, " in ", what, " (it died or hangs)");
+        if (spins > (1u << 16)) std::this_thread::yield();  // a peer descheduled: give the core back
+      }
+    }
+  }
+  wait_s_ += now_s() - t0;
+}
+
+void ShmTransport::all_reduce(float* x, int64_t n) {
+  if (noop_ || size_ == 1) return;
+  KOG_CHECK(n <= reduce_floats_, "shm transport: all_reduce of ", n, " floats, the segment holds ", reduce_floats_);
+  const uint64_t k = ++reduce_seq_;
+  float* area = reduce_data_ + (k % 2) * size_t(size_) * size_t(reduce_floats_);
+  std::memcpy(area + size_t(rank_) * size_t(reduce_floats_), x, size_t(n) * sizeof(float));
+  delay_link();
+  reduce_flags_[rank_].v.store(k, std::memory_order_release);
+  spin_until(reduce_flags_, k, "all_reduce");
+  for (int64_t i = 0; i < n; ++i) x[i] = area[i];
+  for (int q = 1; q < size_; ++q) {
+    const float* src = area + size_t(q) * size_t(reduce_floats_);
+    for (int64_t i = 0; i < n; ++i) x[i] += src[i];
+  }
+}
+
+void ShmTransport::publish(int slot, const void* part, int64_t bytes) {
+  KOG_CHECK(slot >= 0 && slot < n_slots_ && bytes <= slot_bytes_, "shm transport: publish of ", bytes,
+            " bytes to slot ", slot, " (", n_slots_, " slots of ", slot_bytes_, " bytes)");
+  char* dst = slot_data_ + (size_t(slot) * size_t(size_) + size_t(rank_)) * size_t(slot_bytes_);
+  std::memcpy(dst, part, size_t(bytes));
+  const uint64_t e = ++slot_epoch_[slot];
+  if (noop_) return;
+  delay_link();
+  slot_flags_[size_t(slot) * size_t(size_) + size_t(rank_)].v.store(e, std::memory_order_release);
+}
+
+const char* ShmTransport::wait(int slot) {
+  KOG_CHECK(slot >= 0 && slot < n_slots_, "shm transport: wait on slot ", slot, " of ", n_slots_);
+  if (!noop_ && size_ > 1) spin_until(slot_flags_ + size_t(slot) * size_t(size_), slot_epoch_[slot], "wait");
+  return slot_data_ + size_t(slot) * size_t(size_) * size_t(slot_bytes_);
+}
+
+}  // namespace kog::engine

@@ -1,0 +1,77 @@
+// Collectives between the tensor-parallel ranks of one host through one POSIX shared-memory
+// segment: what the CPU decode executor calls for the program's lane ops (kog.parallel).
+//
+//   ShmTransport t(name, rank, size, reduce_floats, n_slots, slot_bytes, timeout_s);  // rank 0 creates
+//   t.all_reduce(x, n);            // x[0..n) f32 = the sum over ranks, in rank order (bit-identical everywhere)
+//   t.publish(slot, part, bytes);  // a delayed all-gather: this rank's part of `slot`, returns at once
+//   const char* all = t.wait(slot);  // [size][slot_bytes]: every rank's part of its last publish
+//
+// Protocol. All-reduce k (counted per rank) writes its input to reduce area k % 2, stores k in
+// its flag (release) and spins until every flag is >= k (acquire), then sums the areas in rank
+// order. Reuse is safe with two areas: a rank writes area k % 2 again at k + 2 only after every
+// flag reached k + 1, and a rank raises its flag to k + 1 only after it finished reading k.
+// A slot's publish writes the rank's part and raises the rank's epoch of that slot; wait()
+// spins until every rank's epoch of the slot reached this rank's. NOTE (caller's invariant): a
+// rank publishes a slot again only once every rank has waited on its previous contents. With
+// the Laneformer program (publish layer j, then wait on layer j - D) a rank publishing layer j
+// has waited on j - 1 - D, so every other rank published j - 1 - D and may still read layers
+// >= j - 1 - 2D: a ring of 2 D + 2 slots per kind keeps them apart (kog.lane_config).
+//
+// Every spin is bounded: past timeout_s it throws kog::Error(kTransport) naming the rank that
+// did not arrive. link_latency_us (simulation, bench/tp_decode.py) delays each flag store;
+// noop makes every collective local (this rank's data only; for measuring exposed
+// communication, never for results).
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+namespace kog::engine {
+
+class ShmTransport {
+ public:
+  // Rank 0 creates (and later unlinks) the segment `name` ("/kog-..."); other ranks attach,
+  // waiting up to timeout_s for it to exist. reduce_floats: the largest all-reduce; n_slots and
+  // slot_bytes: the delayed-gather slots and one rank's part of one.
+  ShmTransport(const std::string& name, int rank, int size, int64_t reduce_floats, int n_slots, int64_t slot_bytes,
+               double timeout_s);
+  ~ShmTransport();
+  ShmTransport(const ShmTransport&) = delete;
+  ShmTransport& operator=(const ShmTransport&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  void all_reduce(float* x, int64_t n);
+  void publish(int slot, const void* part, int64_t bytes);
+  const char* wait(int slot);
+
+  void set_link_latency_us(double us) { latency_us_ = us; }
+  void set_noop(bool noop) { noop_ = noop; }
+  // Seconds this rank spent waiting for the others (all_reduce and wait), since the last reset.
+  double wait_seconds() const { return wait_s_; }
+  void reset_wait_seconds() { wait_s_ = 0; }
+
+ private:
+  struct alignas(64) Flag {
+    std::atomic<uint64_t> v;
+  };
+  void spin_until(Flag* flags, uint64_t target, const char* what);
+  void delay_link() const;
+
+  std::string name_;
+  int rank_, size_, n_slots_;
+  int64_t reduce_floats_, slot_bytes_;
+  double timeout_s_, latency_us_ = 0, wait_s_ = 0;
+  bool noop_ = false;
+  size_t bytes_ = 0;
+  char* base_ = nullptr;
+  Flag* reduce_flags_ = nullptr;  // [size]
+  float* reduce_data_ = nullptr;  // [2][size][reduce_floats]
+  Flag* slot_flags_ = nullptr;    // [n_slots][size]
+  char* slot_data_ = nullptr;     // [n_slots][size][slot_bytes]
+  uint64_t reduce_seq_ = 0;
+  uint64_t* slot_epoch_ = nullptr;  // [n_slots] this rank's publishes per slot (private memory)
+};
+
+}  // namespace kog::engine

@@ -1,0 +1,127 @@
+"""kog._C.ShmTransport: shared-memory all-reduce and delayed gathers between ranks of one host
+(ranks as threads here, each with its own attachment to the segment, as separate processes have)."""
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from kog import _C
+from kog.errors import TransportError
+
+
+def name() -> str:
+    return f"/kog-test-{os.getpid()}-{time.monotonic_ns()}"
+
+
+def ranks(size, reduce_floats=64, n_slots=3, slot_bytes=256, timeout_s=10.0):
+    n = name()
+    first = _C.ShmTransport(n, 0, size, reduce_floats, n_slots, slot_bytes, timeout_s)
+    return [first] + [_C.ShmTransport(n, r, size, reduce_floats, n_slots, slot_bytes, timeout_s)
+                      for r in range(1, size)]
+
+
+def in_threads(fns):
+    out, errors = [None] * len(fns), []
+
+    def run(i):
+        try:
+            out[i] = fns[i]()
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_all_reduce_sums_in_rank_order_on_every_rank_many_times(size):
+    ts = ranks(size)
+    g = torch.Generator().manual_seed(size)
+    rounds = [[torch.randn(50, generator=g) for _ in range(size)] for _ in range(40)]
+
+    def rank(r):
+        got = []
+        for k, xs in enumerate(rounds):
+            x = xs[r].clone()
+            ts[r].all_reduce(x.data_ptr(), 50 if k % 3 else 17)  # sizes vary between collectives
+            got.append(x.clone())
+        return got
+
+    results = in_threads([lambda r=r: rank(r) for r in range(size)])
+    for k, xs in enumerate(rounds):
+        n = 50 if k % 3 else 17
+        want = xs[0][:n].clone()
+        for x in xs[1:]:
+            want += x[:n]
+        for r in range(size):
+            assert torch.equal(results[r][k][:n], want)  # bit-identical: the same order everywhere
+            assert torch.equal(results[r][k][n:], rounds[k][r][n:])  # nothing past n touched
+
+
+def test_delayed_gather_publish_returns_at_once_and_wait_sees_every_part():
+    # A broadcast delay of 2: publish layer j, then read layer j - 2, in a ring of 2 * 2 + 2 slots
+    # (with 4 slots a rank two layers ahead overwrote what the other still read: kog.lane_config).
+    ts = ranks(2, n_slots=6, slot_bytes=64)
+
+    def rank(r):
+        seen = []
+        for layer in range(30):  # the ring reused 5 times
+            part = torch.full((16,), float(100 * layer + r))
+            ts[r].publish(layer % 6, part.data_ptr(), 64)
+            if layer % 5 == 2 * r:
+                time.sleep(0.002)  # each rank lags now and then, so the other runs ahead
+            if layer >= 2:
+                addr = ts[r].wait((layer - 2) % 6)
+                parts = torch.frombuffer(bytearray((ctypes_string(addr, 2 * 64))), dtype=torch.float32)
+                seen.append(parts.view(2, 16)[:, 0].tolist())
+        return seen
+
+    a, b = in_threads([lambda: rank(0), lambda: rank(1)])
+    want = [[100.0 * (layer - 2), 100.0 * (layer - 2) + 1] for layer in range(2, 30)]
+    assert a == want and b == want
+
+
+def ctypes_string(addr, n):
+    import ctypes
+
+    return ctypes.string_at(addr, n)
+
+
+def test_a_rank_that_never_arrives_is_a_transport_error_after_the_timeout():
+    ts = ranks(2, timeout_s=0.3)
+    x = torch.ones(8)
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="rank 1"):
+        ts[0].all_reduce(x.data_ptr(), 8)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(TransportError, match="rank 1"):
+        ts[0].publish(0, x.data_ptr(), 32) or ts[0].wait(0)
+
+
+def test_ranks_that_disagree_on_the_sizes_or_find_no_segment_fail_clearly():
+    n = name()
+    first = _C.ShmTransport(n, 0, 2, 64, 2, 128, 5.0)
+    with pytest.raises(TransportError, match="sizes"):
+        _C.ShmTransport(n, 1, 2, 32, 2, 128, 0.5)
+    with pytest.raises(TransportError, match="no segment"):
+        _C.ShmTransport(name(), 1, 2, 64, 2, 128, 0.2)
+    with pytest.raises(Exception, match="rank"):
+        _C.ShmTransport(name(), 2, 2, 64, 2, 128, 0.2)
+    del first
+
+
+def test_noop_mode_keeps_each_rank_local():
+    ts = ranks(2)
+    x = torch.arange(8, dtype=torch.float32)
+    ts[0].set_noop(True)
+    ts[0].all_reduce(x.data_ptr(), 8)  # returns at once: no peer needed
+    assert torch.equal(x, torch.arange(8, dtype=torch.float32))
