@@ -8,6 +8,7 @@
 
 #include "common/errors.h"
 #include "engine/decode_executor.h"
+#include "engine/shm_transport.h"
 
 namespace py = pybind11;
 using kog::engine::DecodeExecutor;
@@ -55,5 +56,7 @@ void bind_engine(py::module_& m) {
              return ex.width(static_cast<kog::schedule::Buffer>(b));
            })
       .def_property_readonly("num_ops", &DecodeExecutor::num_ops)
-      .def_property_readonly("num_barriers", &DecodeExecutor::num_barriers);
+      .def_property_readonly("num_barriers", &DecodeExecutor::num_barriers)
+      .def("set_transport", &DecodeExecutor::set_transport, arg("transport"),
+           "A tensor-parallel rank's kog._C.ShmTransport (dims.lane_ranks > 1).");
 }

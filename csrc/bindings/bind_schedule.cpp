@@ -25,21 +25,22 @@ ModelDims make_dims(int64_t n_layers, int64_t hidden, int64_t n_q_heads, int64_t
                     int64_t intermediate, int64_t vocab, int64_t rotary_dim, float rms_eps, float attn_scale,
                     bool rope_neox, int dtype, int64_t n_experts, int64_t top_k, int64_t expert_intermediate,
                     bool norm_topk, int64_t shared_slots, int64_t n_lanes, bool lane_norm_weights,
-                    int64_t lane_hist_slots) {
+                    int64_t lane_hist_slots, int64_t lane_ranks, int64_t lane_rank) {
   KOG_CHECK(dtype >= 0 && dtype <= int(kog::DType::kI64), "ModelDims: unknown dtype code ", dtype);
   ModelDims d{n_layers, hidden, n_q_heads, n_kv_heads, head_dim, intermediate, vocab, rotary_dim,
               rms_eps, attn_scale, rope_neox, kog::DType(dtype), n_experts, top_k, expert_intermediate,
-              norm_topk, shared_slots, n_lanes, lane_norm_weights, lane_hist_slots};
+              norm_topk, shared_slots, n_lanes, lane_norm_weights, lane_hist_slots,
+              lane_ranks, lane_rank};
   kog::schedule::validate_dims(d);
   return d;
 }
 
 Op make_op(int op, int layer, int in, int residual, int out, uintptr_t w0, uintptr_t w1,
-           const std::vector<int>& deps, uintptr_t w2, int w_type, int lanes, int slot, int window) {
+           const std::vector<int>& deps, uintptr_t w2, int w_type, int lanes, int slot, int window, int vocab_slice) {
   KOG_CHECK(deps.size() <= size_t(kog::schedule::kMaxDeps), "Op: ", deps.size(), " deps (at most ",
             kog::schedule::kMaxDeps, ")");
   Op o{op, layer, in, residual, out, int32_t(deps.size()), reinterpret_cast<const void*>(w0),
-       reinterpret_cast<const void*>(w1), {}, reinterpret_cast<const void*>(w2), w_type, lanes, slot, window};
+       reinterpret_cast<const void*>(w1), {}, reinterpret_cast<const void*>(w2), w_type, lanes, slot, window, vocab_slice};
   for (size_t k = 0; k < deps.size(); ++k) o.deps[k] = deps[k];
   return o;
 }
@@ -57,7 +58,7 @@ void bind_schedule(py::module_& m) {
            arg("head_dim"), arg("intermediate"), arg("vocab"), arg("rotary_dim"), arg("rms_eps"),
            arg("attn_scale"), arg("rope_neox"), arg("dtype"), arg("n_experts") = 0, arg("top_k") = 0,
            arg("expert_intermediate") = 0, arg("norm_topk") = false, arg("shared_slots") = 0, arg("n_lanes") = 1,
-           arg("lane_norm_weights") = false, arg("lane_hist_slots") = 0)
+           arg("lane_norm_weights") = false, arg("lane_hist_slots") = 0, arg("lane_ranks") = 1, arg("lane_rank") = 0)
       .def_readonly("n_layers", &ModelDims::n_layers)
       .def_readonly("hidden", &ModelDims::hidden)
       .def_readonly("n_q_heads", &ModelDims::n_q_heads)
@@ -77,6 +78,8 @@ void bind_schedule(py::module_& m) {
       .def_readonly("n_lanes", &ModelDims::n_lanes)
       .def_readonly("lane_norm_weights", &ModelDims::lane_norm_weights)
       .def_readonly("lane_hist_slots", &ModelDims::lane_hist_slots)
+      .def_readonly("lane_ranks", &ModelDims::lane_ranks)
+      .def_readonly("lane_rank", &ModelDims::lane_rank)
       .def_property_readonly("dtype", [](const ModelDims& d) { return int(d.dtype); })
       .def("buffer_width", [](const ModelDims& d, int b) {
              KOG_CHECK(b >= 0 && b < int(Buffer::kNumBuffers), "buffer_width: bad buffer ", b);
@@ -86,7 +89,7 @@ void bind_schedule(py::module_& m) {
   py::class_<Op>(m, "Op", "One op of the program with resolved operands (csrc/schedule/program.h).")
       .def(py::init(&make_op), arg("opcode"), arg("layer"), arg("in_"), arg("residual"), arg("out"), arg("w0"),
            arg("w1"), arg("deps"), arg("w2") = 0, arg("w_type") = kog::schedule::kWeightRunDtype, arg("lanes") = 1,
-           arg("slot") = -1, arg("window") = 0)
+           arg("slot") = -1, arg("window") = 0, arg("vocab_slice") = 0)
       .def_readonly("opcode", &Op::op)
       .def_readonly("layer", &Op::layer)
       .def_readonly("in_", &Op::in)
@@ -101,6 +104,7 @@ void bind_schedule(py::module_& m) {
       .def_readonly("lanes", &Op::lanes)
       .def_readonly("slot", &Op::slot)
       .def_readonly("window", &Op::window)
+      .def_readonly("vocab_slice", &Op::vocab_slice)
       .def("__repr__", [](const Op& o) {
         std::string deps;
         for (int k = 0; k < o.n_deps; ++k) deps += (k ? ", " : "") + std::to_string(o.deps[k]);

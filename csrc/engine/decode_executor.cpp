@@ -115,8 +115,17 @@ void DecodeExecutor::validate(const DecodeStep& s) const {
   }
 }
 
+void DecodeExecutor::set_transport(std::shared_ptr<ShmTransport> t) {
+  std::lock_guard<std::mutex> lock(mu_);
+  KOG_CHECK(t == nullptr || (t->size() == d_.lane_ranks && t->rank() == d_.lane_rank), "decode executor: a transport of rank ",
+            t ? t->rank() : -1, " of ", t ? t->size() : 0, " for a program of rank ", d_.lane_rank, " of ", d_.lane_ranks);
+  transport_ = std::move(t);
+}
+
 void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
   std::lock_guard<std::mutex> lock(mu_);
+  KOG_CHECK(d_.lane_ranks == 1 || transport_ != nullptr, "decode: rank ", d_.lane_rank, " of ", d_.lane_ranks,
+            " has no transport (set_transport)");
   validate(s);
   reserve(s.batch);
   batch_ = s.batch;
@@ -224,7 +233,9 @@ void DecodeExecutor::exec(const Op& op, const DecodeStep& s) {
     case Opcode::kLaneGather:
     case Opcode::kLaneAddPast:
     case Opcode::kLaneMean:
-    case Opcode::kLaneMergeSum: lane_op(op, B); break;
+    case Opcode::kLaneMergeSum:
+    case Opcode::kAllReduce:
+    case Opcode::kAllGather: lane_op(op, B); break;
     default: break;
   }
 }
@@ -284,8 +295,12 @@ void DecodeExecutor::qk_norm(const Op& op, int64_t batch) {
 }
 
 LinearParams DecodeExecutor::linear_params(const Op& op, int64_t batch) {
-  const int64_t n = width(Buffer(op.out)), kdim = width(Buffer(op.in));
-  return LinearParams{buf(op.out), buf(op.in), op.w0, op.w1, batch, n, kdim, kdim, n, d_.dtype};
+  const int64_t w = width(Buffer(op.out)), kdim = width(Buffer(op.in));
+  if (op.vocab_slice && op.lanes == 1) {  // a rank's vocabulary slice of LOGITS (program.h)
+    return LinearParams{buf(op.out) + schedule::lane_logits_offset(d_) * elem_, buf(op.in), op.w0, op.w1, batch,
+                        d_.vocab / d_.lane_ranks, kdim, kdim, w, d_.dtype};
+  }
+  return LinearParams{buf(op.out), buf(op.in), op.w0, op.w1, batch, w, kdim, kdim, w, d_.dtype};
 }
 
 LinearQuantParams DecodeExecutor::linear_quant_params(const Op& op, int64_t batch, float* scratch) {

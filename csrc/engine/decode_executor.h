@@ -17,6 +17,7 @@
 #include "cpu/row_queue.h"
 #include "ops/linear.h"
 #include "ops/linear_quant.h"
+#include "engine/shm_transport.h"
 #include "schedule/program.h"
 
 namespace kog::engine {
@@ -63,6 +64,9 @@ class DecodeExecutor {
   int64_t num_ops() const { return int64_t(program_.size()); }
   // Barriers a whole step's region places (inside the region; attention outside it aside).
   int64_t num_barriers() const;
+  // A tensor-parallel rank's transport (dims.lane_ranks > 1; run() refuses to start without
+  // one): its lane ops and collectives reduce over every rank through it.
+  void set_transport(std::shared_ptr<ShmTransport> t);
 
  private:
   void validate(const DecodeStep& s) const;
@@ -79,8 +83,10 @@ class DecodeExecutor {
   // in output-row order; lane_matrix(op, batch, i) is the i-th (decode_lanes.cpp).
   int64_t lane_matrices(const Op& op) const;
   LinearParams lane_matrix(const Op& op, int64_t batch, int64_t i);
-  // LANE_* ops, on the calling thread (decode_lanes.cpp).
+  // LANE_* ops and the collectives, on the calling thread (decode_lanes.cpp).
   void lane_op(const Op& op, int64_t batch);
+  // acc [batch, n] f32 = its sum over every rank (in place; one rank: unchanged).
+  void reduce_ranks(float* acc, int64_t n);
   // A LINEAR over quantized weights (w_type a QuantType); scratch: linear_quant_scratch_bytes.
   LinearQuantParams linear_quant_params(const Op& op, int64_t batch, float* scratch);
   // Ops that run outside the step's parallel region (long-context attention).
@@ -96,6 +102,8 @@ class DecodeExecutor {
 
   ModelDims d_;
   KVCacheDesc kv_;
+  std::shared_ptr<ShmTransport> transport_;
+  std::vector<float> lane_acc_;  // [batch, max(hidden, vocab)] f32 of the cross-rank reductions
   std::vector<float> inv_freq_;
   std::vector<Op> program_;
   // barrier_before_[j]: the region's team meets before op j (plan_barriers).

@@ -27,7 +27,9 @@ LinearParams DecodeExecutor::lane_matrix(const Op& op, int64_t batch, int64_t i)
   const int64_t rows = seg[s] / L;
   row0 += l * rows;
   LinearParams p = linear_params(op, batch);
-  p.out = buf(op.out) + row0 * elem_;
+  // A rank's vocabulary-parallel head writes its slice of LOGITS (weights: the slice's rows).
+  const int64_t out0 = op.vocab_slice ? schedule::lane_logits_offset(d_) : 0;
+  p.out = buf(op.out) + (out0 + row0) * elem_;
   p.x = buf(op.in) + l * kx * elem_;
   p.weight = static_cast<const char*>(op.w0) + row0 * kx * elem_;
   p.bias = op.w1 ? static_cast<const char*>(op.w1) + row0 * elem_ : nullptr;
@@ -36,66 +38,100 @@ LinearParams DecodeExecutor::lane_matrix(const Op& op, int64_t batch, int64_t i)
   return p;
 }
 
+void DecodeExecutor::reduce_ranks(float* acc, int64_t n) {
+  if (d_.lane_ranks > 1) transport_->all_reduce(acc, n);
+}
+
+// NOTE: on a tensor-parallel rank (lane_ranks > 1) every cross-lane sum is this rank's lanes
+// summed in f32, then the ranks' partial sums added in rank order (ShmTransport::all_reduce):
+// lanes in their global order, as one process sums them. LANE_GATHER publishes the rank's
+// lanes to the transport's slot; LANE_ADD_PAST waits for every rank's part of it.
 void DecodeExecutor::lane_op(const Op& op, int64_t batch) {
-  const int64_t L = d_.n_lanes, h = d_.hidden, lw = L * h;
+  const int64_t L = d_.n_lanes, R = d_.lane_ranks, h = d_.hidden, lw = L * h;
   const DType dt = d_.dtype;
   char* in = buf(op.in);
   const auto opcode = Opcode(op.op);
-  if (opcode == Opcode::kLaneGather) {  // slot `slot` of every row's history = the row's lanes
+  if (opcode == Opcode::kAllReduce || opcode == Opcode::kAllGather) {
+    // In place on LOGITS: a "lane" head's partial products summed; a vocabulary-parallel head's
+    // slices gathered as a sum of rows that are zero outside each rank's slice (exact).
+    const int64_t V = d_.vocab, lo = schedule::lane_logits_offset(d_), hi = lo + V / R;
+    lane_acc_.resize(size_t(batch * V));
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t v = 0; v < V; ++v)
+        lane_acc_[size_t(b * V + v)] =
+            opcode == Opcode::kAllReduce || (v >= lo && v < hi) ? load_f32(in, b * V + v, dt) : 0.f;
+    reduce_ranks(lane_acc_.data(), batch * V);
+    for (int64_t e = 0; e < batch * V; ++e) store_f32(in, e, lane_acc_[size_t(e)], dt);
+    return;
+  }
+  if (opcode == Opcode::kLaneGather) {
+    if (R > 1) {  // the rank's lanes of every row: [batch, L, h], read by the other ranks later
+      transport_->publish(op.slot, in, batch * lw * elem_);
+      return;
+    }
     const int64_t hist_w = width(Buffer::kLaneHist);
     for (int64_t b = 0; b < batch; ++b)
       std::memcpy(buf(op.out) + (b * hist_w + op.slot * lw) * elem_, in + b * lw * elem_, size_t(lw * elem_));
     return;
   }
-  std::vector<float> acc(static_cast<size_t>(h));
+  if (opcode == Opcode::kLaneScale) {
+    const float scale = std::sqrt(float(L * R));
+    for (int64_t e = 0; e < batch * lw; ++e) store_f32(in, e, load_f32(in, e, dt) * scale, dt);
+    return;
+  }
+  lane_acc_.resize(size_t(batch * h));
+  float* acc = lane_acc_.data();
+  if (opcode == Opcode::kLaneAddPast) {  // a_l + (round(sum of every lane's past) - past_l)
+    // The kept outputs: R parts of [batch, L, h] from the transport, or this row's slot of LANE_HIST.
+    const char* parts = R > 1 ? transport_->wait(op.slot) : nullptr;
+    const int64_t part_stride = R > 1 ? transport_->slot_bytes() : 0;
+    auto past = [&](int64_t b, int64_t rank, int64_t l) -> const char* {
+      if (R > 1) return parts + rank * part_stride + (b * lw + l * h) * elem_;
+      return buf(int32_t(Buffer::kLaneHist)) + (b * width(Buffer::kLaneHist) + op.slot * lw + l * h) * elem_;
+    };
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t e = 0; e < h; ++e) {
+        float sum = 0.f;
+        for (int64_t rank = 0; rank < R; ++rank)
+          for (int64_t l = 0; l < L; ++l) sum += load_f32(past(b, rank, l), e, dt);
+        acc[e] = round_to(sum, dt);
+      }
+      char* row = in + b * lw * elem_;
+      for (int64_t l = 0; l < L; ++l) {
+        const char* own = past(b, d_.lane_rank, l);
+        for (int64_t e = 0; e < h; ++e) {
+          const float others = round_to(acc[e] - load_f32(own, e, dt), dt);
+          store_f32(row, l * h + e, load_f32(row, l * h + e, dt) + others, dt);
+        }
+      }
+    }
+    return;
+  }
+  // LANE_SUM, LANE_MEAN, LANE_MERGE_SUM: acc [batch, h] = the sum over every lane of the row
+  // (MERGE_SUM: of round(residual_l + in_l)), then written back rounded once.
   for (int64_t b = 0; b < batch; ++b) {
-    char* row = in + b * lw * elem_;
-    switch (opcode) {
-      case Opcode::kLaneScale: {
-        const float scale = std::sqrt(float(L));
-        for (int64_t e = 0; e < lw; ++e) store_f32(row, e, load_f32(row, e, dt) * scale, dt);
-        break;
+    const char* row = in + b * lw * elem_;
+    const char* res = op.residual >= 0 ? buf(op.residual) + b * lw * elem_ : nullptr;
+    for (int64_t e = 0; e < h; ++e) {
+      float sum = 0.f;
+      for (int64_t l = 0; l < L; ++l) {
+        const float x = load_f32(row, l * h + e, dt);
+        sum += res ? round_to(load_f32(res, l * h + e, dt) + x, dt) : x;
       }
-      case Opcode::kLaneSum: {  // sum rounded once, then written to every lane
-        for (int64_t e = 0; e < h; ++e) {
-          float s = 0.f;
-          for (int64_t l = 0; l < L; ++l) s += load_f32(row, l * h + e, dt);
-          acc[size_t(e)] = round_to(s, dt);
-        }
-        for (int64_t l = 0; l < L; ++l)
-          for (int64_t e = 0; e < h; ++e) store_f32(row, l * h + e, acc[size_t(e)], dt);
-        break;
-      }
-      case Opcode::kLaneAddPast: {  // a_l + (round(sum past) - past_l), each step rounded
-        const char* past = buf(int32_t(Buffer::kLaneHist)) + (b * width(Buffer::kLaneHist) + op.slot * lw) * elem_;
-        for (int64_t e = 0; e < h; ++e) {
-          float s = 0.f;
-          for (int64_t l = 0; l < L; ++l) s += load_f32(past, l * h + e, dt);
-          acc[size_t(e)] = round_to(s, dt);
-        }
-        for (int64_t l = 0; l < L; ++l)
-          for (int64_t e = 0; e < h; ++e) {
-            const float others = round_to(acc[size_t(e)] - load_f32(past, l * h + e, dt), dt);
-            store_f32(row, l * h + e, load_f32(row, l * h + e, dt) + others, dt);
-          }
-        break;
-      }
-      case Opcode::kLaneMean:
-      case Opcode::kLaneMergeSum: {
-        // MEAN: mean over lanes of in. MERGE_SUM: sum over lanes of round(residual_l + in_l).
-        const char* res = op.residual >= 0 ? buf(op.residual) + b * lw * elem_ : nullptr;
-        char* out = buf(op.out) + b * h * elem_;
-        for (int64_t e = 0; e < h; ++e) {
-          float s = 0.f;
-          for (int64_t l = 0; l < L; ++l) {
-            const float x = load_f32(row, l * h + e, dt);
-            s += res ? round_to(load_f32(res, l * h + e, dt) + x, dt) : x;
-          }
-          store_f32(out, e, opcode == Opcode::kLaneMean ? s / float(L) : s, dt);
-        }
-        break;
-      }
-      default: KOG_ASSERT(false, "lane_op: opcode ", op.op, " is not a lane op");
+      acc[b * h + e] = sum;
+    }
+  }
+  reduce_ranks(acc, batch * h);
+  for (int64_t b = 0; b < batch; ++b) {
+    if (opcode == Opcode::kLaneSum) {  // every lane of the row = the rounded sum
+      char* row = in + b * lw * elem_;
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t e = 0; e < h; ++e) store_f32(row, l * h + e, round_to(acc[b * h + e], dt), dt);
+    } else {
+      char* out = buf(op.out) + b * h * elem_;
+      const float scale = opcode == Opcode::kLaneMean ? 1.f / float(L * R) : 1.f;
+      for (int64_t e = 0; e < h; ++e)
+        store_f32(out, e, opcode == Opcode::kLaneMean ? acc[b * h + e] / float(L * R) : acc[b * h + e] * scale, dt);
     }
   }
 }

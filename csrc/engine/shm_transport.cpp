@@ -128,17 +128,23 @@ void ShmTransport::spin_until(Flag* flags, uint64_t target, const char* what) {
 
 void ShmTransport::all_reduce(float* x, int64_t n) {
   if (noop_ || size_ == 1) return;
-  KOG_CHECK(n <= reduce_floats_, "shm transport: all_reduce of ", n, " floats, the segment holds ", reduce_floats_);
-  const uint64_t k = ++reduce_seq_;
-  float* area = reduce_data_ + (k % 2) * size_t(size_) * size_t(reduce_floats_);
-  std::memcpy(area + size_t(rank_) * size_t(reduce_floats_), x, size_t(n) * sizeof(float));
-  delay_link();
-  reduce_flags_[rank_].v.store(k, std::memory_order_release);
-  spin_until(reduce_flags_, k, "all_reduce");
-  for (int64_t i = 0; i < n; ++i) x[i] = area[i];
-  for (int q = 1; q < size_; ++q) {
-    const float* src = area + size_t(q) * size_t(reduce_floats_);
-    for (int64_t i = 0; i < n; ++i) x[i] += src[i];
+  KOG_CHECK(n >= 0 && reduce_floats_ > 0, "shm transport: all_reduce of ", n, " floats, the segment holds ",
+            reduce_floats_);
+  // Longer than the reduce area: one collective per piece (every rank cuts the same pieces).
+  for (int64_t off = 0; off < n; off += reduce_floats_) {
+    const int64_t m = n - off < reduce_floats_ ? n - off : reduce_floats_;
+    float* y = x + off;
+    const uint64_t k = ++reduce_seq_;
+    float* area = reduce_data_ + (k % 2) * size_t(size_) * size_t(reduce_floats_);
+    std::memcpy(area + size_t(rank_) * size_t(reduce_floats_), y, size_t(m) * sizeof(float));
+    delay_link();
+    reduce_flags_[rank_].v.store(k, std::memory_order_release);
+    spin_until(reduce_flags_, k, "all_reduce");
+    for (int64_t i = 0; i < m; ++i) y[i] = area[i];
+    for (int q = 1; q < size_; ++q) {
+      const float* src = area + size_t(q) * size_t(reduce_floats_);
+      for (int64_t i = 0; i < m; ++i) y[i] += src[i];
+    }
   }
 }
 

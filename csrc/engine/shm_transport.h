@@ -2,7 +2,8 @@
 // segment: what the CPU decode executor calls for the program's lane ops (kog.parallel).
 //
 //   ShmTransport t(name, rank, size, reduce_floats, n_slots, slot_bytes, timeout_s);  // rank 0 creates
-//   t.all_reduce(x, n);            // x[0..n) f32 = the sum over ranks, in rank order (bit-identical everywhere)
+//   t.all_reduce(x, n);            // x[0..n) f32 = the sum over ranks, in rank order (bit-identical everywhere;
+//                                  // n > reduce_floats: piece by piece)
 //   t.publish(slot, part, bytes);  // a delayed all-gather: this rank's part of `slot`, returns at once
 //   const char* all = t.wait(slot);  // [size][slot_bytes]: every rank's part of its last publish
 //
@@ -41,6 +42,7 @@ class ShmTransport {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  int64_t slot_bytes() const { return slot_bytes_; }  // bytes between ranks' parts of a slot (wait())
 
   void all_reduce(float* x, int64_t n);
   void publish(int slot, const void* part, int64_t bytes);

@@ -82,6 +82,8 @@ void check_lanes(const Op& o, size_t i, const ModelDims& d) {
     KOG_CHECK(even, "program: op ", i, " (lane LINEAR) reads buffer ", o.in, " and writes ", o.out,
               ", which do not split into ", o.lanes, " lanes");
     KOG_CHECK(o.w_type == kWeightRunDtype, "program: op ", i, " is a lane LINEAR over a quantized weight");
+    KOG_CHECK(o.out != int32_t(Buffer::kLogits) || o.vocab_slice == (d.lane_ranks > 1 ? 1 : 0), "program: op ", i,
+              " (a lane LINEAR into LOGITS) must set vocab_slice exactly on a tensor-parallel rank");
   }
   if (!is_lane(op)) return;
   const int64_t lane_w = d.n_lanes * d.hidden;
@@ -120,9 +122,14 @@ void check_op(const Op& o, size_t i, const ModelDims& d) {
   check_weight_type(o, i, d);
   check_moe(o, i, d);
   check_lanes(o, i, d);
-  KOG_CHECK(op != Opcode::kAllReduce && op != Opcode::kAllGather, "program: op ", i, " is a collective (",
-            op == Opcode::kAllReduce ? "ALL_REDUCE" : "ALL_GATHER", "); a tensor-parallel rank's program runs on ",
-            "the program interpreter with a transport, not on a native executor yet");
+  KOG_CHECK(o.vocab_slice == 0 || (op == Opcode::kLinear && o.out == int32_t(Buffer::kLogits) && d.lane_ranks > 1 &&
+                                   o.vocab_slice == 1 && d.vocab % d.lane_ranks == 0),
+            "program: op ", i, " has vocab_slice ", o.vocab_slice, " (1 only on a LINEAR into LOGITS of a ",
+            "tensor-parallel rank whose ranks divide vocab ", d.vocab, ")");
+  KOG_CHECK((op != Opcode::kAllReduce && op != Opcode::kAllGather) ||
+                (d.lane_ranks > 1 && o.in == int32_t(Buffer::kLogits) && o.out == o.in),
+            "program: op ", i, " is a collective (", op == Opcode::kAllReduce ? "ALL_REDUCE" : "ALL_GATHER",
+            "): only a tensor-parallel rank's program (lane_ranks > 1) has them, in place on LOGITS");
   KOG_CHECK(o.window == 0 || (op == Opcode::kAttnDecode && o.window > 0), "program: op ", i, " has window ",
             o.window, " (a positive window on ATTN_DECODE only)");
   KOG_CHECK(o.n_deps >= 0 && o.n_deps <= kMaxDeps, "program: op ", i, " has ", o.n_deps, " deps (at most ",
@@ -159,6 +166,8 @@ void validate_dims(const ModelDims& d) {
             "model dims: ", d.n_lanes, " lanes must divide the query heads (", d.n_q_heads, "), the KV heads (",
             d.n_kv_heads, ") and intermediate (", d.intermediate, ")");
   KOG_CHECK(d.n_lanes == 1 || d.n_experts == 0, "model dims: lanes and experts in one model are not supported");
+  KOG_CHECK(d.lane_ranks >= 1 && d.lane_rank >= 0 && d.lane_rank < d.lane_ranks, "model dims: lane rank ",
+            d.lane_rank, " of ", d.lane_ranks);
 }
 
 void validate_program(const std::vector<Op>& ops, const ModelDims& d) {

@@ -53,6 +53,11 @@ struct ModelDims {
   int64_t n_lanes = 1;
   bool lane_norm_weights = false;
   int64_t lane_hist_slots = 0;
+  // Tensor parallelism over lanes (kog.parallel): this program is rank lane_rank of lane_ranks,
+  // holding lanes lane_rank n_lanes .. of n_lanes lane_ranks; its lane ops and collectives reduce
+  // over every rank through the executor's transport. LANE_HIST holds every rank's lanes.
+  int64_t lane_ranks = 1;
+  int64_t lane_rank = 0;
 };
 
 // The paged KV cache an executor writes and attends over (host or device memory).
@@ -99,6 +104,10 @@ struct Op {
   int32_t slot = -1;
   // ATTN_DECODE: 0, or a sliding window (PagedAttentionParams::window). 0 on every other op.
   int32_t window = 0;
+  // LINEAR into LOGITS on a tensor-parallel rank (lane_ranks > 1): 1 when it computes only the
+  // rank's vocabulary slice, columns [lane_logits_offset, + vocab / lane_ranks) (a
+  // vocabulary-parallel head; its ALL_GATHER fills the others), its weight that slice's rows.
+  int32_t vocab_slice = 0;
 };
 
 // Elements per batch row of buffer b (TOKENS: one int32 id; LOGITS: vocab in the run dtype).
@@ -109,7 +118,7 @@ KOG_HOST_DEVICE inline int64_t buffer_width(const ModelDims& d, int32_t b) {
     case Buffer::kResidual:
     case Buffer::kNormed: return d.n_lanes * d.hidden;
     case Buffer::kMerged: return d.hidden;
-    case Buffer::kLaneHist: return d.lane_hist_slots * d.n_lanes * d.hidden;
+    case Buffer::kLaneHist: return d.lane_hist_slots * d.n_lanes * d.lane_ranks * d.hidden;
     case Buffer::kQkv: return (d.n_q_heads + 2 * d.n_kv_heads) * d.head_dim;
     case Buffer::kAttn: return d.n_q_heads * d.head_dim;
     case Buffer::kGateUp: return 2 * d.intermediate;
@@ -132,9 +141,13 @@ KOG_HOST_DEVICE inline int lane_segments(const ModelDims& d, int32_t out, int64_
     seg[0] = seg[1] = d.intermediate;
     return 2;
   }
-  seg[0] = buffer_width(d, out);
+  // LOGITS: a rank's vocabulary slice (Op::vocab_slice; the whole vocabulary on one rank).
+  seg[0] = out == int32_t(Buffer::kLogits) ? d.vocab / d.lane_ranks : buffer_width(d, out);
   return 1;
 }
+
+// First LOGITS column a rank's lane LINEAR into LOGITS writes (its vocabulary slice; 0 on one rank).
+KOG_HOST_DEVICE inline int64_t lane_logits_offset(const ModelDims& d) { return d.lane_rank * (d.vocab / d.lane_ranks); }
 
 // Bytes per element of buffer b: TOKENS holds int32 ids and ROUTE 4-byte words (int32 ids, f32
 // weights), every other buffer the run dtype.

@@ -107,7 +107,8 @@ class LLM:
 
             dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else None
             runner = start_ranks(RankSpec(None if model is None else str(model), dtype_name, tensor_parallel_size,
-                                          num_blocks, block_size, num_host_blocks), loaded)
+                                          num_blocks, block_size, num_host_blocks,
+                                          max_rows=max(max_num_seqs, 32)), loaded)
         else:
             runner = ModelRunner(loaded, num_kv_blocks=num_blocks, block_size=block_size,
                                  num_host_blocks=num_host_blocks, device=device)

@@ -44,9 +44,29 @@ def run_sequence(r: ModelRunner) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def run_threads(config, weights, size):
-    group = ThreadGroup(size)
-    runners = [rank_runner(config, weights, r, size, group.transport(r)) for r in range(size)]
+def shm_transports(config, size):
+    """Every rank's end of a fresh shared-memory segment sized for config (rank 0 first)."""
+    from kog.parallel.transport import ShmRankTransport
+
+    name = f"/kog-test-tp-{os.getpid()}-{next(_SEGMENTS)}"
+    slots = 2 * config.lanes.hist_slots_per_kind if config.lanes else 0
+    lanes = (config.lanes.num_lanes if config.lanes else size) // size
+    return [ShmRankTransport(name, r, size, reduce_floats=4096, n_slots=slots,
+                             slot_bytes=32 * lanes * config.hidden_size * 4, timeout_s=30) for r in range(size)]
+
+
+_SEGMENTS = iter(range(10**6))
+
+
+def run_threads(config, weights, size, shm=False):
+    """Every rank's logits of the token sequence, ranks as threads: over a ThreadGroup (decode
+    through the interpreter) or shared memory (decode natively)."""
+    if shm:
+        transports = shm_transports(lane_form(config, size) if config.lanes is None else config, size)
+    else:
+        group = ThreadGroup(size)
+        transports = [group.transport(r) for r in range(size)]
+    runners = [rank_runner(config, weights, r, size, transports[r]) for r in range(size)]
     out, errors = [None] * size, []
 
     def work(r):
@@ -70,11 +90,12 @@ def run_threads(config, weights, size):
     ("no_comm", 2), ("pre_norm_agg", 2), ("vocab_parallel", 4), ("vocab_parallel", 2),
     ("window_last_layers_one_unclamped", 2), ("delay0_tied", 2),
 ])
-def test_ranks_as_threads_compute_what_one_process_computes(variant, size):
+@pytest.mark.parametrize("shm", [False, True], ids=["interpreted", "native_shm"])
+def test_ranks_as_threads_compute_what_one_process_computes(variant, size, shm):
     config = lane_model_config(**VARIANTS[variant])
     w = random_weights(config, seed=9)
     one = run_sequence(rank_runner(config, w, 0, 1, None))
-    ranks = run_threads(config, w, size)
+    ranks = run_threads(config, w, size, shm)
     for r in range(1, size):  # every rank ends with the same logits
         assert torch.equal(ranks[r], ranks[0])
     scale = one.abs().max().item()

@@ -53,7 +53,8 @@ def lane_dims(config: ModelConfig) -> dict:
     if lanes is None:
         return {}
     return dict(n_lanes=lanes.num_lanes, lane_norm_weights=not lanes.replicated_rmsn_scale,
-                lane_hist_slots=2 * lanes.hist_slots_per_kind)
+                lane_hist_slots=2 * lanes.hist_slots_per_kind, lane_ranks=config.shard.size,
+                lane_rank=config.shard.rank)
 
 
 def schedule_for(config: ModelConfig) -> list[Instruction]:
@@ -83,7 +84,8 @@ def lower(ins: Instruction, weights: dict[str, torch.Tensor]) -> _C.Op:
     w_type = w0.qtype if isinstance(w0, QuantizedWeight) else _C.WEIGHT_RUN_DTYPE
     return _C.Op(int(ins.opcode), ins.layer, int(bufs_in[0]) if bufs_in else -1, residual,
                  int(bufs_out[0]) if bufs_out else -1, ptrs[0], ptrs[1], sorted(ins.deps),
-                 w_type=w_type, lanes=ins.lanes, slot=slots[0] if slots else -1, window=ins.window)
+                 w_type=w_type, lanes=ins.lanes, slot=slots[0] if slots else -1, window=ins.window,
+                 vocab_slice=int(ins.vocab_slice))
 
 
 def lower_program(program: list[Instruction], weights: dict[str, torch.Tensor]) -> list[_C.Op]:

@@ -88,10 +88,14 @@ class ModelRunner:
         self._interpreter = ProgramInterpreter(c, self.program, self.weights, self.kv.kv, self.inv_freq, transport)
         self._executor = None
         if c.shard.size > 1:
-            # NOTE: a tensor-parallel rank decodes through the interpreter: the native executors
-            # have no transport for the program's collectives yet (issue 19).
+            # A tensor-parallel rank decodes natively when its transport is the shared-memory one
+            # (the executor drives it), else through the interpreter.
             if self.device.type != "cpu":
                 raise InvalidRequest("tensor-parallel ranks run on the CPU only for now")
+            native = getattr(transport, "native", None)
+            if native is not None:
+                self._executor = build_executor(c, self.weights, self.kv.kv, block_size, self.inv_freq)
+                self._executor.set_transport(native)
         elif self.device.type == "cuda":
             from kog.models.gpu_decode import GpuDecoder
 

@@ -18,6 +18,7 @@ module with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import socket
 import subprocess
@@ -31,7 +32,7 @@ import torch
 
 from kog.errors import InvalidRequest
 from kog.parallel.shard import lane_form, shard_config, shard_weights
-from kog.parallel.transport import TorchDistTransport, TransportError
+from kog.parallel.transport import ShmRankTransport, TorchDistTransport, TransportError
 
 # Seconds a collective may wait for the slowest rank before it fails (TransportError).
 COLLECTIVE_TIMEOUT_S = 120.0
@@ -47,6 +48,8 @@ class RankSpec:
     num_kv_blocks: int
     block_size: int
     num_host_blocks: int
+    max_rows: int = 32           # the largest decode batch (sizes the shared-memory transport)
+    shm_name: str | None = None  # the ranks' shared-memory segment (one host); None: gloo only
 
 
 @dataclass(frozen=True)
@@ -69,11 +72,22 @@ def build_rank_runner(spec: RankSpec, rank: int, transport, loaded=None):
                              "or 'bfloat16'")
     local = shard_config(lane_form(loaded.config, spec.size) if loaded.config.lanes is None else loaded.config,
                          rank, spec.size)
-    import dataclasses
+    if spec.shm_name is not None:  # ranks on one host: shared memory for prefill and native decode
+        transport = shm_transport(spec, local, rank)
 
     model = dataclasses.replace(loaded, config=local, weights=shard_weights(local, loaded.weights))
     return ModelRunner(model, num_kv_blocks=spec.num_kv_blocks, block_size=spec.block_size,
                        num_host_blocks=spec.num_host_blocks, transport=transport), loaded
+
+
+def shm_transport(spec: RankSpec, local, rank: int) -> ShmRankTransport:
+    """This rank's end of the host's shared-memory segment, sized for the model's collectives:
+    all-reduces of [rows, hidden] (and of logits, in pieces), gathers of [rows, lanes, hidden]."""
+    lanes, h = local.lanes, local.hidden_size
+    elem = 2 if spec.dtype in ("bfloat16", "float16", "half", "bf16", "fp16", "f16") else 4
+    return ShmRankTransport(spec.shm_name, rank, spec.size, reduce_floats=min(1 << 20, spec.max_rows * max(
+        h, local.vocab_size)), n_slots=2 * lanes.hist_slots_per_kind, slot_bytes=spec.max_rows * lanes.num_lanes * h * elem,
+        timeout_s=COLLECTIVE_TIMEOUT_S)
 
 
 def init_groups(rank: int, size: int, addr: str, port: int):
@@ -164,6 +178,8 @@ def start_ranks(spec: RankSpec, loaded=None) -> ParallelRunner:
     if loaded is not None:  # a bad split fails here, before any process starts
         shard_config(lane_form(loaded.config, spec.size) if loaded.config.lanes is None else loaded.config, 0, spec.size)
     addr, port = "127.0.0.1", _free_port()
+    if spec.shm_name is None:
+        spec = dataclasses.replace(spec, shm_name=f"/kog-tp-{os.getpid()}-{port}")
     env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in [_package_root(), os.environ.get("PYTHONPATH")] if p)}
     procs = [subprocess.Popen([sys.executable, "-m", "kog.parallel.worker", "--rank", str(r), "--addr", addr,
                                "--port", str(port), "--spec", _encode(spec)], env=env)

@@ -8,7 +8,9 @@ order). A rank that never arrives makes the others fail after `timeout_s` (Trans
 never hang.
 
 ThreadGroup runs the ranks as threads of one process (tests; one host without processes);
-TorchDistTransport uses a torch.distributed process group (gloo on the CPU).
+TorchDistTransport uses a torch.distributed process group (gloo on the CPU); ShmRankTransport is
+the ranks of one host over shared memory (kog._C.ShmTransport), which the native decode
+executor also drives directly.
 """
 
 from __future__ import annotations
@@ -109,3 +111,28 @@ def init_gloo(rank: int, size: int, addr: str, port: int, timeout_s: float = 60.
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
     return TorchDistTransport()
+
+
+class ShmRankTransport:
+    """A rank's end of a shared-memory segment: the interpreter's collectives here, the native
+    executor's through `.native` (the same segment and sequence, so both keep the ranks in step).
+    all_gather is an all-reduce of rows that are zero outside this rank's columns (exact)."""
+
+    def __init__(self, name: str, rank: int, size: int, reduce_floats: int, n_slots: int, slot_bytes: int,
+                 timeout_s: float) -> None:
+        from kog import _C
+
+        self.rank, self.size = rank, size
+        self.native = _C.ShmTransport(name, rank, size, reduce_floats, max(n_slots, 1), slot_bytes, timeout_s)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float().contiguous().clone()
+        self.native.all_reduce(out.data_ptr(), out.numel())
+        return out.to(x.dtype)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        w = x.shape[1]
+        full = x.new_zeros(x.shape[0], self.size * w, dtype=torch.float32)
+        full[:, self.rank * w:(self.rank + 1) * w] = x.float()
+        self.native.all_reduce(full.data_ptr(), full.numel())
+        return full.to(x.dtype)

@@ -74,7 +74,7 @@ def lane_lm_head(p: ProgramBuilder, lanes: LaneConfig, tied: bool, sharded: bool
             if sharded:
                 p.op(Opcode.ALL_REDUCE, -1, (B.LOGITS,), (B.LOGITS,), (), s)
         else:  # vocab_parallel: lane l's stream gives vocabulary rows l V/L .. (l + 1) V/L
-            p.op(Opcode.LINEAR, -1, (B.NORMED,), (B.LOGITS,), (head,), s, lanes=lanes.num_lanes)
+            p.op(Opcode.LINEAR, -1, (B.NORMED,), (B.LOGITS,), (head,), s, lanes=lanes.num_lanes, vocab_slice=sharded)
             if sharded:
                 p.op(Opcode.ALL_GATHER, -1, (B.LOGITS,), (B.LOGITS,), (), s)
     p.op(Opcode.SAMPLE, -1, (B.LOGITS,), (B.TOKENS,), (), s)

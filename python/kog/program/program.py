@@ -43,6 +43,7 @@ class Instruction:
     rows: Rows = Rows.ALL
     lanes: int = 1                # LINEAR: 1, or the lanes of a lane projection (csrc/schedule/program.h Op::lanes)
     window: int = 0               # ATTN_DECODE: 0, or a sliding window (the last `window` positions)
+    vocab_slice: bool = False     # LINEAR into LOGITS: a tensor-parallel rank's vocabulary slice (Op::vocab_slice)
 
 
 def hist_slot(slot: int) -> str:
@@ -64,8 +65,9 @@ class ProgramBuilder:
         self._ops: list[tuple[Opcode, int, tuple, tuple, tuple, Rows]] = []
 
     def op(self, opcode: Opcode, layer: int, reads: tuple[Resource, ...], writes: tuple[Resource, ...],
-           weights: tuple[str, ...] = (), rows: Rows = Rows.ALL, lanes: int = 1, window: int = 0) -> None:
-        self._ops.append((opcode, layer, tuple(reads), tuple(writes), tuple(weights), rows, lanes, window))
+           weights: tuple[str, ...] = (), rows: Rows = Rows.ALL, lanes: int = 1, window: int = 0,
+           vocab_slice: bool = False) -> None:
+        self._ops.append((opcode, layer, tuple(reads), tuple(writes), tuple(weights), rows, lanes, window, vocab_slice))
 
     def build(self) -> list[Instruction]:
         return with_dependencies(self._ops)
