@@ -29,7 +29,8 @@ from kog.loader.weights import Weights, check_shape, expected_shapes, progress_b
 
 # GGUF `general.architecture` -> Kog family. Mistral GGUFs are written with the llama architecture.
 # A llama GGUF with llama.expert_count > 0 is Mixtral.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                      "qwen2moe": "qwen2_moe"}
 
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -49,6 +50,10 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # the MoE router [E, hidden]
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # qwen2moe's shared expert: its sigmoid gate [1, hidden]
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # Stacked experts (llama.cpp's *_exps, [E, rows, cols] in torch order) -> (Kog's stacked tensor,
 # part): gate and up are concatenated per expert into gate_up_proj (kog.loader.moe).
@@ -125,14 +130,17 @@ class GGUFCheckpoint:
         if family == "llama" and int(self.get("llama.expert_count") or 0) > 0:
             family = "mixtral"
         moe: dict[str, Any] = {}
-        if family in ("qwen3_moe", "mixtral"):
+        if family in ("qwen3_moe", "mixtral", "qwen2_moe"):
             n_layers = int(key("block_count"))
-            # NOTE: llama.cpp renormalizes Qwen3-MoE's top-k weights unless the file says otherwise.
+            # NOTE: llama.cpp renormalizes Qwen3-MoE's and Mixtral's top-k weights, not Qwen2-MoE's,
+            # unless the file says otherwise (kog.loader.gguf_write.NORM_TOPK_DEFAULT).
             moe = dict(num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
-                       moe_intermediate_size=int(key("expert_feed_forward_length") if family == "qwen3_moe"
-                                                 else key("feed_forward_length")),
-                       norm_topk_prob=bool(self.get(f"{arch}.expert_weights_norm", True)),
+                       moe_intermediate_size=int(key("feed_forward_length") if family == "mixtral"
+                                                 else key("expert_feed_forward_length")),
+                       norm_topk_prob=bool(self.get(f"{arch}.expert_weights_norm", family != "qwen2_moe")),
                        moe_layers=tuple(n for n in range(n_layers) if f"blk.{n}.ffn_gate_exps.weight" in self.tensors))
+            if family == "qwen2_moe":
+                moe["shared_expert_intermediate_size"] = int(key("expert_shared_feed_forward_length"))
         return ModelConfig(
             architecture=family,
             hidden_size=hidden,
