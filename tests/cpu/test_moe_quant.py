@@ -159,39 +159,61 @@ def test_quantized_gguf_keeps_expert_blocks_and_decodes_like_it_dequantized(tmp_
     assert got_ids == want_ids
 
 
-def test_gate_and_up_of_different_types_run_as_one_q8_0_stack(tmp_path):
-    # llama.cpp's mixes may store ffn_up_exps in another type than ffn_gate_exps; one expert GEMM
-    # needs one type, so the loader re-encodes the pair as Q8_0 (adding at most amax / 254 per
-    # value to the file's rounding: logits within 2e-2 x max|logit| of the file dequantized).
+def retyped(src, dst, types: dict[str, T]):
+    """dst: the GGUF src with each tensor whose name ends with a key of `types` re-encoded in that type."""
     import gguf
 
-    config = tiny_config("qwen3_moe", max_position_embeddings=256)
-    w = random_weights(config, seed=6)
-    for layer in config.moe_layers:
-        w[f"model.layers.{layer}.mlp.gate.weight"] *= 25
-    src = write_gguf_model(tmp_path / "q8.gguf", config, w, qtype="Q8_0")
     reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(tmp_path / "mixed.gguf", "qwen3moe")
+    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
     for field in reader.fields.values():
         if not field.name.startswith(("GGUF.", "general.architecture")):
             vtype = field.types[0]
             writer.add_key_value(field.name, field.contents(), vtype,
                                  sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
     for t in reader.tensors:
-        if t.name.endswith("ffn_up_exps.weight"):
+        new = next((q for suffix, q in types.items() if t.name.endswith(suffix)), None)
+        if new is not None:
             values = quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-            writer.add_tensor(t.name, quants.quantize(values, T.Q4_0), raw_dtype=T.Q4_0)
+            writer.add_tensor(t.name, quants.quantize(values, new), raw_dtype=new)
         else:
             writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type if t.tensor_type != T.F32 else None)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    kept = load_model(tmp_path / "mixed.gguf")
+    return dst
+
+
+def q8_0_moe_file(tmp_path):
+    config = tiny_config("qwen3_moe", max_position_embeddings=256)
+    w = random_weights(config, seed=6)
+    for layer in config.moe_layers:
+        w[f"model.layers.{layer}.mlp.gate.weight"] *= 25
+    return config, write_gguf_model(tmp_path / "q8.gguf", config, w, qtype="Q8_0")
+
+
+def test_gate_and_up_of_different_types_run_as_one_q8_0_stack(tmp_path):
+    # llama.cpp's mixes may store ffn_up_exps in another type than ffn_gate_exps; one expert GEMM
+    # needs one type, so the loader re-encodes the pair as Q8_0 (adding at most amax / 254 per
+    # value to the file's rounding: logits within 2e-2 x max|logit| of the file dequantized).
+    config, src = q8_0_moe_file(tmp_path)
+    path = retyped(src, tmp_path / "mixed.gguf", {"ffn_up_exps.weight": T.Q4_0})
+    kept = load_model(path)
     stack = kept.weights[f"model.layers.{config.moe_layers[0]}.mlp.experts.gate_up_proj"]
     assert isinstance(stack, QuantizedWeight) and stack.type_name == "Q8_0"
-    dequantized = load_model(tmp_path / "mixed.gguf", dtype="float32")
+    dequantized = load_model(path, dtype="float32")
     got_ids, got = greedy(kept, list(range(5, 45)), N_TOKENS)
     want_ids, want = greedy(dequantized, list(range(5, 45)), N_TOKENS)
     assert (got - want).abs().max() <= 2e-2 * want.abs().max()
     assert got_ids == want_ids
+
+
+def test_expert_stack_of_a_type_without_kernels_is_a_load_error_naming_it(tmp_path):
+    # Q5_0 has no native kernel: kept quantized it is refused by name, as a dense matrix would
+    # be; dtype="float32" dequantizes it.
+    config, src = q8_0_moe_file(tmp_path)
+    path = retyped(src, tmp_path / "q5.gguf", {"blk.0.ffn_down_exps.weight": T.Q5_0})
+    with pytest.raises(kog.ModelLoadError, match=r"'blk\.0\.ffn_down_exps\.weight' has type Q5_0"):
+        load_model(path)
+    floats = load_model(path, dtype="float32")
+    assert floats.weights["model.layers.0.mlp.experts.down_proj"].shape == (4, 64, 32)
