@@ -89,8 +89,8 @@ def assert_close_greedy(quant, floats, prompt):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_quantized_experts_run_like_the_dequantized_stacks(arch, gate_up, down, width):
     quant, floats = quantized_pair(arch, gate_up, down, width)
-    ops = lower_program(ModelRunner(quant, num_kv_blocks=4, block_size=BS).program,
-                        ModelRunner(quant, num_kv_blocks=4, block_size=BS).weights)
+    r = ModelRunner(quant, num_kv_blocks=4, block_size=BS)
+    ops = lower_program(r.program, r.weights)
     moe = [o for o in ops if o.opcode == int(kog.program.Opcode.MOE_EXPERTS)]
     assert moe and all((o.w_type, o.w1_type) == (int(gate_up), int(down)) for o in moe)
     prompt = np.random.default_rng(1).integers(3, quant.config.vocab_size, 40).tolist()
@@ -217,3 +217,37 @@ def test_expert_stack_of_a_type_without_kernels_is_a_load_error_naming_it(tmp_pa
         load_model(path)
     floats = load_model(path, dtype="float32")
     assert floats.weights["model.layers.0.mlp.experts.down_proj"].shape == (4, 64, 32)
+
+
+def test_validate_program_checks_the_expert_stacks_types():
+    from kog import _C
+    from kog.models.decode import model_dims
+
+    quant, _ = quantized_pair("qwen3_moe", T.Q4_K, T.Q6_K, 256)
+    r = ModelRunner(quant, num_kv_blocks=4, block_size=BS)
+    ops = lower_program(r.program, r.weights)
+    dims = model_dims(quant.config, torch.float32)
+    _C.validate_program(ops, dims)
+    i = next(i for i, o in enumerate(ops) if o.opcode == int(kog.program.Opcode.MOE_EXPERTS))
+    lin = next(i for i, o in enumerate(ops) if o.opcode == int(kog.program.Opcode.LINEAR))
+
+    def with_types(k, w_type, w1_type):
+        o = ops[k]
+        return ops[:k] + [_C.Op(o.opcode, o.layer, o.in_, o.residual, o.out, o.w0, o.w1, o.deps, w_type=w_type,
+                                w1_type=w1_type)] + ops[k + 1:]
+
+    with pytest.raises(kog.InvalidRequest, match=f"op {lin} .* has w1 type 8: only MOE_EXPERTS' down"):
+        _C.validate_program(with_types(lin, _C.WEIGHT_RUN_DTYPE, int(T.Q8_0)), dims)
+    with pytest.raises(kog.InvalidRequest, match="has w1 type 6"):
+        _C.validate_program(with_types(i, int(T.Q4_K), 6), dims)
+    with pytest.raises(kog.InvalidRequest, match="run dtype is bf16|run dtype is bfloat16"):
+        _C.validate_program(ops, model_dims(quant.config, torch.bfloat16))
+    narrow, _ = quantized_pair("qwen3_moe", T.Q8_0, T.Q8_0, 64)  # 64-wide rows: not whole Q4_K blocks
+    rn = ModelRunner(narrow, num_kv_blocks=4, block_size=BS)
+    narrow_ops = lower_program(rn.program, rn.weights)
+    j = next(i for i, o in enumerate(narrow_ops) if o.opcode == int(kog.program.Opcode.MOE_EXPERTS))
+    o = narrow_ops[j]
+    bad = narrow_ops[:j] + [_C.Op(o.opcode, o.layer, o.in_, o.residual, o.out, o.w0, o.w1, o.deps,
+                                  w_type=int(T.Q8_0), w1_type=int(T.Q4_K))] + narrow_ops[j + 1:]
+    with pytest.raises(kog.InvalidRequest, match="rows of 64 elements, not whole Q4_K blocks"):
+        _C.validate_program(bad, model_dims(narrow.config, torch.float32))
