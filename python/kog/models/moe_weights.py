@@ -6,7 +6,10 @@
 
 S = config.shared_expert_slots. A quantized stack (a GGUF's `ffn_*_exps` kept in its blocks) is 2-D:
 expert e's matrix is its rows [e n, (e + 1) n), so an expert is a byte offset, as in a float stack.
-The two stacks are independent: either may be quantized (of any native type) or float.
+The two stacks are independent: either may be quantized (of any native type) or float. qwen2_moe's
+shared expert joins a quantized stack in blocks when its matrices have the stack's type; otherwise
+(an F16 shared down of a width that is not whole blocks, another block type) that stack runs
+dequantized, in f32.
 """
 
 from __future__ import annotations
