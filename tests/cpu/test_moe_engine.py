@@ -1,7 +1,8 @@
 """The engine's features on mixture-of-experts models, through kog.LLM: an agent session, forks,
 the prefix cache, structured output and n-gram speculation each give what the same model gives
 without the feature (fresh stateless runs of the same full context, prefix caching off, plain
-greedy). Tiny random checkpoints written by transformers (test_moe.hf_moe), every MoE family.
+greedy). Tiny random checkpoints written by transformers (test_moe.hf_moe), every MoE family, and
+qwen2_moe as a Q8_0 GGUF whose experts run in their blocks.
 
 Every comparison is exact (greedy token ids): the features change which tokens are prefilled
 where -- a cached prefix, a session's parked KV, a fork's copy-on-write blocks, jump-forward runs
@@ -23,16 +24,30 @@ pytest.importorskip("transformers")
 GREEDY = kog.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe", "qwen2_moe-q8_0.gguf"])
 def folder(request, tmp_path_factory):
-    family, overrides = MODELS[request.param]
-    path = tmp_path_factory.mktemp(request.param)
+    """The model to load: an HF folder, or (".gguf") that folder written by kog convert as Q8_0,
+    loaded with its expert stacks (the shared expert's included) in blocks."""
+    name = request.param.removesuffix("-q8_0.gguf")
+    family, overrides = MODELS[name]
+    path = tmp_path_factory.mktemp(name)
     hf_moe(path, family, **overrides)
+    if request.param.endswith(".gguf"):
+        from kog.loader.gguf_write import hf_to_gguf
+
+        from kog.loader import load_model
+        from kog.quantized import QuantizedWeight
+
+        hf_to_gguf(path, path / "m.gguf", "q8_0")
+        stack = load_model(path / "m.gguf").weights["model.layers.0.mlp.experts.gate_up_proj"]
+        assert isinstance(stack, QuantizedWeight)
+        return path / "m.gguf"
     return path
 
 
-def make_llm(folder, **kw) -> kog.LLM:
-    return kog.LLM(str(folder), "float32", kv_cache_gib=0.02, block_size=16, max_num_batched_tokens=64, **kw)
+def make_llm(path, **kw) -> kog.LLM:
+    dtype = None if str(path).endswith(".gguf") else "float32"  # GGUF: blocks kept (f32 activations)
+    return kog.LLM(str(path), dtype, kv_cache_gib=0.02, block_size=16, max_num_batched_tokens=64, **kw)
 
 
 def tokens(n: int, seed: int) -> list[int]:
