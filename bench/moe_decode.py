@@ -11,7 +11,9 @@ GGUF by `kog convert` (hf_to_gguf), cached under --cache (default build/moe-benc
 run that GGUF in bf16, the same thread count.
 
 Table 1, batch 1: decode tok/s of Kog and llama.cpp (llama-cpp-python), the engines alternating
-run by run; MB/tok = bytes of the weights one step reads (active only: attention, router, 8 of
+run by run, on the BF16 file and on the same model as Q8_0 (`kog convert --outtype q8_0` of the
+BF16 file, cached beside it; Kog keeps the experts' Q8_0 blocks and runs the quantized GEMV on
+the chosen experts' rows); MB/tok = bytes of the weights one step reads (active only: attention, router, 8 of
 the 64 experts per layer, LM head); % triad = MB/tok x tok/s over the best STREAM triad of the
 run (bench/cpu_decode.py's triad_gbs), % adj against the triads just before and after each run.
 
@@ -67,13 +69,23 @@ def model_files(cache: Path) -> Path:
     return gguf_path
 
 
+def q8_0_file(bf16: Path) -> Path:
+    """The bench model as Q8_0 (written from the BF16 file on first use)."""
+    from kog.loader.gguf_write import requantize_gguf
+
+    path = bf16.with_name(bf16.name.replace("-bf16", "-q8_0"))
+    if not path.exists():
+        requantize_gguf(bf16, path, "q8_0")
+    return path
+
+
 def active_bytes(model) -> int:
     """Bytes of weights one batch-1 decode step reads: every matrix but the embedding, the
     stacked experts scaled by top_k / experts (the chosen ones), the LM head."""
     c = model.config
     total = 0
     for name, t in model.weights.items():
-        if name == "model.embed_tokens.weight" or t.dim() < 2:
+        if name == "model.embed_tokens.weight" or len(t.shape) < 2:  # QuantizedWeight: shape, no dim()
             continue
         share = c.num_experts_per_tok / c.num_experts if ".mlp.experts." in name else 1
         total += int(t.nbytes * share)
@@ -150,18 +162,22 @@ def main() -> None:
     args = ap.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     path = model_files(args.cache)
+    q8_path = q8_0_file(path)
     threads = torch.get_num_threads()
-    model = load_model(path, progress=False)
-    nbytes = active_bytes(model)
-    runs: dict[str, list[tuple[float, float]]] = {"kog": [], "llama.cpp": []}
-    engines = {"kog": kog_decode(model, 1, args.prompt, args.new_tokens)}
+    model, q8 = load_model(path, progress=False), load_model(q8_path, progress=False)
+    nbytes = {"kog": active_bytes(model), "kog q8_0": active_bytes(q8)}
+    engines = {"kog": kog_decode(model, 1, args.prompt, args.new_tokens),
+               "kog q8_0": kog_decode(q8, 1, args.prompt, args.new_tokens)}
     if not args.no_llama_cpp:
         import llama_cpp
 
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=args.prompt + args.new_tokens + 8, n_batch=512,
-                              n_threads=threads, n_threads_batch=threads, verbose=False)
-        engines["llama.cpp"] = llama_cpp_decode(llm, args.prompt, args.new_tokens)
-    for _ in range(args.repeats):  # alternate: a drift of the host hits both engines
+        for name, file in (("llama.cpp", path), ("llama.cpp q8_0", q8_path)):
+            llm = llama_cpp.Llama(model_path=str(file), n_ctx=args.prompt + args.new_tokens + 8, n_batch=512,
+                                  n_threads=threads, n_threads_batch=threads, verbose=False)
+            engines[name] = llama_cpp_decode(llm, args.prompt, args.new_tokens)
+            nbytes[name] = nbytes["kog" + name[len("llama.cpp"):]]
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
+    for _ in range(args.repeats):  # alternate: a drift of the host hits every engine
         for name, run in engines.items():
             runs[name] += paired_runs(run, 1)
     b8 = {True: [], False: []}
@@ -179,21 +195,22 @@ def main() -> None:
           f"experts x {c.moe_intermediate_size}, top-{c.num_experts_per_tok}), {path.name}, bf16, {threads} threads; "
           f"decode {args.new_tokens} tokens after {args.prompt}, best of {args.repeats} alternating; "
           f"triad {bw:.1f} GB/s")
-    print(f"{'engine':<12}{'tok/s':>8}{'MB/tok':>8}{'GB/s':>7}{'% triad':>9}{'% adj':>7}")
+    print(f"{'engine':<16}{'tok/s':>8}{'MB/tok':>8}{'GB/s':>7}{'% triad':>9}{'% adj':>7}")
     best = {}
     for name, r in runs.items():
-        if not r:
-            continue
+        n = nbytes[name]
         tps = best[name] = max(t for t, _ in r)
-        adj = float(np.median([t * nbytes / 1e9 / tri for t, tri in r]))
-        print(f"{name:<12}{tps:>8.2f}{nbytes / 1e6:>8.1f}{tps * nbytes / 1e9:>7.2f}{100 * tps * nbytes / 1e9 / bw:>8.0f}%"
+        adj = float(np.median([t * n / 1e9 / tri for t, tri in r]))
+        print(f"{name:<16}{tps:>8.2f}{n / 1e6:>8.1f}{tps * n / 1e9:>7.2f}{100 * tps * n / 1e9 / bw:>8.0f}%"
               f"{100 * adj:>6.0f}%")
+    print(f"kog q8_0 / kog bf16 at batch 1: {best['kog q8_0'] / best['kog']:.2f}x")
     if "llama.cpp" in best:
-        print(f"kog / llama.cpp at batch 1: {best['kog'] / best['llama.cpp']:.2f}x (llama.cpp {llama_cpp.__version__})")
+        print(f"kog / llama.cpp at batch 1: bf16 {best['kog'] / best['llama.cpp']:.2f}x, q8_0 "
+              f"{best['kog q8_0'] / best['llama.cpp q8_0']:.2f}x (llama.cpp {llama_cpp.__version__})")
     on, off = max(b8[True]), max(b8[False])
     per_expert = sum(t.nbytes for n, t in model.weights.items() if ".mlp.experts." in n) // (
         c.num_experts * len(distinct))
-    dense = nbytes - c.num_experts_per_tok * per_expert * len(distinct)
+    dense = nbytes["kog"] - c.num_experts_per_tok * per_expert * len(distinct)
     reads = {True: dense + sum(distinct) * per_expert, False: dense + 8 * c.num_experts_per_tok * len(distinct) * per_expert}
     print(f"\nbatch 8, {args.new_tokens // 2} steps, Kog: rows choose {np.mean(distinct):.1f} distinct experts per layer "
           f"(of 8 x {c.num_experts_per_tok} choices; {min(distinct)}-{max(distinct)} over the layers, one step)")

@@ -98,6 +98,11 @@ class DecodeExecutor {
   void route_part(const Op& op, int64_t batch, uint32_t epoch, int t);
   void route(int64_t batch);
   void experts_part(const Op& op, int64_t batch, int t, int nt);
+  // Bytes of one k-wide row of an expert matrix stored as w_type (run dtype or a QuantType).
+  int64_t expert_row_bytes(int32_t w_type, int64_t k) const;
+  // One expert GEMM's share of thread t (float or quantized weights; epoch from the row queue).
+  void expert_gemm(const char* w, int32_t w_type, char* out, const char* in, int64_t m, int64_t n, int64_t k,
+                   float* scratch, uint32_t epoch, int t);
   void plan_barriers();
 
   ModelDims d_;

@@ -48,6 +48,27 @@ bool merge_rows_per_expert() {
 
 }  // namespace
 
+int64_t DecodeExecutor::expert_row_bytes(int32_t w_type, int64_t k) const {
+  if (w_type == schedule::kWeightRunDtype) return k * elem_;
+  const QuantTypeInfo info = quant_type_info(QuantType(w_type));
+  return k / info.elems * info.bytes;
+}
+
+// out [m, n] = in [m, k] @ w^T for one expert's matrix w (run dtype, or blocks of w_type: then the
+// run dtype is f32 (validate_program) and x is quantized in kQuantXStages int8 stages, as the
+// dense quantized LINEAR; the thread's scratch slice holds its quantized x, 3 m k bytes <= 4 m k).
+void DecodeExecutor::expert_gemm(const char* w, int32_t w_type, char* out, const char* in, int64_t m, int64_t n,
+                                 int64_t k, float* scratch, uint32_t epoch, int t) {
+  if (w_type == schedule::kWeightRunDtype) {
+    cpu::kernels().linear_part({out, in, w, nullptr, m, n, k, k, n, d_.dtype}, scratch, *row_queue_, epoch, t);
+    return;
+  }
+  LinearQuantParams p{reinterpret_cast<float*>(out), in, reinterpret_cast<const uint8_t*>(w), scratch, m, n, k, k, n,
+                      d_.dtype, QuantType(w_type)};
+  p.x_stages = kQuantXStages;
+  cpu::kernels().linear_quant_part(p, *row_queue_, epoch, t);
+}
+
 // route[b] = ids of the top_k experts of softmax(x[b] @ router^T) and their weights (renormalized
 // to sum 1 with norm_topk), then the shared slots E.. with weight sigmoid(x[b] @ router[E]). The
 // logits are rounded to the run dtype, as the interpreter's GEMM rounds them; the rest in f32.
@@ -106,7 +127,9 @@ void DecodeExecutor::route(int64_t batch) {
 // into its row's f32 sum in ascending expert order (as the interpreter adds them) and stores out.
 // NOTE: rows that chose the same expert run as one GEMM over that expert's weights (each chosen
 // expert's matrices are read once per step, however many rows chose it, and an expert no row
-// chose is never read), unless KOG_MOE_MERGE=0 (then one GEMM per pair).
+// chose is never read), unless KOG_MOE_MERGE=0 (then one GEMM per pair). Quantized stacks
+// (op.w_type / op.w1_type a QuantType) are read in their blocks by the quantized GEMV, only the
+// chosen experts' rows.
 void DecodeExecutor::experts_part(const Op& op, int64_t batch, int t, int nt) {
   // K: slots per row (routed + shared), E: stacked experts (routed + shared slices), P: pairs
   const int64_t E = d_.n_experts + d_.shared_slots, K = d_.top_k + d_.shared_slots, P = batch * K;
@@ -135,29 +158,24 @@ void DecodeExecutor::experts_part(const Op& op, int64_t batch, int t, int nt) {
   const bool merge = merge_rows_per_expert();
   uint32_t epoch = epoch_base_ + program_epochs_ + moe_epochs_;
   float* scratch = scratch_.data() + t * scratch_stride_;
-  // One GEMM per group of pairs (an expert's, or one pair when not merging): rows [first, first + m).
-  auto gemms = [&](auto&& params) {
+  // One GEMM per group of pairs (an expert's, or one pair when not merging): out rows
+  // [first, first + m) = in rows [first, first + m) @ expert e's [n, k] matrix of the stack w.
+  auto gemms = [&](const void* w, int32_t w_type, char* out, const char* in, int64_t n, int64_t k) {
+    const int64_t expert_bytes = n * expert_row_bytes(w_type, k);
     for (int64_t e = 0; e < E; ++e)
       for (int64_t first = moe_start_[size_t(e)], end = moe_start_[size_t(e + 1)]; first < end;) {
         const int64_t m = merge ? end - first : 1;
-        cpu::kernels().linear_part(params(e, first, m), scratch, *row_queue_, epoch++, t);
+        expert_gemm(static_cast<const char*>(w) + e * expert_bytes, w_type, out + first * n * elem_,
+                    in + first * k * elem_, m, n, k, scratch, epoch++, t);
         first += m;
       }
   };
-  const char* w_gu = static_cast<const char*>(op.w0);
-  const char* w_down = static_cast<const char*>(op.w1);
-  gemms([&](int64_t e, int64_t first, int64_t m) {
-    return LinearParams{gu + first * 2 * I * elem_, x + first * H * elem_, w_gu + e * 2 * I * H * elem_, nullptr,
-                        m, 2 * I, H, H, 2 * I, d_.dtype};
-  });
+  gemms(op.w0, op.w_type, gu, x, 2 * I, H);
   pool.barrier();
   const int64_t lo = P * t / nt, hi = P * (t + 1) / nt;
   if (hi > lo) cpu::kernels().silu_and_mul({act + lo * I * elem_, gu + lo * 2 * I * elem_, hi - lo, I, 2 * I, I, d_.dtype});
   pool.barrier();
-  gemms([&](int64_t e, int64_t first, int64_t m) {
-    return LinearParams{y + first * H * elem_, act + first * I * elem_, w_down + e * H * I * elem_, nullptr,
-                        m, H, I, I, H, d_.dtype};
-  });
+  gemms(op.w1, op.w1_type, y, act, H, I);
   pool.barrier();
   if (t != 0) return;
   moe_epochs_ = epoch - (epoch_base_ + program_epochs_);

@@ -42,19 +42,15 @@ void check_moe(const Op& o, size_t i, const ModelDims& d) {
   }
 }
 
-// A quantized weight: a type this build has kernels for, on EMBED or LINEAR, rows of whole
-// blocks (k = the input width; EMBED's rows are hidden wide), in an f32 run.
-void check_weight_type(const Op& o, size_t i, const ModelDims& d) {
-  if (o.w_type == kWeightRunDtype) return;
-  const QuantTypeInfo info = quant_type_info(QuantType(o.w_type));
-  KOG_CHECK(info.name != nullptr, "program: op ", i, " has weight type ", o.w_type,
+// A quantized weight: a type this build has kernels for, on EMBED, LINEAR or MOE_EXPERTS (w1 on
+// MOE_EXPERTS only), rows of whole blocks (k = the input width; EMBED's rows and an expert's
+// gate_up rows are hidden wide, its down rows expert_intermediate wide), in an f32 run.
+void check_quant_type(int32_t type, const char* which, int64_t k, size_t i, const ModelDims& d) {
+  const QuantTypeInfo info = quant_type_info(QuantType(type));
+  KOG_CHECK(info.name != nullptr, "program: op ", i, " has ", which, " type ", type,
             " (supported: the run dtype or Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
-  const auto op = Opcode(o.op);
-  KOG_CHECK(op == Opcode::kEmbed || op == Opcode::kLinear, "program: op ", i, " (opcode ", o.op,
-            ") cannot read a ", info.name, " weight: only EMBED and LINEAR take quantized weights");
   KOG_CHECK(d.dtype == DType::kF32, "program: op ", i, " reads a ", info.name, " weight but the run dtype is ",
             dtype_name(d.dtype), " (quantized weights run with f32 activations)");
-  const int64_t k = op == Opcode::kEmbed ? d.hidden : buffer_width(d, o.in);
   KOG_CHECK(k % info.elems == 0, "program: op ", i, " has rows of ", k, " elements, not whole ", info.name,
             " blocks of ", info.elems);
 }
@@ -101,6 +97,19 @@ void check_lanes(const Op& o, size_t i, const ModelDims& d) {
     KOG_CHECK(o.out == o.in, "program: op ", i, " (opcode ", o.op, ") works in place: writes ", o.out,
               ", reads ", o.in);
   }
+}
+
+void check_weight_type(const Op& o, size_t i, const ModelDims& d) {
+  const auto op = Opcode(o.op);
+  KOG_CHECK(o.w1_type == kWeightRunDtype || op == Opcode::kMoeExperts, "program: op ", i, " (opcode ", o.op,
+            ") has w1 type ", o.w1_type, ": only MOE_EXPERTS' down weight may be quantized");
+  if (o.w1_type != kWeightRunDtype) check_quant_type(o.w1_type, "w1", d.expert_intermediate, i, d);
+  if (o.w_type == kWeightRunDtype) return;
+  KOG_CHECK(op == Opcode::kEmbed || op == Opcode::kLinear || op == Opcode::kMoeExperts, "program: op ", i,
+            " (opcode ", o.op, ") cannot read a quantized weight (type ", o.w_type,
+            "): only EMBED, LINEAR and MOE_EXPERTS take quantized weights");
+  const int64_t k = op == Opcode::kEmbed || op == Opcode::kMoeExperts ? d.hidden : buffer_width(d, o.in);
+  check_quant_type(o.w_type, "weight", k, i, d);
 }
 
 void check_op(const Op& o, size_t i, const ModelDims& d) {

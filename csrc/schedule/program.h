@@ -92,10 +92,14 @@ struct Op {
   // GPU expanded program only (null in a program): a GEMV's RMSNorm prologue weight [width(in)]:
   // x = rmsnorm(in) * w2 (expand_gpu_program).
   const void* w2 = nullptr;
-  // Storage of w0: kWeightRunDtype, or a QuantType (EMBED and LINEAR only, run dtype f32: the
-  // quant GEMV writes f32). w2 and w_type come last, with defaults, so aggregate initializers
-  // that predate them keep meaning a float weight and no prologue.
+  // Storage of w0: kWeightRunDtype, or a QuantType (EMBED, LINEAR and MOE_EXPERTS only, run dtype
+  // f32: the quant GEMV writes f32; MOE_EXPERTS' stacked blocks are [(n_experts + shared_slots)
+  // 2 expert_intermediate, hidden / elems * bytes]). w2, w_type and w1_type come last, with
+  // defaults, so aggregate initializers that predate them keep meaning a float weight and no prologue.
   int32_t w_type = kWeightRunDtype;
+  // Storage of w1: MOE_EXPERTS' down may be a QuantType ([(n_experts + shared_slots) hidden,
+  // expert_intermediate / elems * bytes] blocks); every other op's w1 is in the run dtype.
+  int32_t w1_type = kWeightRunDtype;
   // LINEAR only: 1, or n_lanes for a lane projection: each segment of the output row
   // (lane_segments) is cut into `lanes` equal ranges, and range l reads columns
   // [l k, (l + 1) k) of in, k = width(in) / lanes (the weight is [n, k], rows lane-major).

@@ -386,10 +386,10 @@ def test_gguf_stacked_experts_load_and_run_like_the_hf_folder(tmp_path, arch):
     for name, t in hf.weights.items():  # blk.N.ffn_{gate,up,down}_exps + ffn_gate_inp, q/k un-permuted
         assert torch.equal(f32.weights[name], t), name
     q8_path = write_gguf_model(tmp_path / "q8.gguf", config, w, qtype="Q8_0")
-    q8 = load_model(q8_path)  # dense matrices stay Q8_0 blocks; the stacked experts are dequantized
+    q8 = load_model(q8_path)  # every matrix stays Q8_0 blocks, the stacked experts too (test_moe_quant)
     layer = config.moe_layers[0]
     assert isinstance(q8.weights[f"model.layers.{layer}.self_attn.o_proj.weight"], QuantizedWeight)
-    assert q8.weights[f"model.layers.{layer}.mlp.experts.gate_up_proj"].dtype == torch.float32
+    assert isinstance(q8.weights[f"model.layers.{layer}.mlp.experts.gate_up_proj"], QuantizedWeight)
     q8_f32 = load_model(q8_path, dtype="float32")
     p = prompts(40)[3][:40]
     runs = []

@@ -273,7 +273,7 @@ def test_validate_program_checks_w_type():
         return ops_[:i] + [_C.Op(o.opcode, o.layer, o.in_, o.residual, o.out, o.w0, o.w1, o.deps, w_type=t)] + ops_[i + 1:]
 
     norm = next(i for i, o in enumerate(ops_) if o.opcode == 1)
-    with pytest.raises(InvalidRequest, match="only EMBED and LINEAR"):
+    with pytest.raises(InvalidRequest, match="only EMBED, LINEAR and MOE_EXPERTS"):
         _C.validate_program(with_type(norm, int(T.Q8_0)), dims)
     lin = next(i for i, o in enumerate(ops_) if o.opcode == 2)
     with pytest.raises(InvalidRequest, match="weight type 6"):

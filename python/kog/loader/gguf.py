@@ -24,12 +24,13 @@ import torch
 from kog.config import ModelConfig
 from kog.errors import ModelLoadError
 from kog.loader.gguf_file import GGUFFile, TensorInfo
-from kog.quantized import QuantizedWeight
+from kog.quantized import QuantizedWeight, quantize_q8_0
 from kog.loader.weights import Weights, check_shape, expected_shapes, progress_bar, select_names
 
 # GGUF `general.architecture` -> Kog family. Mistral GGUFs are written with the llama architecture.
 # A llama GGUF with llama.expert_count > 0 is Mixtral.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                      "qwen2moe": "qwen2_moe"}
 
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -49,6 +50,10 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # the MoE router [E, hidden]
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # qwen2moe's shared expert: its sigmoid gate [1, hidden]
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # Stacked experts (llama.cpp's *_exps, [E, rows, cols] in torch order) -> (Kog's stacked tensor,
 # part): gate and up are concatenated per expert into gate_up_proj (kog.loader.moe).
@@ -125,14 +130,17 @@ class GGUFCheckpoint:
         if family == "llama" and int(self.get("llama.expert_count") or 0) > 0:
             family = "mixtral"
         moe: dict[str, Any] = {}
-        if family in ("qwen3_moe", "mixtral"):
+        if family in ("qwen3_moe", "mixtral", "qwen2_moe"):
             n_layers = int(key("block_count"))
-            # NOTE: llama.cpp renormalizes Qwen3-MoE's top-k weights unless the file says otherwise.
+            # NOTE: llama.cpp renormalizes Qwen3-MoE's and Mixtral's top-k weights, not Qwen2-MoE's,
+            # unless the file says otherwise (kog.loader.gguf_write.NORM_TOPK_DEFAULT).
             moe = dict(num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
-                       moe_intermediate_size=int(key("expert_feed_forward_length") if family == "qwen3_moe"
-                                                 else key("feed_forward_length")),
-                       norm_topk_prob=bool(self.get(f"{arch}.expert_weights_norm", True)),
+                       moe_intermediate_size=int(key("feed_forward_length") if family == "mixtral"
+                                                 else key("expert_feed_forward_length")),
+                       norm_topk_prob=bool(self.get(f"{arch}.expert_weights_norm", family != "qwen2_moe")),
                        moe_layers=tuple(n for n in range(n_layers) if f"blk.{n}.ffn_gate_exps.weight" in self.tensors))
+            if family == "qwen2_moe":
+                moe["shared_expert_intermediate_size"] = int(key("expert_shared_feed_forward_length"))
         return ModelConfig(
             architecture=family,
             hidden_size=hidden,
@@ -207,8 +215,10 @@ class GGUFCheckpoint:
 
     def _load_parts(self, name: str, gguf_names: list[str], config: ModelConfig, dtype: torch.dtype,
                     keep_quantized: bool) -> torch.Tensor | QuantizedWeight:
-        # NOTE: stacked experts are always dequantized (the MoE ops take run-dtype weights).
-        if len(self.tensors[gguf_names[0]].torch_shape) == 3:
+        infos = [self.tensors[g] for g in gguf_names]
+        if len(infos[0].torch_shape) == 3:  # stacked experts [E, rows, cols]
+            if keep_quantized and all(i.qtype not in _FLOAT_TYPES for i in infos):
+                return self._quantized_experts(infos)
             parts = [self._load_one(name, g, config, dtype, False) for g in gguf_names]
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [E, gate; up, hidden]
         return self._load_one(name, gguf_names[0], config, dtype, keep_quantized)
@@ -231,19 +241,38 @@ class GGUFCheckpoint:
 
     # ------------------------------------------------------------------ internal helpers
 
-    def _quantized(self, info: TensorInfo) -> QuantizedWeight:
-        """A block-quantized matrix as stored (a copy: the mapping is read-only)."""
+    def _quantized(self, info: TensorInfo, stacked: bool = False) -> QuantizedWeight:
+        """A block-quantized matrix as stored (a copy: the mapping is read-only); stacked: an
+        [E, rows, cols] tensor as E rows block rows."""
         from kog.ops import QUANT_TYPES
 
         supported = {v[0] for v in QUANT_TYPES.values()}
-        if int(info.qtype) not in supported or len(info.torch_shape) != 2:
+        if int(info.qtype) not in supported or len(info.torch_shape) != (3 if stacked else 2):
             what = f"type {info.qtype.name}" if int(info.qtype) not in supported else f"{len(info.torch_shape)}-D shape"
             raise ModelLoadError(f"{self.path}: tensor {info.name!r} has {what}, which Kog cannot keep quantized "
-                                 f"(native types: {', '.join(sorted(QUANT_TYPES))}, as 2-D matrices); "
+                                 f"(native types: {', '.join(sorted(QUANT_TYPES))}, as 2-D matrices or "
+                                 f"stacked experts); "
                                  f"load it with dtype='float32' to dequantize")
-        rows, cols = info.torch_shape
+        *lead, cols = info.torch_shape
+        rows = int(np.prod(lead))
         raw = self.file.data(info).reshape(rows, -1)  # uint8 [rows, row_bytes]
         return QuantizedWeight(torch.from_numpy(raw.copy()), int(info.qtype), int(cols))
+
+    def _quantized_experts(self, infos: list[TensorInfo]) -> QuantizedWeight:
+        """Stacked experts kept in their blocks: [E, rows, cols] (gate and up: concatenated per
+        expert, [E, 2 rows, cols]) as a QuantizedWeight of E rows (2 rows) block rows, expert e's
+        matrix first at row e rows (kog.models.moe_weights).
+
+        NOTE: gate and up of different types (a mixed quantization) are re-encoded together as
+        Q8_0, as kog.quantized.cat_rows does for a dense layer's fused gate/up.
+        """
+        parts = [self._quantized(info, stacked=True) for info in infos]
+        E, rows, cols = infos[0].torch_shape
+        if len(parts) == 1 or parts[0].qtype == parts[1].qtype:
+            data = torch.cat([p.data.view(E, rows, -1) for p in parts], dim=1).reshape(E * rows * len(parts), -1)
+            return parts[0].with_data(data.contiguous())
+        per_expert = [p.dequantize().view(E, rows, cols) for p in parts]
+        return quantize_q8_0(torch.cat(per_expert, dim=1).reshape(-1, cols))
 
     def _dequantize(self, info: TensorInfo, shape: tuple[int, ...]) -> torch.Tensor:
         import gguf

@@ -67,7 +67,7 @@ def requantize_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str], ou
 
 
 # Kog family -> GGUF architecture where the names differ (Mistral GGUFs are llama files).
-GGUF_ARCH_OF = {"mistral": "llama", "qwen3_moe": "qwen3moe"}
+GGUF_ARCH_OF = {"mistral": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
 _RAW = (Q.BF16, Q.Q8_0, Q.Q4_K)  # written as uint8 blocks with their type named
 
 # llama.cpp names of the byte-level BPE pre-tokenizers Kog reproduces (kog.loader.tokenizer), in
@@ -147,21 +147,30 @@ def model_metadata(config: ModelConfig, arch: str) -> dict[str, Any]:
 
 def moe_metadata(config: ModelConfig, arch: str) -> dict[str, Any]:
     """llama.cpp's MoE keys, as its converter writes them: expert_count, expert_used_count, and
-    the experts' width -- qwen3moe's expert_feed_forward_length (feed_forward_length keeps the
-    dense layers' intermediate_size), Mixtral's (llama) feed_forward_length. `expert_weights_norm`
-    only when the top-k weights are not renormalized: Kog reads it, llama.cpp's qwen3moe graph
-    always renormalizes. {} for a dense model."""
+    the experts' width -- qwen3moe's and qwen2moe's expert_feed_forward_length
+    (feed_forward_length keeps the dense layers' intermediate_size), Mixtral's (llama)
+    feed_forward_length; qwen2moe's expert_shared_feed_forward_length. `expert_weights_norm`
+    only when the folder differs from llama.cpp's graph for the architecture (qwen3moe and
+    Mixtral renormalize the top-k weights, qwen2moe does not): Kog reads it, llama.cpp's
+    qwen3moe/qwen2moe graphs ignore it. {} for a dense model."""
     if not config.is_moe:
         return {}
     md: dict[str, Any] = {f"{arch}.expert_count": config.num_experts,
                           f"{arch}.expert_used_count": config.num_experts_per_tok}
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen2moe"):
         md[f"{arch}.expert_feed_forward_length"] = config.moe_intermediate_size
     else:
         md[f"{arch}.feed_forward_length"] = config.moe_intermediate_size
-    if not config.norm_topk_prob:
-        md[f"{arch}.expert_weights_norm"] = False
+    if arch == "qwen2moe":
+        md[f"{arch}.expert_shared_feed_forward_length"] = config.shared_expert_intermediate_size
+    if config.norm_topk_prob != NORM_TOPK_DEFAULT[arch]:
+        md[f"{arch}.expert_weights_norm"] = config.norm_topk_prob
     return md
+
+
+# Whether llama.cpp's graph renormalizes the top-k expert weights, per GGUF architecture (what a
+# file without `expert_weights_norm` means; kog.loader.gguf reads it the same way).
+NORM_TOPK_DEFAULT = {"qwen3moe": True, "llama": True, "qwen2moe": False}
 
 
 def split_experts(weights: dict[str, torch.Tensor]):
@@ -284,9 +293,11 @@ def _finish(writer: gguf.GGUFWriter) -> None:
 
 
 def _tensor_type(name: str, values: np.ndarray, target: Q) -> Q:
-    # NOTE: llama.cpp keeps the MoE router (ffn_gate_inp) in F32 in every file type.
+    # NOTE: llama.cpp keeps the MoE router (ffn_gate_inp) in F32 in every file type, and
+    # qwen2moe's shared-expert gate ffn_gate_inp_shexp ([1, hidden]: one row, not a matrix to it).
     matrix = values.ndim == 2 or (values.ndim == 3 and name.endswith("_exps.weight"))
-    if not matrix or not name.endswith(".weight") or target == Q.F32 or ".ffn_gate_inp." in name:
+    router = ".ffn_gate_inp." in name or ".ffn_gate_inp_shexp." in name
+    if not matrix or not name.endswith(".weight") or target == Q.F32 or router:
         return Q.F32
     if target == Q.Q4_K and values.shape[-1] % gguf.QK_K:
         return Q.Q8_0 if values.shape[-1] % 32 == 0 else Q.F16

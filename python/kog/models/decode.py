@@ -79,13 +79,14 @@ def lower(ins: Instruction, weights: dict[str, torch.Tensor]) -> _C.Op:
     if ins.opcode == Opcode.LANE_GATHER:
         bufs_out = [Buffer.LANE_HIST]
     ptrs = [weights[name].data_ptr() for name in ins.weights] + [0, 0]
-    w0 = weights[ins.weights[0]] if ins.weights else None
-    # The first weight's storage: a ggml type for a QuantizedWeight (EMBED, LINEAR), else the run dtype.
-    w_type = w0.qtype if isinstance(w0, QuantizedWeight) else _C.WEIGHT_RUN_DTYPE
+    # Each weight's storage: a ggml type for a QuantizedWeight (EMBED, LINEAR, MOE_EXPERTS' two
+    # stacks), else the run dtype.
+    w_type, w1_type = ([w.qtype if isinstance(w, QuantizedWeight) else _C.WEIGHT_RUN_DTYPE
+                        for w in (weights[n] for n in ins.weights)] + [_C.WEIGHT_RUN_DTYPE] * 2)[:2]
     return _C.Op(int(ins.opcode), ins.layer, int(bufs_in[0]) if bufs_in else -1, residual,
                  int(bufs_out[0]) if bufs_out else -1, ptrs[0], ptrs[1], sorted(ins.deps),
-                 w_type=w_type, lanes=ins.lanes, slot=slots[0] if slots else -1, window=ins.window,
-                 vocab_slice=int(ins.vocab_slice))
+                 w_type=w_type, w1_type=w1_type, lanes=ins.lanes, slot=slots[0] if slots else -1,
+                 window=ins.window, vocab_slice=int(ins.vocab_slice))
 
 
 def lower_program(program: list[Instruction], weights: dict[str, torch.Tensor]) -> list[_C.Op]:

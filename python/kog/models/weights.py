@@ -13,6 +13,7 @@ import torch
 
 from kog.config import ModelConfig
 from kog.errors import ModelLoadError
+from kog.models.moe_weights import SHARED, moe_layer
 from kog.quantized import QuantizedWeight, cat_rows
 
 Tensor = Union[torch.Tensor, QuantizedWeight]
@@ -34,7 +35,8 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
         [2 intermediate, hidden], `mlp.down_proj.weight`, and with qk_norm
         `self_attn.q_norm.weight` / `self_attn.k_norm.weight`; an MoE layer (config.moe_layers)
         has `mlp.gate.weight` [E, hidden], `mlp.experts.gate_up_proj` [E, 2 Ie, hidden] and
-        `mlp.experts.down_proj` [E, hidden, Ie] instead of the MLP's matrices. All contiguous. Matrices given as
+        `mlp.experts.down_proj` [E, hidden, Ie] instead of the MLP's matrices (kog.models.moe_weights:
+        quantized expert stacks stay blocks). All contiguous. Matrices given as
         QuantizedWeight stay so (fused by byte rows, see kog.quantized.cat_rows).
     """
 
@@ -70,13 +72,11 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
             out[a + "q_norm.weight"] = get(a + "q_norm.weight").contiguous()
             out[a + "k_norm.weight"] = get(a + "k_norm.weight").contiguous()
         out[a + "o_proj.weight"] = _contiguous(get(a + "o_proj.weight"))
-        if n in config.moe_layers:  # already stacked at load (kog.loader.moe)
-            moe = {name: _float(get(m + name), dtype) for name in ("gate.weight", "experts.gate_up_proj",
-                                                                    "experts.down_proj")}
-            if config.shared_expert_intermediate_size:
-                moe = _with_shared_expert(config, moe, {x: _float(get(m + x), dtype) for x in _SHARED})
-            for name, w in moe.items():
-                out[m + name] = w.contiguous()
+        if n in config.moe_layers:  # already stacked at load (kog.loader.moe); quantized stacks stay blocks
+            moe = {x: get(m + x) for x in ("gate.weight", "experts.gate_up_proj", "experts.down_proj")}
+            shared = {x: get(m + x) for x in SHARED} if config.shared_expert_intermediate_size else {}
+            for name, w in moe_layer(config, moe, shared, dtype).items():
+                out[m + name] = w
         else:
             out[m + "gate_up_proj.weight"] = cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
             out[m + "down_proj.weight"] = _contiguous(get(m + "down_proj.weight"))
@@ -102,36 +102,6 @@ def weight_bytes(weights: dict[str, Tensor]) -> int:
     for w in weights.values():
         seen[w.data_ptr()] = max(seen.get(w.data_ptr(), 0), w.nbytes)
     return sum(seen.values())
-
-
-_SHARED = ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight", "shared_expert.down_proj.weight",
-           "shared_expert_gate.weight")
-
-
-def _with_shared_expert(config: ModelConfig, moe: dict[str, torch.Tensor],
-                        shared: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """qwen2_moe's shared expert as config.shared_expert_slots more experts after the routed
-    ones, and its sigmoid gate as one more router row (the ROUTER op's layout: program.h).
-
-    NOTE: exact: a SwiGLU MLP is the sum over any split of its intermediate units of the same
-    MLP restricted to each part, and padded units (zero gate/up rows, zero down columns)
-    contribute silu(0) * 0 = 0.
-    """
-    ie, slots = config.moe_intermediate_size, config.shared_expert_slots
-    pad = slots * ie - config.shared_expert_intermediate_size
-    g, u, d = (shared[x] for x in _SHARED[:3])  # [Is, h], [Is, h], [h, Is]
-    g, u = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (g, u))
-    d = torch.cat([d, d.new_zeros(d.shape[0], pad)], dim=1)
-    gate_up = torch.stack([torch.cat([g[c * ie:(c + 1) * ie], u[c * ie:(c + 1) * ie]]) for c in range(slots)])
-    down = torch.stack([d[:, c * ie:(c + 1) * ie] for c in range(slots)])
-    return {"gate.weight": torch.cat([moe["gate.weight"], shared["shared_expert_gate.weight"]]),
-            "experts.gate_up_proj": torch.cat([moe["experts.gate_up_proj"], gate_up]),
-            "experts.down_proj": torch.cat([moe["experts.down_proj"], down])}
-
-
-def _float(w: Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # The MoE ops take run-dtype weights only (validate_program): quantized experts dequantize.
-    return w.dequantize().to(dtype) if isinstance(w, QuantizedWeight) else w
 
 
 def _contiguous(w: Tensor) -> Tensor:

@@ -228,7 +228,8 @@ def _moe_experts(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: t
     ids = route[:, :k].reshape(-1).long()  # [T k] expert of each (row, slot)
     weights = route[:, k:].contiguous().view(torch.float32).reshape(-1)  # [T k]
     order = torch.argsort(ids, stable=True)  # (row, slot) pairs by expert, rows ascending in each
-    counts = torch.bincount(ids, minlength=w[0].shape[0]).tolist()
+    n_stack = it.config.num_experts + it.config.shared_expert_slots
+    counts = torch.bincount(ids, minlength=n_stack).tolist()
     acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     start = 0
     for e, m in enumerate(counts):
@@ -236,7 +237,7 @@ def _moe_experts(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: t
             continue
         pairs = order[start:start + m]
         rows = pairs // k
-        y = matmul(ops.silu_and_mul(matmul(x[rows], w[0][e])), w[1][e])  # [m, hidden]
+        y = _expert_mm(ops.silu_and_mul(_expert_mm(x[rows], w[0], e, n_stack)), w[1], e, n_stack)  # [m, hidden]
         acc.index_add_(0, rows, y.float() * weights[pairs, None])
         start += m
     s.write(ins.writes[0], acc.to(x.dtype), ins.rows)
@@ -309,6 +310,15 @@ def _all_reduce(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tu
 
 def _all_gather(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple) -> None:
     s.write(ins.writes[0], it.transport.all_gather(s.read(ins.reads[0], ins.rows)), ins.rows)
+
+
+def _expert_mm(x: torch.Tensor, stack: torch.Tensor | QuantizedWeight, e: int, n_stack: int) -> torch.Tensor:
+    """x @ expert e's matrix^T: a float stack [n_stack, n, k], or a quantized one of n_stack n
+    block rows (a GGUF's experts kept in blocks; run as a quantized LINEAR of the same rows)."""
+    if isinstance(stack, QuantizedWeight):
+        n = stack.shape[0] // n_stack
+        return quant_matmul(x, stack.with_data(stack.data[e * n:(e + 1) * n]))
+    return matmul(x, stack[e])
 
 
 _HANDLERS: dict[Opcode, Callable[[ProgramInterpreter, ProgramState, Instruction, tuple], None]] = {
