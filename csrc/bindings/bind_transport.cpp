@@ -30,5 +30,6 @@ void bind_transport(py::module_& m) {
       .def("set_link_latency_us", &ShmTransport::set_link_latency_us, arg("us"))
       .def("set_noop", &ShmTransport::set_noop, arg("noop"))
       .def_property_readonly("wait_seconds", &ShmTransport::wait_seconds)
+      .def_property_readonly("comm_seconds", &ShmTransport::comm_seconds)
       .def("reset_wait_seconds", &ShmTransport::reset_wait_seconds);
 }

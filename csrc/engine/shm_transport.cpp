@@ -2,6 +2,7 @@
 #include "engine/shm_transport.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -42,7 +43,7 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int size, int64_t 
   KOG_CHECK(reduce_floats >= 0 && n_slots >= 0 && slot_bytes >= 0 && timeout_s > 0, "shm transport: bad sizes");
   KOG_CHECK(!name.empty() && name[0] == '/', "shm transport: the segment name must start with '/', got ", name);
   const size_t header = round_up(sizeof(Header));
-  const size_t reduce_flags = round_up(sizeof(Flag) * size_t(size));
+  const size_t reduce_flags = round_up(sizeof(Flag) * size_t(size)) * 2;  // the flags, then the pids
   const size_t reduce_data = round_up(sizeof(float) * 2 * size_t(size) * size_t(reduce_floats));
   const size_t slot_flags = round_up(sizeof(Flag) * size_t(n_slots) * size_t(size));
   bytes_ = header + reduce_flags + reduce_data + slot_flags + size_t(n_slots) * size_t(size) * size_t(slot_bytes_);
@@ -75,10 +76,12 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int size, int64_t 
   base_ = static_cast<char*>(p);
   auto* h = reinterpret_cast<Header*>(base_);
   reduce_flags_ = reinterpret_cast<Flag*>(base_ + header);
+  pids_ = reduce_flags_ + size;
   reduce_data_ = reinterpret_cast<float*>(base_ + header + reduce_flags);
   slot_flags_ = reinterpret_cast<Flag*>(base_ + header + reduce_flags + reduce_data);
   slot_data_ = base_ + header + reduce_flags + reduce_data + slot_flags;
   slot_epoch_ = new uint64_t[size_t(n_slots > 0 ? n_slots : 1)]();
+  pids_[rank].v.store(uint64_t(getpid()), std::memory_order_release);
   if (rank == 0) {  // ftruncate zeroed the flags; publish the layout last
     h->size = size, h->n_slots = n_slots, h->reduce_floats = reduce_floats, h->slot_bytes = slot_bytes_;
     h->magic.store(kMagic, std::memory_order_release);
@@ -119,6 +122,9 @@ void ShmTransport::spin_until(Flag* flags, uint64_t target, const char* what) {
         const double t = now_s();
         KOG_CHECK_KIND(t - t0 < timeout_s_, kTransport, "shm transport: rank ", rank_, " waited ",
                        timeout_s_, " s for rank ", q, " in ", what, " (it died or hangs)");
+        const auto pid = pid_t(pids_[q].v.load(std::memory_order_acquire));
+        KOG_CHECK_KIND(pid == 0 || kill(pid, 0) == 0 || errno != ESRCH, kTransport, "shm transport: rank ", q,
+                       " (process ", pid, ") exited while rank ", rank_, " waited for it in ", what);
         if (spins > (1u << 16)) std::this_thread::yield();  // a peer descheduled: give the core back
       }
     }
@@ -128,6 +134,7 @@ void ShmTransport::spin_until(Flag* flags, uint64_t target, const char* what) {
 
 void ShmTransport::all_reduce(float* x, int64_t n) {
   if (noop_ || size_ == 1) return;
+  const double t_in = now_s();
   KOG_CHECK(n >= 0 && reduce_floats_ > 0, "shm transport: all_reduce of ", n, " floats, the segment holds ",
             reduce_floats_);
   // Longer than the reduce area: one collective per piece (every rank cuts the same pieces).
@@ -146,22 +153,29 @@ void ShmTransport::all_reduce(float* x, int64_t n) {
       for (int64_t i = 0; i < m; ++i) y[i] += src[i];
     }
   }
+  comm_s_ += now_s() - t_in;
 }
 
 void ShmTransport::publish(int slot, const void* part, int64_t bytes) {
   KOG_CHECK(slot >= 0 && slot < n_slots_ && bytes <= slot_bytes_, "shm transport: publish of ", bytes,
             " bytes to slot ", slot, " (", n_slots_, " slots of ", slot_bytes_, " bytes)");
+  const double t_in = now_s();
   char* dst = slot_data_ + (size_t(slot) * size_t(size_) + size_t(rank_)) * size_t(slot_bytes_);
   std::memcpy(dst, part, size_t(bytes));
   const uint64_t e = ++slot_epoch_[slot];
   if (noop_) return;
   delay_link();
   slot_flags_[size_t(slot) * size_t(size_) + size_t(rank_)].v.store(e, std::memory_order_release);
+  comm_s_ += now_s() - t_in;
 }
 
 const char* ShmTransport::wait(int slot) {
   KOG_CHECK(slot >= 0 && slot < n_slots_, "shm transport: wait on slot ", slot, " of ", n_slots_);
-  if (!noop_ && size_ > 1) spin_until(slot_flags_ + size_t(slot) * size_t(size_), slot_epoch_[slot], "wait");
+  if (!noop_ && size_ > 1) {
+    const double t_in = now_s();
+    spin_until(slot_flags_ + size_t(slot) * size_t(size_), slot_epoch_[slot], "wait");
+    comm_s_ += now_s() - t_in;
+  }
   return slot_data_ + size_t(slot) * size_t(size_) * size_t(slot_bytes_);
 }
 

@@ -19,7 +19,8 @@
 // >= j - 1 - 2D: a ring of 2 D + 2 slots per kind keeps them apart (kog.lane_config).
 //
 // Every spin is bounded: past timeout_s it throws kog::Error(kTransport) naming the rank that
-// did not arrive. link_latency_us (simulation, bench/tp_decode.py) delays each flag store;
+// did not arrive; a rank whose process exited (its pid, kept in the segment, is gone) fails the
+// spin within a millisecond instead. link_latency_us (simulation, bench/tp_decode.py) delays each flag store;
 // noop makes every collective local (this rank's data only; for measuring exposed
 // communication, never for results).
 #pragma once
@@ -50,9 +51,11 @@ class ShmTransport {
 
   void set_link_latency_us(double us) { latency_us_ = us; }
   void set_noop(bool noop) { noop_ = noop; }
-  // Seconds this rank spent waiting for the others (all_reduce and wait), since the last reset.
+  // Seconds this rank spent waiting for the others (all_reduce and wait), and inside collective
+  // calls at all (copies, the simulated link latency, waits), since the last reset.
   double wait_seconds() const { return wait_s_; }
-  void reset_wait_seconds() { wait_s_ = 0; }
+  double comm_seconds() const { return comm_s_; }
+  void reset_wait_seconds() { wait_s_ = comm_s_ = 0; }
 
  private:
   struct alignas(64) Flag {
@@ -64,11 +67,12 @@ class ShmTransport {
   std::string name_;
   int rank_, size_, n_slots_;
   int64_t reduce_floats_, slot_bytes_;
-  double timeout_s_, latency_us_ = 0, wait_s_ = 0;
+  double timeout_s_, latency_us_ = 0, wait_s_ = 0, comm_s_ = 0;
   bool noop_ = false;
   size_t bytes_ = 0;
   char* base_ = nullptr;
   Flag* reduce_flags_ = nullptr;  // [size]
+  Flag* pids_ = nullptr;          // [size] each rank's process id (0: not attached yet)
   float* reduce_data_ = nullptr;  // [2][size][reduce_floats]
   Flag* slot_flags_ = nullptr;    // [n_slots][size]
   char* slot_data_ = nullptr;     // [n_slots][size][slot_bytes]

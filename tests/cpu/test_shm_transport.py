@@ -4,6 +4,7 @@
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,3 +126,23 @@ def test_noop_mode_keeps_each_rank_local():
     ts[0].set_noop(True)
     ts[0].all_reduce(x.data_ptr(), 8)  # returns at once: no peer needed
     assert torch.equal(x, torch.arange(8, dtype=torch.float32))
+
+
+def test_a_rank_whose_process_exited_fails_the_wait_at_once(tmp_path):
+    import subprocess
+    import sys
+
+    n = name()
+    first = _C.ShmTransport(n, 0, 2, 64, 2, 128, 60.0)  # a long timeout: the exit must be seen first
+    code = f"from kog import _C; import time; t = _C.ShmTransport({n!r}, 1, 2, 64, 2, 128, 60.0); print('up', flush=True); time.sleep(60)"
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in (str(Path(_C.__file__).parents[1]),
+                                                                     os.environ.get("PYTHONPATH")) if p)}
+    peer = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    assert peer.stdout.readline().strip() == "up"
+    peer.kill()
+    peer.wait()
+    x = torch.ones(8)
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="exited"):
+        first.all_reduce(x.data_ptr(), 8)
+    assert time.monotonic() - t0 < 5

@@ -1,0 +1,145 @@
+"""Tensor-parallel CPU decode: TP=1 vs TP=2, standard TP (a Llama shape in lane form) vs delayed
+TP (a Laneformer shape, broadcast_delay 1), with a simulated link latency.
+
+    PYTHONPATH=python python bench/tp_decode.py [--steps 40] [--latencies 0 2 5 10] [--quick]
+
+Each configuration runs as real processes (one per rank, KOG_NUM_THREADS = cores / ranks), the
+ranks' collectives through kog._C.ShmTransport; batch-1 decode steps after a 64-token prefill.
+Columns: step time (median over steps, rank 0), communication time (rank 0's time inside
+collective calls per step: copies, the simulated link latency, waiting for the other rank), exposed communication = step time minus the
+step time of the same run with the transport made a no-op (every rank computes alone: numbers
+wrong, timing right; measurement only), and exposed / communication. The link latency is added
+inside the transport before each flag store (a spin), so a collective costs at least that much.
+Target (issue 19): with delayed TP (delay >= 1) exposed communication <= 10% of the
+communication time at every latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SHAPES = {  # sized for a 2-core, 24 GiB machine: ~0.1-0.2 B parameters in fp32
+    "llama": dict(architecture="llama", hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=64, intermediate_size=2816, vocab_size=32000),
+    "laneformer": dict(architecture="laneformer_tp", hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=64, intermediate_size=2816, vocab_size=32000),
+}
+
+
+def model_config(shape: str):
+    from kog.lane_config import LaneConfig
+    from kog.testing.tiny_models import tiny_config
+
+    fields = dict(SHAPES[shape])
+    arch = fields.pop("architecture")
+    lanes = LaneConfig(num_lanes=2, broadcast_delay=1) if arch == "laneformer_tp" else None
+    return tiny_config(arch, tie_word_embeddings=False, max_position_embeddings=4096, lanes=lanes, **fields)
+
+
+def run_rank(spec: dict) -> dict:
+    """One rank: build its shard, prefill, time decode steps; returns rank 0's numbers."""
+    import numpy as np
+    import torch
+
+    from kog.loader import LoadedModel
+    from kog.models import ModelRunner, PrefillChunk
+    from kog.parallel import lane_form, shard_config, shard_weights
+    from kog.parallel.transport import ShmRankTransport
+    from kog.testing.tiny_models import random_weights
+
+    torch.manual_seed(0)
+    config = model_config(spec["shape"])
+    size, rank = spec["size"], spec["rank"]
+    weights = random_weights(config, seed=1)
+    transport = None
+    if size > 1:
+        form = lane_form(config, size) if config.lanes is None else config
+        local = shard_config(form, rank, size)
+        weights = shard_weights(local, weights)
+        lanes = local.lanes
+        transport = ShmRankTransport(spec["shm"], rank, size, reduce_floats=1 << 16,
+                                     n_slots=2 * lanes.hist_slots_per_kind,
+                                     slot_bytes=lanes.num_lanes * local.hidden_size * 4, timeout_s=120)
+        transport.native.set_link_latency_us(spec["latency_us"])
+    else:
+        local = config
+    model = LoadedModel(path=None, config=local, weights=weights, dtype=torch.float32, tokenizer=None,
+                        chat_template=None, stop_token_ids=())
+    r = ModelRunner(model, num_kv_blocks=64, block_size=16, transport=transport)
+    table = np.arange(64, dtype=np.int32)
+    prompt = list(range(10, 74))
+    r.prefill([PrefillChunk(prompt, 0, table, np.arange(64, dtype=np.int64))])
+    out = {}
+    for mode in ("real", "noop"):
+        if transport is None and mode == "noop":
+            break
+        if transport is not None:
+            transport.native.set_noop(mode == "noop")
+            transport.native.reset_wait_seconds()
+        times, pos = [], 64 if mode == "real" else 64 + spec["steps"] + 4
+        for i in range(spec["steps"] + 4):
+            t0 = time.perf_counter()
+            r.decode(np.array([7]), np.array([pos]), table[None], np.array([pos + 1], np.int32), np.array([pos], np.int64))
+            if i >= 4:
+                times.append(time.perf_counter() - t0)
+            pos += 1
+            if i == 3 and transport is not None:
+                transport.native.reset_wait_seconds()
+        out[mode] = statistics.median(times) * 1e3
+        if transport is not None and mode == "real":
+            out["comm_ms"] = transport.native.comm_seconds / spec["steps"] * 1e3
+    return out
+
+
+def launch(shape: str, size: int, latency_us: float, steps: int) -> dict:
+    cores = os.cpu_count() or 2
+    env = os.environ | {"PYTHONPATH": str(ROOT / "python"), "KOG_NUM_THREADS": str(max(1, cores // size))}
+    shm = f"/kog-bench-{os.getpid()}-{time.monotonic_ns()}"
+    procs = []
+    for rank in range(size):
+        spec = dict(shape=shape, size=size, rank=rank, latency_us=latency_us, steps=steps, shm=shm)
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)], env=env,
+                                      stdout=subprocess.PIPE, text=True))
+        if rank == 0:
+            time.sleep(0.5)  # rank 0 creates the segment
+    results = [json.loads(p.communicate(timeout=900)[0].strip().splitlines()[-1]) for p in procs]
+    return results[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--latencies", type=float, nargs="+", default=[0, 2, 5, 10])
+    ap.add_argument("--quick", action="store_true", help="10 steps, latencies 0 and 5")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker is not None:
+        print(json.dumps(run_rank(json.loads(args.worker))))
+        return
+    if args.quick:
+        args.steps, args.latencies = 10, [0, 5]
+    print(f"tp_decode: batch 1, {args.steps} steps after a 64-token prefill, fp32, {os.cpu_count()} cores")
+    print("| model | TP | link us | step ms | comm ms | exposed ms | exposed / comm |")
+    print("|---|---|---|---|---|---|---|")
+    for shape in SHAPES:
+        one = launch(shape, 1, 0, args.steps)
+        print(f"| {shape} | 1 | - | {one['real']:.2f} | - | - | - |", flush=True)
+        for lat in args.latencies:
+            two = launch(shape, 2, lat, args.steps)
+            exposed = max(0.0, two["real"] - two["noop"])
+            share = f"{100 * exposed / two['comm_ms']:.0f}%" if two["comm_ms"] > 0 else "-"
+            print(f"| {shape} | 2 | {lat:g} | {two['real']:.2f} | {two['comm_ms']:.3f} | {exposed:.3f} | {share} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
