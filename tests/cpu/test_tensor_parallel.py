@@ -233,3 +233,22 @@ def test_a_dead_rank_fails_the_request_with_a_transport_error_instead_of_hanging
         assert time.monotonic() - t0 < 60  # the closed connection is seen at once, not after a timeout
     finally:
         llm.engine.runner.close()
+
+
+@pytest.mark.slow
+def test_smollm2_over_three_ranks_generates_what_one_process_generates():
+    # SmolLM2-135M: 9 query heads over 3 KV heads, so 3 ranks (3 heads and 1 KV head each);
+    # its tied head is replicated. fp32 from the Q4_1 GGUF dequantized at load.
+    import kog
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    greedy = kog.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    one = kog.LLM(None, dtype="float32", max_num_seqs=2)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, greedy)]
+    del one
+    llm = kog.LLM(None, dtype="float32", max_num_seqs=2, tensor_parallel_size=3)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    finally:
+        llm.engine.runner.close()
+    assert got == want
