@@ -70,6 +70,10 @@ class LLM:
             processes on this host, each with its share of the heads, MLP units (or Laneformer
             lanes) and KV heads; N must divide the KV heads (Laneformer: the lanes). CPU only,
             float weights; decode runs through the program interpreter on every rank for now.
+        nnodes, master_addr, master_port: ranks over several hosts (this one is host 0 and runs
+            rank 0; every other host runs `python -m kog.parallel.worker --size N --nnodes H
+            --node-rank K --addr MASTER_ADDR --port MASTER_PORT`, or `kog serve ... --node-rank K`).
+            Across hosts the collectives go through gloo and decode through the interpreter.
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, dtype: str | torch.dtype | None = None, *,
@@ -78,7 +82,8 @@ class LLM:
                  swap_space_gib: float = 0.0, enable_prefix_caching: bool = True,
                  device: str = "cpu", speculative_model: str | os.PathLike[str] | None = None,
                  gpu_memory_utilization: float | None = None, chat_template: str | None = None,
-                 allow_special_tokens_in_content: bool = False, tensor_parallel_size: int = 1) -> None:
+                 allow_special_tokens_in_content: bool = False, tensor_parallel_size: int = 1, nnodes: int = 1,
+                 master_addr: str | None = None, master_port: int | None = None) -> None:
         from kog.kvcache import KVLayout
         from kog.models.runner import ModelRunner
 
@@ -103,12 +108,13 @@ class LLM:
             raise InvalidRequest(f"swap_space_gib must be >= 0, got {swap_space_gib}")
         num_host_blocks = int(swap_space_gib * 2**30) // layout.bytes_per_block
         if tensor_parallel_size > 1:
-            from kog.parallel.ranks import RankSpec, start_ranks
+            from kog.parallel.ranks import Placement, RankSpec, start_ranks
 
             dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else None
             runner = start_ranks(RankSpec(None if model is None else str(model), dtype_name, tensor_parallel_size,
                                           num_blocks, block_size, num_host_blocks,
-                                          max_rows=max(max_num_seqs, 32)), loaded)
+                                          max_rows=max(max_num_seqs, 32)), loaded,
+                                 Placement(nnodes, 0, master_addr or "127.0.0.1", master_port))
         else:
             runner = ModelRunner(loaded, num_kv_blocks=num_blocks, block_size=block_size,
                                  num_host_blocks=num_host_blocks, device=device)

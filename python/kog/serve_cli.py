@@ -42,6 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model over N ranks (processes on this host; CPU, float weights)")
+    p.add_argument("--nnodes", type=int, default=1, help="hosts the ranks run on (SGLang's flag)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this host's index: 0 serves (rank 0); others only run their ranks")
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"), help="host 0's address for the rendezvous")
+    p.add_argument("--master-port", type=int, default=int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ
+                   else None, help="host 0's rendezvous port (default: a free one; needed with --nnodes > 1)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of cached prompt prefixes across requests")
     p.add_argument("--max-waiting", type=int, default=256,
@@ -114,6 +120,11 @@ def run(args: argparse.Namespace) -> int:
     from kog.errors import KogError
 
     try:
+        if args.node_rank != 0:  # another host of a multi-host split: its ranks, no server
+            from kog.parallel.ranks import Placement, run_node
+
+            return run_node(args.tensor_parallel_size, Placement(args.nnodes, args.node_rank,
+                                                                  args.master_addr or "127.0.0.1", args.master_port))
         return _serve(args)
     except KogError as e:
         print(f"kog serve: {e}", file=sys.stderr)
@@ -130,7 +141,8 @@ def load_llm(args: argparse.Namespace):
                block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching, progress=False,
                speculative_model=args.speculative_model, device=args.device, chat_template=args.chat_template,
                allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-               tensor_parallel_size=args.tensor_parallel_size)
+               tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, master_addr=args.master_addr,
+               master_port=args.master_port)
 
 
 def bind_port(host: str, port: int) -> socket.socket:

@@ -252,3 +252,32 @@ def test_smollm2_over_three_ranks_generates_what_one_process_generates():
     finally:
         llm.engine.runner.close()
     assert got == want
+
+
+def test_two_hosts_on_loopback_generate_what_one_process_generates(tmp_path):
+    # --nnodes 2: "host" 1 runs its rank with `python -m kog.parallel.worker --node-rank 1`, the
+    # rendezvous at host 0's address; the collectives go through gloo (no shared memory).
+    import kog
+    from kog.testing.tiny_models import write_hf_model
+
+    config = lane_model_config(**VARIANTS["delay1"])
+    folder = write_hf_model(tmp_path / "lf", config, random_weights(config, seed=2))
+    greedy = kog.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = {"prompt_token_ids": [9, 8, 7, 6, 5, 4]}
+    want = kog.LLM(str(folder), dtype="float32").generate(prompt, greedy)[0].outputs[0].token_ids
+    port = _free_port()
+    here = Path(__file__).parent
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(here.parents[1] / "python"), os.environ.get("PYTHONPATH", "")])}
+    host1 = subprocess.Popen([sys.executable, "-m", "kog.parallel.worker", "--size", "2", "--nnodes", "2",
+                              "--node-rank", "1", "--addr", "127.0.0.1", "--port", str(port)], env=env)
+    try:
+        llm = kog.LLM(str(folder), dtype="float32", tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1",
+                      master_port=port)
+        try:
+            assert llm.engine.runner._procs == []  # host 0 starts no process for host 1's rank
+            assert llm.generate(prompt, greedy)[0].outputs[0].token_ids == want
+        finally:
+            llm.engine.runner.close()
+        assert host1.wait(timeout=60) == 0
+    finally:
+        host1.kill()

@@ -166,3 +166,13 @@ def test_tensor_parallel_size_flag_starts_the_ranks_and_serves_the_same_tokens(t
         assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     finally:
         llm.engine.runner.close()
+
+
+def test_another_host_needs_the_rendezvous_port_and_a_split_nnodes_divides(capsys, monkeypatch):
+    from kog.serve_cli import run
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    assert run(parse("m", "-tp", "2", "--nnodes", "2", "--node-rank", "1")) == 1
+    assert "--master-port" in capsys.readouterr().err
+    assert run(parse("m", "-tp", "3", "--nnodes", "2", "--node-rank", "1", "--master-port", "1")) == 1
+    assert "--nnodes 2 must divide" in capsys.readouterr().err

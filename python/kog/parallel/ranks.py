@@ -172,20 +172,42 @@ class ParallelRunner:
             dist.destroy_process_group()
 
 
-def start_ranks(spec: RankSpec, loaded=None) -> ParallelRunner:
-    """Rank 0 in this process (with `loaded`, the model rank 0 already loaded, if given), ranks
-    1 .. size-1 as worker processes on this host."""
+@dataclass(frozen=True)
+class Placement:
+    """Where the ranks run: `nnodes` hosts with size / nnodes ranks each; host `node_rank` holds
+    ranks node_rank * per_node ..; rank 0 (the engine) is on host 0 and hosts the rendezvous at
+    master_addr:master_port (torchrun's MASTER_ADDR / MASTER_PORT; SGLang's --nnodes/--node-rank)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port on this host (one host only)
+
+    def local_ranks(self, size: int) -> range:
+        if self.nnodes < 1 or size % self.nnodes or not 0 <= self.node_rank < self.nnodes:
+            raise InvalidRequest(f"--nnodes {self.nnodes} must divide tensor_parallel_size {size} "
+                                 f"and --node-rank {self.node_rank} be in [0, {self.nnodes})")
+        per = size // self.nnodes
+        return range(self.node_rank * per, (self.node_rank + 1) * per)
+
+
+def start_ranks(spec: RankSpec, loaded=None, placement: Placement = Placement()) -> ParallelRunner:
+    """Rank 0 in this process (with `loaded`, the model rank 0 already loaded, if given), this
+    host's other ranks as worker processes; the other hosts' ranks join the rendezvous on their
+    own (run_node). Ranks on one host share memory for the data path; over several hosts every
+    collective goes through gloo (and decode through the interpreter)."""
+    if placement.node_rank != 0:
+        raise InvalidRequest("the engine (rank 0) runs on --node-rank 0; other hosts run their ranks only")
     if loaded is not None:  # a bad split fails here, before any process starts
         shard_config(lane_form(loaded.config, spec.size) if loaded.config.lanes is None else loaded.config, 0, spec.size)
-    addr, port = "127.0.0.1", _free_port()
-    if spec.shm_name is None:
-        spec = dataclasses.replace(spec, shm_name=f"/kog-tp-{os.getpid()}-{port}")
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in [_package_root(), os.environ.get("PYTHONPATH")] if p)}
-    procs = [subprocess.Popen([sys.executable, "-m", "kog.parallel.worker", "--rank", str(r), "--addr", addr,
-                               "--port", str(port), "--spec", _encode(spec)], env=env)
-             for r in range(1, spec.size)]
+    addr, port = placement.master_addr, placement.master_port or _free_port()
+    spec = dataclasses.replace(spec, shm_name=f"/kog-tp-{os.getpid()}-{port}" if placement.nnodes == 1 else None)
+    procs = _spawn(placement.local_ranks(spec.size)[1:], spec.size, addr, port)
     try:
         transport, commands = init_groups(0, spec.size, addr, port)
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([spec], src=0, group=commands)  # every rank builds what rank 0 builds
         local, _ = build_rank_runner(spec, 0, transport, loaded)
     except BaseException:
         for p in procs:
@@ -194,12 +216,31 @@ def start_ranks(spec: RankSpec, loaded=None) -> ParallelRunner:
     return ParallelRunner(local, commands, procs)
 
 
-def serve_rank(spec: RankSpec, rank: int, addr: str, port: int) -> None:
-    """A worker rank's life: join the groups, build the runner, run rank 0's calls until "stop"."""
+def run_node(size: int, placement: Placement) -> int:
+    """A host other than the engine's: runs its ranks until rank 0 stops them; the exit status
+    of the first that failed (0 when all stopped cleanly)."""
+    if placement.master_port is None:
+        raise InvalidRequest("a host other than the engine's needs the rendezvous port (--master-port)")
+    procs = _spawn(placement.local_ranks(size), size, placement.master_addr, placement.master_port)
+    codes = [p.wait() for p in procs]
+    return next((c for c in codes if c), 0)
+
+
+def _spawn(ranks, size: int, addr: str, port: int) -> list[subprocess.Popen]:
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in [_package_root(), os.environ.get("PYTHONPATH")] if p)}
+    return [subprocess.Popen([sys.executable, "-m", "kog.parallel.worker", "--rank", str(r), "--size", str(size),
+                              "--addr", addr, "--port", str(port)], env=env) for r in ranks]
+
+
+def serve_rank(rank: int, size: int, addr: str, port: int) -> None:
+    """A worker rank's life: join the groups, receive rank 0's RankSpec, build the runner, run
+    rank 0's calls until "stop"."""
     import torch.distributed as dist
 
-    transport, commands = init_groups(rank, spec.size, addr, port)
-    runner, _ = build_rank_runner(spec, rank, transport)
+    transport, commands = init_groups(rank, size, addr, port)
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=commands)
+    runner, _ = build_rank_runner(box[0], rank, transport)
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=commands)
@@ -211,18 +252,6 @@ def serve_rank(spec: RankSpec, rank: int, addr: str, port: int) -> None:
         else:
             getattr(runner, name)(*args)
     dist.destroy_process_group()
-
-
-def _encode(spec: RankSpec) -> str:
-    import json
-
-    return json.dumps(spec.__dict__)
-
-
-def decode_spec(text: str) -> RankSpec:
-    import json
-
-    return RankSpec(**json.loads(text))
 
 
 def _free_port() -> int:
