@@ -37,12 +37,12 @@ ModelDims make_dims(int64_t n_layers, int64_t hidden, int64_t n_q_heads, int64_t
 
 Op make_op(int op, int layer, int in, int residual, int out, uintptr_t w0, uintptr_t w1,
            const std::vector<int>& deps, uintptr_t w2, int w_type, int w1_type, int lanes, int slot, int window,
-           int vocab_slice) {
+           int vocab_slice, uintptr_t expert_ranks) {
   KOG_CHECK(deps.size() <= size_t(kog::schedule::kMaxDeps), "Op: ", deps.size(), " deps (at most ",
             kog::schedule::kMaxDeps, ")");
   Op o{op, layer, in, residual, out, int32_t(deps.size()), reinterpret_cast<const void*>(w0),
        reinterpret_cast<const void*>(w1), {}, reinterpret_cast<const void*>(w2), w_type, w1_type, lanes, slot, window,
-       vocab_slice};
+       vocab_slice, reinterpret_cast<const int32_t*>(expert_ranks)};
   for (size_t k = 0; k < deps.size(); ++k) o.deps[k] = deps[k];
   return o;
 }
@@ -92,7 +92,7 @@ void bind_schedule(py::module_& m) {
       .def(py::init(&make_op), arg("opcode"), arg("layer"), arg("in_"), arg("residual"), arg("out"), arg("w0"),
            arg("w1"), arg("deps"), arg("w2") = 0, arg("w_type") = kog::schedule::kWeightRunDtype,
            arg("w1_type") = kog::schedule::kWeightRunDtype, arg("lanes") = 1, arg("slot") = -1, arg("window") = 0,
-           arg("vocab_slice") = 0)
+           arg("vocab_slice") = 0, arg("expert_ranks") = 0)
       .def_readonly("opcode", &Op::op)
       .def_readonly("layer", &Op::layer)
       .def_readonly("in_", &Op::in)

@@ -140,21 +140,27 @@ void DecodeExecutor::experts_part(const Op& op, int64_t batch, int t, int nt) {
   char* act = gu + P * 2 * I * elem_;                                  // [P, I]
   char* y = act + P * I * elem_;                                       // [P, H]
   cpu::ThreadPool& pool = cpu::ThreadPool::instance();
+  // Expert parallelism: pairs routed to another rank's expert are that rank's (dropped here).
+  auto mine = [&](int32_t e) { return op.expert_ranks == nullptr || op.expert_ranks[e] == d_.lane_rank; };
   if (t == 0) {
     moe_start_.assign(size_t(E + 1), 0);
     for (int64_t i = 0; i < P; ++i) {
       const int32_t e = route[(i / K) * 2 * K + i % K];
       KOG_ASSERT(e >= 0 && e < E, "moe experts: row ", i / K, " routes to expert ", e, " of ", E);
-      ++moe_start_[size_t(e) + 1];
+      if (mine(e)) ++moe_start_[size_t(e) + 1];
     }
     for (int64_t e = 0; e < E; ++e) moe_start_[size_t(e + 1)] += moe_start_[size_t(e)];
     std::vector<int64_t> fill(moe_start_.begin(), moe_start_.end() - 1);
-    for (int64_t i = 0; i < P; ++i) moe_order_[size_t(fill[size_t(route[(i / K) * 2 * K + i % K])]++)] = int32_t(i);
+    for (int64_t i = 0; i < P; ++i) {
+      const int32_t e = route[(i / K) * 2 * K + i % K];
+      if (mine(e)) moe_order_[size_t(fill[size_t(e)]++)] = int32_t(i);
+    }
     const char* in = buf(op.in);
-    for (int64_t j = 0; j < P; ++j)
+    for (int64_t j = 0; j < moe_start_[size_t(E)]; ++j)
       std::memcpy(x + j * H * elem_, in + (moe_order_[size_t(j)] / K) * H * elem_, size_t(H * elem_));
   }
   pool.barrier();
+  const int64_t P_mine = moe_start_[size_t(E)];  // this rank's pairs (all of them without a placement)
   const bool merge = merge_rows_per_expert();
   uint32_t epoch = epoch_base_ + program_epochs_ + moe_epochs_;
   float* scratch = scratch_.data() + t * scratch_stride_;
@@ -172,7 +178,7 @@ void DecodeExecutor::experts_part(const Op& op, int64_t batch, int t, int nt) {
   };
   gemms(op.w0, op.w_type, gu, x, 2 * I, H);
   pool.barrier();
-  const int64_t lo = P * t / nt, hi = P * (t + 1) / nt;
+  const int64_t lo = P_mine * t / nt, hi = P_mine * (t + 1) / nt;
   if (hi > lo) cpu::kernels().silu_and_mul({act + lo * I * elem_, gu + lo * 2 * I * elem_, hi - lo, I, 2 * I, I, d_.dtype});
   pool.barrier();
   gemms(op.w1, op.w1_type, y, act, H, I);
@@ -180,7 +186,7 @@ void DecodeExecutor::experts_part(const Op& op, int64_t batch, int t, int nt) {
   if (t != 0) return;
   moe_epochs_ = epoch - (epoch_base_ + program_epochs_);
   std::fill(moe_acc_.begin(), moe_acc_.begin() + batch * H, 0.f);
-  for (int64_t j = 0; j < P; ++j) {  // pairs in ascending expert order
+  for (int64_t j = 0; j < P_mine; ++j) {  // pairs in ascending expert order
     const int64_t pair = moe_order_[size_t(j)], row = pair / K;
     float w;
     std::memcpy(&w, route + row * 2 * K + K + pair % K, 4);

@@ -131,6 +131,12 @@ void check_op(const Op& o, size_t i, const ModelDims& d) {
   check_weight_type(o, i, d);
   check_moe(o, i, d);
   check_lanes(o, i, d);
+  KOG_CHECK(o.expert_ranks == nullptr || op == Opcode::kMoeExperts, "program: op ", i,
+            " has an expert placement but is not MOE_EXPERTS");
+  if (o.expert_ranks != nullptr)
+    for (int64_t e = 0; e < d.n_experts + d.shared_slots; ++e)
+      KOG_CHECK(o.expert_ranks[e] >= 0 && o.expert_ranks[e] < d.lane_ranks, "program: op ", i, " places expert ", e,
+                " on rank ", o.expert_ranks[e], " of ", d.lane_ranks);
   KOG_CHECK(o.vocab_slice == 0 || (op == Opcode::kLinear && o.out == int32_t(Buffer::kLogits) && d.lane_ranks > 1 &&
                                    o.vocab_slice == 1 && d.vocab % d.lane_ranks == 0),
             "program: op ", i, " has vocab_slice ", o.vocab_slice, " (1 only on a LINEAR into LOGITS of a ",
@@ -174,7 +180,8 @@ void validate_dims(const ModelDims& d) {
   KOG_CHECK(d.n_q_heads % d.n_lanes == 0 && d.n_kv_heads % d.n_lanes == 0 && d.intermediate % d.n_lanes == 0,
             "model dims: ", d.n_lanes, " lanes must divide the query heads (", d.n_q_heads, "), the KV heads (",
             d.n_kv_heads, ") and intermediate (", d.intermediate, ")");
-  KOG_CHECK(d.n_lanes == 1 || d.n_experts == 0, "model dims: lanes and experts in one model are not supported");
+  KOG_CHECK(d.n_lanes == 1 || d.n_experts == 0, "model dims: experts need one lane per rank (n_lanes ", d.n_lanes,
+            "): a mixture-of-experts block reads a hidden-wide stream");
   KOG_CHECK(d.lane_ranks >= 1 && d.lane_rank >= 0 && d.lane_rank < d.lane_ranks, "model dims: lane rank ",
             d.lane_rank, " of ", d.lane_ranks);
 }

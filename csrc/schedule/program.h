@@ -112,6 +112,10 @@ struct Op {
   // rank's vocabulary slice, columns [lane_logits_offset, + vocab / lane_ranks) (a
   // vocabulary-parallel head; its ALL_GATHER fills the others), its weight that slice's rows.
   int32_t vocab_slice = 0;
+  // MOE_EXPERTS: null, or [n_experts + shared_slots] the tensor-parallel rank each expert runs on
+  // (expert parallelism): a rank computes only the pairs routed to its experts, and the LANE_SUM
+  // after the block adds the ranks' partial outputs. On one rank every expert must be its own.
+  const int32_t* expert_ranks = nullptr;
 };
 
 // Elements per batch row of buffer b (TOKENS: one int32 id; LOGITS: vocab in the run dtype).

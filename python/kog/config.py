@@ -31,10 +31,10 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "laneformer_tp": "LaneformerTPForCausalLM",
 }
-# Families with lanes: Laneformer's own, and the tensor-parallel lane form of the dense families
+# Families with lanes: Laneformer's own, and the tensor-parallel lane form of the others
 # (kog.parallel.shard.lane_form: each lane a shard of the heads and MLP units, summed after
-# every block).
-LANE_ARCHITECTURES = ("laneformer_tp", "llama", "mistral", "qwen2", "qwen3")
+# every block; an MoE family's experts placed on the ranks, one lane per rank).
+LANE_ARCHITECTURES = ("laneformer_tp", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
 # Families whose MLP is (in some layers) a routed mixture of experts.
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe")
 _FAMILY_OF_CLASS = {cls: family for family, cls in ARCHITECTURES.items()}

@@ -179,8 +179,25 @@ def test_dense_families_in_lane_form_equal_the_plain_model_on_one_process_and_ov
 def test_lane_form_refuses_what_it_cannot_split():
     with pytest.raises(ModelLoadError, match="num_key_value_heads"):
         lane_form(tiny_config("llama"), 4)  # 2 KV heads
-    with pytest.raises(ModelLoadError, match="no lane form"):
-        lane_form(tiny_config("qwen3_moe"), 2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("shm", [False, True], ids=["interpreted", "native_shm"])
+def test_moe_families_with_experts_placed_on_two_ranks_equal_the_plain_model(arch, shm):
+    # Expert parallelism: attention split by heads, experts 0-1 on rank 0 and 2-3 on rank 1
+    # (qwen2_moe's two shared-expert slices one per rank), the ranks' partial MoE outputs summed:
+    # a rank that ran another's experts too would count them twice.
+    from kog.models.weights import expert_ranks
+
+    config = tiny_config(arch, num_hidden_layers=3)
+    w = random_weights(config, seed=8)
+    plain = dense_run(config, w)
+    got = run_threads(lane_form(config, 2), w, 2, shm)
+    assert torch.equal(got[0], got[1])
+    torch.testing.assert_close(got[0], plain, rtol=0, atol=1e-5 * plain.abs().max().item())
+    assert got[0].argmax(-1).tolist() == plain.argmax(-1).tolist()
+    local = shard_config(lane_form(config, 2), 1, 2)
+    assert expert_ranks(local).tolist() == [0, 0, 1, 1] + ([0, 1] if arch == "qwen2_moe" else [])
 
 
 @pytest.mark.parametrize("arch", ["llama", "laneformer_tp"])

@@ -86,7 +86,8 @@ def lower(ins: Instruction, weights: dict[str, torch.Tensor]) -> _C.Op:
     return _C.Op(int(ins.opcode), ins.layer, int(bufs_in[0]) if bufs_in else -1, residual,
                  int(bufs_out[0]) if bufs_out else -1, ptrs[0], ptrs[1], sorted(ins.deps),
                  w_type=w_type, w1_type=w1_type, lanes=ins.lanes, slot=slots[0] if slots else -1,
-                 window=ins.window, vocab_slice=int(ins.vocab_slice))
+                 window=ins.window, vocab_slice=int(ins.vocab_slice),
+                 expert_ranks=ptrs[2] if ins.opcode == Opcode.MOE_EXPERTS and len(ins.weights) > 2 else 0)
 
 
 def lower_program(program: list[Instruction], weights: dict[str, torch.Tensor]) -> list[_C.Op]:
@@ -107,7 +108,7 @@ def build_executor(config: ModelConfig, weights: dict[str, torch.Tensor], kv: to
         program: the ops to run (default: schedule_for(config)); any topological order of them.
     """
     dtype = kv.dtype  # the run dtype (quantized matrices run with f32 activations: validate_program)
-    float_weights = [w for w in weights.values() if not isinstance(w, QuantizedWeight)]
+    float_weights = [w for w in weights.values() if not isinstance(w, QuantizedWeight) and w.is_floating_point()]
     if not kv.is_contiguous() or any(w.dtype != dtype for w in float_weights):
         raise InvalidRequest(f"kv cache must be contiguous and in the float weights' dtype, got {kv.dtype}")
     ops = lower_program(schedule_for(config) if program is None else program, weights)

@@ -83,11 +83,21 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
         for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             out[p + norm] = get(p + norm).contiguous()
         if config.lanes is not None and config.architecture != "laneformer_tp":
-            # A dense model's lane form: o_proj and down_proj as lane-column matrices [L hidden, k / L]
+            # A model's lane form: o_proj and down_proj as lane-column matrices [L hidden, k / L]
             # (lane l: the columns of its heads / units), what a lane LINEAR into HIDDEN reads.
             for name in (a + "o_proj.weight", m + "down_proj.weight"):
-                out[name] = lane_columns(out[name], config.lanes.num_lanes)
+                if name in out:
+                    out[name] = lane_columns(out[name], config.lanes.num_lanes)
+            if n in config.moe_layers and config.shard.size > 1:  # expert parallelism
+                out[m + "experts.ranks"] = expert_ranks(config)
     return out
+
+
+def expert_ranks(config: ModelConfig) -> torch.Tensor:
+    """[experts + shared slots] int32: the rank each expert runs on, in contiguous blocks of
+    routed experts (expert e on rank e N / E), the shared expert's slices round-robin."""
+    E, S, N = config.num_experts, config.shared_expert_slots, config.shard.size
+    return torch.tensor([e * N // E for e in range(E)] + [s % N for s in range(S)], dtype=torch.int32)
 
 
 def lane_columns(w: torch.Tensor, lanes: int) -> torch.Tensor:

@@ -19,7 +19,8 @@ from kog.lane_config import LaneConfig, LaneShard
 
 
 def lane_form(config: ModelConfig, lanes: int) -> ModelConfig:
-    """A dense model (llama, mistral, qwen2, qwen3) as `lanes` lanes: lane l computes heads
+    """A model (llama, mistral, qwen2, qwen3; the MoE families with their experts placed on the
+    ranks, which they must then be split over: one lane per rank) as `lanes` lanes: lane l computes heads
     l H/lanes .. and MLP units l I/lanes .. from its own copy of the residual stream, and the
     lanes' partial o_proj / down_proj sums are added after every block -- Megatron-style
     tensor parallelism, written in the program's lane ops so that a rank runs its lanes. The
@@ -52,7 +53,9 @@ def shard_config(config: ModelConfig, rank: int, size: int) -> ModelConfig:
         raise ModelLoadError("config is already a rank's shard")
     return dataclasses.replace(
         config, num_attention_heads=config.num_attention_heads // size,
-        num_key_value_heads=config.num_key_value_heads // size, intermediate_size=config.intermediate_size // size,
+        num_key_value_heads=config.num_key_value_heads // size,
+        # the dense MLPs' units (a model whose every MLP is experts, Mixtral, has none to split)
+        intermediate_size=config.intermediate_size // (1 if len(config.moe_layers) == config.num_hidden_layers else size),
         lanes=dataclasses.replace(lanes, num_lanes=lanes.num_lanes // size), shard=LaneShard(rank, size))
 
 
@@ -90,7 +93,8 @@ def _shard_dense(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[
     cols = {"o_proj": q, "down_proj": units}
     out = {}
     for name, w in weights.items():
-        kind = name.split(".")[-2] if name.startswith("model.layers.") else None
+        # (a shared expert runs whole on the rank it is placed on: kog.models.weights.expert_ranks)
+        kind = name.split(".")[-2] if name.startswith("model.layers.") and "shared_expert" not in name else None
         if kind in rows:
             out[name] = w[r * rows[kind]:(r + 1) * rows[kind]]
         elif kind in cols:

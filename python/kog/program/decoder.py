@@ -43,7 +43,7 @@ def decoder_program(spec: DecoderSpec) -> list[Instruction]:
         if spec.lanes:  # the lanes' partial o_proj sums, added up (an all-reduce across ranks)
             p.op(Opcode.LANE_SUM, layer, (B.HIDDEN,), (B.HIDDEN,))
         if layer in spec.moe_layers:
-            moe_block(p, layer)
+            moe_block(p, layer, placed=spec.sharded)
         else:
             mlp_block(p, layer, lanes=n_lanes)
         if spec.lanes:
@@ -95,14 +95,15 @@ def mlp_block(p: ProgramBuilder, layer: int, lanes: int = 1) -> None:
     p.op(Opcode.LINEAR, layer, (B.ACT,), (B.HIDDEN,), (w + "mlp.down_proj.weight",), lanes=lanes)
 
 
-def moe_block(p: ProgramBuilder, layer: int) -> None:
+def moe_block(p: ProgramBuilder, layer: int, placed: bool = False) -> None:
     """Pre-norm mixture of experts: the router picks each token's experts (ROUTE), then only
-    those experts' SwiGLU MLPs run, weighted and summed into HIDDEN (docs/ARCHITECTURE.md)."""
+    those experts' SwiGLU MLPs run, weighted and summed into HIDDEN (docs/ARCHITECTURE.md).
+    placed: a tensor-parallel rank's block, which runs only its experts (`mlp.experts.ranks`)."""
     w = f"model.layers.{layer}."
     p.op(Opcode.RMS_NORM, layer, (B.HIDDEN, B.RESIDUAL), (B.NORMED, B.RESIDUAL), (w + "post_attention_layernorm.weight",))
     p.op(Opcode.ROUTER, layer, (B.NORMED,), (B.ROUTE,), (w + "mlp.gate.weight",))
     p.op(Opcode.MOE_EXPERTS, layer, (B.NORMED, B.ROUTE), (B.HIDDEN,),
-         (w + "mlp.experts.gate_up_proj", w + "mlp.experts.down_proj"))
+         (w + "mlp.experts.gate_up_proj", w + "mlp.experts.down_proj") + ((w + "mlp.experts.ranks",) if placed else ()))
 
 
 def lm_head(p: ProgramBuilder, tied: bool) -> None:

@@ -61,7 +61,7 @@ def qwen3_moe(config: ModelConfig) -> list[Instruction]:
     _check_qk_norm(config, True)
     return decoder_program(DecoderSpec(config.num_hidden_layers, qk_norm=True, qkv_bias=config.attention_bias,
                                        tie_word_embeddings=config.tie_word_embeddings,
-                                       moe_layers=config.moe_layers))
+                                       moe_layers=config.moe_layers, **_lanes(config)))
 
 
 def mixtral(config: ModelConfig) -> list[Instruction]:
@@ -70,7 +70,7 @@ def mixtral(config: ModelConfig) -> list[Instruction]:
     _check_qk_norm(config, False)
     return decoder_program(DecoderSpec(config.num_hidden_layers, qkv_bias=config.attention_bias,
                                        tie_word_embeddings=config.tie_word_embeddings,
-                                       moe_layers=config.moe_layers))
+                                       moe_layers=config.moe_layers, **_lanes(config)))
 
 
 def qwen2_moe(config: ModelConfig) -> list[Instruction]:
@@ -80,7 +80,7 @@ def qwen2_moe(config: ModelConfig) -> list[Instruction]:
     _check_qk_norm(config, False)
     return decoder_program(DecoderSpec(config.num_hidden_layers, qkv_bias=config.attention_bias,
                                        tie_word_embeddings=config.tie_word_embeddings,
-                                       moe_layers=config.moe_layers))
+                                       moe_layers=config.moe_layers, **_lanes(config)))
 
 
 def laneformer_tp(config: ModelConfig) -> list[Instruction]:

@@ -232,8 +232,10 @@ def _moe_experts(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: t
     counts = torch.bincount(ids, minlength=n_stack).tolist()
     acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     start = 0
+    placement = w[2].tolist() if len(w) > 2 else None  # expert parallelism: this rank's experts only
     for e, m in enumerate(counts):
-        if m == 0:
+        if m == 0 or (placement is not None and placement[e] != it.config.shard.rank):
+            start += m
             continue
         pairs = order[start:start + m]
         rows = pairs // k
