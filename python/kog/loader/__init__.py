@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -45,7 +46,8 @@ class LoadedModel:
 
 
 def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.dtype | str | None = None,
-               progress: bool | None = None, chat_template: str | None = None) -> LoadedModel:
+               progress: bool | None = None, chat_template: str | None = None,
+               shard: Callable[[ModelConfig], ModelConfig] | None = None) -> LoadedModel:
     """Loads a model.
 
     Args:
@@ -54,6 +56,9 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
             blocks (QuantizedWeight) with f32 activations, bf16 for bf16 checkpoints, else f32).
         progress: progress bar while loading weights (None: only when stderr is a TTY).
         chat_template: Jinja text that replaces the model's own chat template.
+        shard: full config -> a tensor-parallel rank's view (kog.parallel); the model is then
+            that rank's: its config, and only its part of each tensor (read as such from
+            safetensors; a GGUF is read whole, then cut).
     Raises:
         ModelLoadError: anything wrong with the checkpoint, naming the file and tensor.
     """
@@ -65,6 +70,11 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
         keep = dtype in (None, "auto") and ckpt.is_quantized
         dt = torch.float32 if keep else run_dtype(dtype, config)
         weights = ckpt.load_weights(config, dt, progress, keep_quantized=keep)
+        if shard is not None:
+            from kog.parallel.shard import shard_weights
+
+            config = shard(config)
+            weights = shard_weights(config, weights)
         tokenizer = tokenizer_from_gguf(ckpt.metadata, source=str(path))
         source = ckpt.get("tokenizer.chat_template")
         extra_stops: list[int] = []
@@ -72,7 +82,14 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
     else:
         config = ModelConfig.from_hf_file(path)
         dt = run_dtype(dtype, config)
-        weights = load_safetensors(path, config, dt, progress)
+        if shard is None:
+            weights = load_safetensors(path, config, dt, progress)
+        else:
+            from kog.parallel.shard import shard_index
+
+            local = shard(config)
+            weights = load_safetensors(path, config, dt, progress, part=lambda n, ndim: shard_index(local, n, ndim))
+            config = local
         tokenizer = Tokenizer.from_folder(path)
         source = read_tokenizer_config(path).get("chat_template")
         extra_stops = _generation_config_eos(path)

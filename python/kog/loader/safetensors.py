@@ -11,7 +11,7 @@ import json
 import struct
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -51,7 +51,8 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
 
 
 def load_safetensors(
-    folder: str | Path, config: ModelConfig, dtype: torch.dtype, progress: bool | None = None
+    folder: str | Path, config: ModelConfig, dtype: torch.dtype, progress: bool | None = None,
+    part: Callable[[str, int], tuple | None] | None = None,
 ) -> Weights:
     """Loads and validates every weight of an HF folder.
 
@@ -60,6 +61,9 @@ def load_safetensors(
         config: the model's config; tensor names and shapes are checked against it.
         dtype: run dtype, every tensor is cast to it.
         progress: show a progress bar (None: only when stderr is a TTY).
+        part: (name, ndim) -> the index of the part of a tensor to keep, or None for all of it
+            (a tensor-parallel rank's share: kog.parallel.shard.shard_index); a tensor stored as
+            itself is read only in that part, one stacked from parts (experts) whole first.
     Returns:
         {HF tensor name: tensor}, without `lm_head.weight` when embeddings are tied.
     Raises:
@@ -73,7 +77,7 @@ def load_safetensors(
     with progress_bar(len(names), f"loading {Path(folder).name}", progress) as bar, ExitStack() as stack:
         opened: dict[Path, Any] = {}
 
-        def read(canonical: str, name: str) -> torch.Tensor:
+        def read(canonical: str, name: str, index: tuple | None = None) -> torch.Tensor:
             path = files[name]
             if path not in opened:
                 opened[path] = stack.enter_context(_open(path))
@@ -81,14 +85,18 @@ def load_safetensors(
             want = {name: source_shape(canonical, name, config, expected)}
             check_shape(name, f.get_slice(name).get_shape(), want, str(path))
             try:
-                return f.get_tensor(name)
+                return f.get_tensor(name) if index is None else f.get_slice(name)[index]
             except Exception as e:  # safetensors raises its own error types
                 raise ModelLoadError(f"{path}: cannot read tensor {name!r}: {e}") from None
 
         # NOTE: MoE layers stored one tensor per expert are stacked here, once (kog.loader.moe).
         for name in names:
-            parts = [read(name, n) for n in sources[name]]
-            weights[name] = combine(name, sources[name], parts).to(dtype)
+            index = part(name, len(expected[name])) if part is not None else None
+            if sources[name] == [name]:
+                weights[name] = read(name, name, index).to(dtype)
+            else:
+                w = combine(name, sources[name], [read(name, n) for n in sources[name]])
+                weights[name] = (w if index is None else w[index]).to(dtype)
             bar.update()
     return weights
 

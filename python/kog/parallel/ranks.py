@@ -62,22 +62,26 @@ class PlainMoves:
 
 
 def build_rank_runner(spec: RankSpec, rank: int, transport, loaded=None):
-    """This rank's ModelRunner: the model (loaded here unless given), cut to the rank's lanes."""
+    """This rank's ModelRunner: the model loaded as the rank's share (only its part of each
+    tensor read from safetensors), or cut from `loaded` (rank 0 already holds the whole model)."""
     from kog.loader import load_model
     from kog.models.runner import ModelRunner
 
-    loaded = load_model(spec.model, spec.dtype) if loaded is None else loaded
-    if any(not isinstance(w, torch.Tensor) for w in loaded.weights.values()):
+    def view(config):
+        return shard_config(lane_form(config, spec.size) if config.lanes is None else config, rank, spec.size)
+
+    if loaded is None:
+        model = load_model(spec.model, spec.dtype, shard=view)
+    else:
+        local = view(loaded.config)
+        model = dataclasses.replace(loaded, config=local, weights=shard_weights(local, loaded.weights))
+    if any(not isinstance(w, torch.Tensor) for w in model.weights.values()):
         raise InvalidRequest("tensor parallelism needs float weights: load a quantized GGUF with dtype='float32' "
                              "or 'bfloat16'")
-    local = shard_config(lane_form(loaded.config, spec.size) if loaded.config.lanes is None else loaded.config,
-                         rank, spec.size)
     if spec.shm_name is not None:  # ranks on one host: shared memory for prefill and native decode
-        transport = shm_transport(spec, local, rank)
-
-    model = dataclasses.replace(loaded, config=local, weights=shard_weights(local, loaded.weights))
+        transport = shm_transport(spec, model.config, rank)
     return ModelRunner(model, num_kv_blocks=spec.num_kv_blocks, block_size=spec.block_size,
-                       num_host_blocks=spec.num_host_blocks, transport=transport), loaded
+                       num_host_blocks=spec.num_host_blocks, transport=transport), model
 
 
 def shm_transport(spec: RankSpec, local, rank: int) -> ShmRankTransport:

@@ -60,47 +60,49 @@ def shard_config(config: ModelConfig, rank: int, size: int) -> ModelConfig:
 
 
 def shard_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The full checkpoint's tensors (kog.loader.laneformer layout) cut to config's shard
-    (a shard_config view): every [L, ...] lane tensor to the rank's lanes; the LM head as its
-    type needs (lane: the columns of the rank's lanes; vocab_parallel: its lanes' vocabulary
-    rows; replicate: whole). Views, no copies."""
+    """The full checkpoint's tensors cut to config's shard (a shard_config view), as
+    shard_index says. Views, no copies."""
+    out = {}
+    for name, w in weights.items():
+        index = shard_index(config, name, w.dim())
+        out[name] = w if index is None else w[index]
+    return out
+
+
+def shard_index(config: ModelConfig, name: str, ndim: int) -> tuple[slice, ...] | None:
+    """The part of stored tensor `name` (of ndim dims) that config's shard keeps, as an index
+    (None: all of it). The loader reads only that part of a safetensors file.
+
+    Laneformer (kog.loader.laneformer layout): every [L, ...] lane tensor to the rank's lanes;
+    the LM head as its type needs (lane: the columns of the rank's lanes; vocab_parallel: its
+    lanes' vocabulary rows; replicate: whole). Other families (HF Llama names): the rank's rows
+    of q/k/v (and biases) and gate/up, its columns of o_proj and down_proj, its vocabulary rows of
+    a vocabulary-parallel head; experts, routers and shared experts whole (kog.models.weights.expert_ranks
+    places them)."""
     lanes, shard = config.lanes, config.shard
     assert lanes is not None
-    if config.architecture != "laneformer_tp":
-        return _shard_dense(config, weights)
-    L_local, h = lanes.num_lanes, config.hidden_size
-    lo, hi = shard.rank * L_local, (shard.rank + 1) * L_local
-    lane_tensors = {"model.norm.scale"} | ({"lm_head.weight"} if lanes.lm_head_type == "vocab_parallel" else set())
-    out = {}
-    for name, w in weights.items():
+    if shard.size == 1:
+        return None
+    if config.architecture == "laneformer_tp":
+        L_local, h = lanes.num_lanes, config.hidden_size
+        lo, hi = shard.rank * L_local, (shard.rank + 1) * L_local
         if name == "lm_head.linear.weight":  # [V, L h]: the rank's lanes' columns
-            out[name] = w[:, lo * h:hi * h]
-        elif name in lane_tensors or (name.startswith("model.layers.") and w.dim() >= 2):  # [L, ...]
-            out[name] = w[lo:hi]
-        else:  # the embedding, replicated norm weights [h], a replicated head
-            out[name] = w
-    return out
-
-
-def _shard_dense(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A dense checkpoint (HF Llama names) cut to a lane-form shard: the rank's rows of q/k/v
-    (and biases) and gate/up, its columns of o_proj and down_proj, its vocabulary rows of a
-    vocabulary-parallel head; the rest whole."""
-    r, hd = config.shard.rank, config.head_dim
+            return (slice(None), slice(lo * h, hi * h))
+        lane_tensors = {"model.norm.scale"} | ({"lm_head.weight"} if lanes.lm_head_type == "vocab_parallel" else set())
+        if name in lane_tensors or (name.startswith("model.layers.") and ndim >= 2):  # [L, ...]
+            return (slice(lo, hi),)
+        return None  # the embedding, replicated norm weights [h], a replicated head
+    r, hd = shard.rank, config.head_dim
     q, kv, units = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
-    vocab_rows = config.vocab_size // config.shard.size
     rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": units, "up_proj": units}  # per rank
     cols = {"o_proj": q, "down_proj": units}
-    out = {}
-    for name, w in weights.items():
-        # (a shared expert runs whole on the rank it is placed on: kog.models.weights.expert_ranks)
-        kind = name.split(".")[-2] if name.startswith("model.layers.") and "shared_expert" not in name else None
-        if kind in rows:
-            out[name] = w[r * rows[kind]:(r + 1) * rows[kind]]
-        elif kind in cols:
-            out[name] = w[:, r * cols[kind]:(r + 1) * cols[kind]]
-        elif name == "lm_head.weight" and config.lanes.lm_head_type == "vocab_parallel":
-            out[name] = w[r * vocab_rows:(r + 1) * vocab_rows]
-        else:
-            out[name] = w
-    return out
+    expert = "shared_expert" in name or ".experts." in name or name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+    kind = name.split(".")[-2] if name.startswith("model.layers.") and not expert else None
+    if kind in rows:
+        return (slice(r * rows[kind], (r + 1) * rows[kind]),)
+    if kind in cols:
+        return (slice(None), slice(r * cols[kind], (r + 1) * cols[kind]))
+    if name == "lm_head.weight" and lanes.lm_head_type == "vocab_parallel":
+        n = config.vocab_size // shard.size
+        return (slice(r * n, (r + 1) * n),)
+    return None
