@@ -9,6 +9,7 @@ the logits to OUT.pt.
 import sys
 
 import torch
+import torch.distributed
 
 from kog.parallel.transport import init_gloo
 from kog.testing.tiny_models import random_weights
@@ -21,3 +22,5 @@ if __name__ == "__main__":
     config = lane_model_config(**VARIANTS[variant])
     transport = init_gloo(rank, size, "127.0.0.1", port, timeout_s=60)
     torch.save(run_sequence(rank_runner(config, random_weights(config, seed=9), rank, size, transport)), out)
+    torch.distributed.barrier()  # the peer is done with the group too
+    torch.distributed.destroy_process_group()  # gloo's threads must not outlive the interpreter
