@@ -34,11 +34,12 @@ ModelDims make_dims(int64_t n_layers, int64_t hidden, int64_t n_q_heads, int64_t
 }
 
 Op make_op(int op, int layer, int in, int residual, int out, uintptr_t w0, uintptr_t w1,
-           const std::vector<int>& deps, uintptr_t w2, int w_type) {
+           const std::vector<int>& deps, uintptr_t w2, int w_type, uintptr_t w_scale) {
   KOG_CHECK(deps.size() <= size_t(kog::schedule::kMaxDeps), "Op: ", deps.size(), " deps (at most ",
             kog::schedule::kMaxDeps, ")");
   Op o{op, layer, in, residual, out, int32_t(deps.size()), reinterpret_cast<const void*>(w0),
-       reinterpret_cast<const void*>(w1), {}, reinterpret_cast<const void*>(w2), w_type};
+       reinterpret_cast<const void*>(w1), {}, reinterpret_cast<const void*>(w2), w_type,
+       reinterpret_cast<const float*>(w_scale)};
   for (size_t k = 0; k < deps.size(); ++k) o.deps[k] = deps[k];
   return o;
 }
@@ -80,7 +81,7 @@ void bind_schedule(py::module_& m) {
 
   py::class_<Op>(m, "Op", "One op of the program with resolved operands (csrc/schedule/program.h).")
       .def(py::init(&make_op), arg("opcode"), arg("layer"), arg("in_"), arg("residual"), arg("out"), arg("w0"),
-           arg("w1"), arg("deps"), arg("w2") = 0, arg("w_type") = kog::schedule::kWeightRunDtype)
+           arg("w1"), arg("deps"), arg("w2") = 0, arg("w_type") = kog::schedule::kWeightRunDtype, arg("w_scale") = 0)
       .def_readonly("opcode", &Op::op)
       .def_readonly("layer", &Op::layer)
       .def_readonly("in_", &Op::in)
@@ -92,6 +93,8 @@ void bind_schedule(py::module_& m) {
                              "A GEMV's RMSNorm prologue weight (expanded GPU programs only), else 0.")
       .def_property_readonly("deps", &deps_of)
       .def_readonly("w_type", &Op::w_type)
+      .def_property_readonly("w_scale", [](const Op& o) { return reinterpret_cast<uintptr_t>(o.w_scale); },
+                             "An FP8 weight's [rows] f32 row scales (w_type WEIGHT_FP8), else 0.")
       .def("__repr__", [](const Op& o) {
         std::string deps;
         for (int k = 0; k < o.n_deps; ++k) deps += (k ? ", " : "") + std::to_string(o.deps[k]);
@@ -103,6 +106,7 @@ void bind_schedule(py::module_& m) {
         "Raises InvalidRequest naming the first bad op (opcode, layer, buffers, weights, deps).");
   m.attr("PROGRAM_MAX_DEPS") = kog::schedule::kMaxDeps;
   m.attr("WEIGHT_RUN_DTYPE") = kog::schedule::kWeightRunDtype;
+  m.attr("WEIGHT_FP8") = kog::schedule::kWeightFp8;
 
   py::dict ops;
   ops["EMBED"] = int(Opcode::kEmbed);

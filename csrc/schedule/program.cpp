@@ -43,10 +43,20 @@ void check_moe(const Op& o, size_t i, const ModelDims& d) {
 // A quantized weight: a type this build has kernels for, on EMBED or LINEAR, rows of whole
 // blocks (k = the input width; EMBED's rows are hidden wide), in an f32 run.
 void check_weight_type(const Op& o, size_t i, const ModelDims& d) {
+  KOG_CHECK((o.w_scale != nullptr) == (o.w_type == kWeightFp8), "program: op ", i,
+            o.w_scale != nullptr ? " has a weight scale but its weight is not FP8"
+                                 : " reads an FP8 weight without its row scales (w_scale)");
   if (o.w_type == kWeightRunDtype) return;
+  if (o.w_type == kWeightFp8) {  // one 16-byte GEMV vector is 16 elements
+    KOG_CHECK(Opcode(o.op) == Opcode::kLinear, "program: op ", i, " (opcode ", o.op,
+              ") cannot read an FP8 weight: only LINEAR takes one");
+    KOG_CHECK(buffer_width(d, o.in) % 16 == 0, "program: op ", i, " has FP8 rows of ", buffer_width(d, o.in),
+              " elements, not a multiple of 16");
+    return;
+  }
   const QuantTypeInfo info = quant_type_info(QuantType(o.w_type));
   KOG_CHECK(info.name != nullptr, "program: op ", i, " has weight type ", o.w_type,
-            " (supported: the run dtype or Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+            " (supported: the run dtype, FP8=-2 or Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
   const auto op = Opcode(o.op);
   KOG_CHECK(op == Opcode::kEmbed || op == Opcode::kLinear, "program: op ", i, " (opcode ", o.op,
             ") cannot read a ", info.name, " weight: only EMBED and LINEAR take quantized weights");

@@ -20,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="run dtype; auto: bfloat16 for bf16 checkpoints, else float32 (half is float16)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU build of kog)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: round the linear matrices to FP8 e4m3 with per-channel scales at load "
+                        "(default: none, 'as stored')")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--system", default=None, help="a system message (chat mode; default: none)")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
@@ -51,6 +54,7 @@ def run(args: argparse.Namespace, llm=None, out: TextIO = sys.stdout, err: TextI
             t0 = time.perf_counter()
             model = args.model if args.model is not None else args.model_option
             llm = LLM(model, None if args.dtype == "auto" else args.dtype, max_num_seqs=1, device=args.device,
+                      quantization=args.quantization,
                       chat_template=args.chat_template,
                       allow_special_tokens_in_content=args.allow_special_tokens_in_content)
             print(f"[kog] loaded {llm.model.path.name} ({_weights_kind(llm)}) "

@@ -18,6 +18,7 @@ from kog.config import ModelConfig
 from kog.errors import InvalidRequest
 from kog.ops import DTYPE_CODE
 from kog.program import Buffer, Instruction, Opcode, program_for
+from kog.fp8 import Fp8Weight
 from kog.quantized import QuantizedWeight
 
 # RoPE pairing of each family's checkpoints as Kog loads them: rotate_half, i.e. dims (i, i + R/2)
@@ -68,11 +69,16 @@ def lower(ins: Instruction, weights: dict[str, torch.Tensor]) -> _C.Op:
         residual = int(bufs_in[1])
     ptrs = [weights[name].data_ptr() for name in ins.weights] + [0, 0]
     w0 = weights[ins.weights[0]] if ins.weights else None
-    # The first weight's storage: a ggml type for a QuantizedWeight (EMBED, LINEAR), else the run dtype.
-    w_type = w0.qtype if isinstance(w0, QuantizedWeight) else _C.WEIGHT_RUN_DTYPE
+    # The first weight's storage: a ggml type for a QuantizedWeight (EMBED, LINEAR), FP8 with its
+    # row scales for an Fp8Weight (LINEAR; the GPU kernel only), else the run dtype.
+    w_type, w_scale = _C.WEIGHT_RUN_DTYPE, 0
+    if isinstance(w0, QuantizedWeight):
+        w_type = w0.qtype
+    elif isinstance(w0, Fp8Weight):
+        w_type, w_scale = _C.WEIGHT_FP8, w0.scale.data_ptr()
     return _C.Op(int(ins.opcode), ins.layer, int(bufs_in[0]) if bufs_in else -1, residual,
                  int(bufs_out[0]) if bufs_out else -1, ptrs[0], ptrs[1], sorted(ins.deps),
-                 w_type=w_type)
+                 w_type=w_type, w_scale=w_scale)
 
 
 def lower_program(program: list[Instruction], weights: dict[str, torch.Tensor]) -> list[_C.Op]:
@@ -93,7 +99,7 @@ def build_executor(config: ModelConfig, weights: dict[str, torch.Tensor], kv: to
         program: the ops to run (default: schedule_for(config)); any topological order of them.
     """
     dtype = kv.dtype  # the run dtype (quantized matrices run with f32 activations: validate_program)
-    float_weights = [w for w in weights.values() if not isinstance(w, QuantizedWeight)]
+    float_weights = [w for w in weights.values() if not isinstance(w, (QuantizedWeight, Fp8Weight))]
     if not kv.is_contiguous() or any(w.dtype != dtype for w in float_weights):
         raise InvalidRequest(f"kv cache must be contiguous and in the float weights' dtype, got {kv.dtype}")
     ops = lower_program(schedule_for(config) if program is None else program, weights)

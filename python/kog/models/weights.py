@@ -13,9 +13,11 @@ import torch
 
 from kog.config import ModelConfig
 from kog.errors import ModelLoadError
+from kog.fp8 import Fp8Weight
+from kog.fp8 import cat_rows as cat_fp8_rows
 from kog.quantized import QuantizedWeight, cat_rows
 
-Tensor = Union[torch.Tensor, QuantizedWeight]
+Tensor = Union[torch.Tensor, QuantizedWeight, Fp8Weight]
 
 
 def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
@@ -35,21 +37,25 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
         `self_attn.q_norm.weight` / `self_attn.k_norm.weight`; an MoE layer (config.moe_layers)
         has `mlp.gate.weight` [E, hidden], `mlp.experts.gate_up_proj` [E, 2 Ie, hidden] and
         `mlp.experts.down_proj` [E, hidden, Ie] instead of the MLP's matrices. All contiguous. Matrices given as
-        QuantizedWeight stay so (fused by byte rows, see kog.quantized.cat_rows).
+        QuantizedWeight stay so (fused by byte rows, see kog.quantized.cat_rows), and so do
+        Fp8Weight matrices (kog.fp8: rows with their scales).
     """
 
     def get(name: str) -> Tensor:
         if name not in weights:
             raise ModelLoadError(f"weight {name!r} is missing")
         w = weights[name]
-        return w if isinstance(w, QuantizedWeight) else w.to(dtype)
+        return w if isinstance(w, (QuantizedWeight, Fp8Weight)) else w.to(dtype)
 
     def cat(parts: list[Tensor]) -> Tensor:
         # NOTE: a fused matrix is quantized only when all its parts are (a float part among
         # quantized ones -- an F16 attn_v, say -- makes the whole group float: exact, more bytes).
         if all(isinstance(p, QuantizedWeight) for p in parts):
             return cat_rows(parts)
-        return torch.cat([p.dequantize().to(dtype) if isinstance(p, QuantizedWeight) else p for p in parts])
+        if all(isinstance(p, Fp8Weight) for p in parts):
+            return cat_fp8_rows(parts)
+        return torch.cat([p.dequantize().to(dtype) if isinstance(p, (QuantizedWeight, Fp8Weight)) else p
+                          for p in parts])
 
     out = {"model.embed_tokens.weight": _contiguous(get("model.embed_tokens.weight")),
            "model.norm.weight": get("model.norm.weight").contiguous()}
@@ -115,8 +121,8 @@ def _with_shared_expert(config: ModelConfig, moe: dict[str, torch.Tensor],
 
 def _float(w: Tensor, dtype: torch.dtype) -> torch.Tensor:
     # The MoE ops take run-dtype weights only (validate_program): quantized experts dequantize.
-    return w.dequantize().to(dtype) if isinstance(w, QuantizedWeight) else w
+    return w.dequantize().to(dtype) if isinstance(w, (QuantizedWeight, Fp8Weight)) else w
 
 
 def _contiguous(w: Tensor) -> Tensor:
-    return w if isinstance(w, QuantizedWeight) else w.contiguous()
+    return w if isinstance(w, (QuantizedWeight, Fp8Weight)) else w.contiguous()
