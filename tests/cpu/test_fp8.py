@@ -158,3 +158,21 @@ def test_fp8_ops_are_checked_and_refused_by_the_cpu_executor():
     kv = torch.zeros(dims.n_layers, 4, 2, dims.n_kv_heads, 4, dims.head_dim, dtype=torch.bfloat16)
     with pytest.raises(kog.InvalidRequest, match="reads an FP8 weight, which only the GPU kernel runs"):
         _C.DecodeExecutor(dims, kv.data_ptr(), 4, 4, [1.0] * (dims.rotary_dim // 2), ops)
+
+
+@pytest.mark.parametrize("fmt,bias", [("e4m3fn", 7), ("e4m3fnuz", 8)])
+def test_the_kernels_f16_bit_decode_on_all_256_patterns(fmt, bias):
+    """gpu/decode/fp8.cuh's decode, in torch: each byte's e/m bits moved into an f16 (s eeee mmm
+    -> s 0eeee mmm0000000), converted, times fp8_row_scale's 2^(15 - bias), is the e4m3 value
+    for every finite code (fp8x4_to_float does this for 4 bytes of a word at once)."""
+    b = ALL_BITS.to(torch.int32)
+    halves = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(torch.int16).view(torch.float16)
+    got = halves.float() * 2.0 ** (15 - bias)
+    want = decode(ALL_BITS, fmt)
+    finite = torch.isfinite(want)
+    assert int(finite.sum()) == (254 if fmt == "e4m3fn" else 255)
+    assert torch.equal(got[finite], want[finite])
+    # and the word layout: bytes (0, 2) then (1, 3) of a little-endian word, as the kernel pairs them
+    word = torch.tensor([0x01234567], dtype=torch.int64)
+    even = ((word & 0x007F007F) << 7) | ((word & 0x00800080) << 8)
+    assert int(even & 0xFFFF) >> 7 == 0x67 & 0x7F and int(even >> 16) >> 7 == 0x23 & 0x7F
