@@ -93,7 +93,8 @@ def per_channel_scale(name: str, weight: torch.Tensor, scale: torch.Tensor, form
         b0, b1 = form.block
         if tuple(s.shape) == (-(-n // b0), -(-k // b1)):
             return None
-    raise ModelLoadError(f"tensor {name[: -len('.weight')] + form.scale_suffix!r} has shape {list(s.shape)}, which is no per-tensor, "
+    scale_name = name[: -len(".weight")] + form.scale_suffix
+    raise ModelLoadError(f"tensor {scale_name!r} has shape {list(s.shape)}, which is no per-tensor, "
                          f"per-channel ([{n}] or [{n}, 1])"
                          + (f" or [{form.block[0]}, {form.block[1]}]-block scale" if form.block else " scale")
                          + f" of the [{n}, {k}] weight")
