@@ -10,6 +10,9 @@ Rules (issue 16), checked on the standalone kernels that run the persistent kern
   16-byte loads only; three narrower loads are allowed: the bias element of a row, which the
   compiler places once per code path (batch 1 and batch 2-8 are separate instantiations, and
   hipcc splits one of them again for fp32); a 2-byte weight stream shows 8 per vector;
+- the FP8 GEMV (linear_fp8_kernel, the same work item over one-byte e4m3 weights) likewise: 16
+  weights per 16-byte load; its narrower loads are the bias element and the row's f32 scale,
+  each once per code path (6 at most); a byte-wise weight stream would show 16 per vector;
 - neither spills to local memory (STL/LDL; scratch on CDNA): the hot loops stay in registers
   (the persistent kernel spills a few outer-loop values, counted by the resource report);
 - attention (attention_partial_kernel, gpu/decode/attention_item.cuh) reads q, K and V in
@@ -55,6 +58,7 @@ class Rule:
 
 
 RULES = (Rule(re.compile(r"linear_kernel"), min_wide=4, max_narrow=3),
+         Rule(re.compile(r"linear_fp8_kernel"), min_wide=4, max_narrow=6),
          Rule(re.compile(r"attention_partial_kernelI\w*(bfloat16|half)E"), min_wide=3, max_narrow=0, narrow="16bit"),
          Rule(re.compile(r"persistent_decode_kernel"), min_wide=0, max_narrow=1 << 30, max_local=1 << 30, min_async=16,
               dialects=("sass",)))

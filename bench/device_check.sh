@@ -3,7 +3,7 @@
 # the carried wheels (.whl/*.whl, for packages the device image lacks), builds Kog for the GPU
 # (CUDA if nvcc is found, else ROCm via hipcc; sm_90a on Hopper), then, each step in its own
 # process under its own timeout inside one overall budget:
-#   gpu_ops (op tests) -> gpu_decode (persistent-kernel and runner tests) -> greedy_1b (a
+#   gpu_ops (op tests) -> gpu_decode (persistent-kernel, FP8 and runner tests) -> greedy_1b (a
 #   1B-shaped fp32 model's 32 greedy tokens equal the CPU executor's) -> decode_latency (kog
 #   one-step / kernel-only / loop32, 1/8/16 layers, torch eager and CUDA-graph baselines, % of a
 #   device copy) -> prefill_attention -> cpu_tests (a short CPU subset on the GPU build) ->
@@ -157,7 +157,8 @@ built=0
 grep -q $'^build\tok' "$LOGS/steps.tsv" && compgen -G "$stage/kog/_C*.so" >/dev/null && built=1
 
 # ---- tests and benches -------------------------------------------------------------------------
-decode_tests=(tests/gpu/test_persistent_decode_gpu.py tests/gpu/test_runner_gpu.py tests/gpu/test_decode_loop_gpu.py)
+decode_tests=(tests/gpu/test_persistent_decode_gpu.py tests/gpu/test_runner_gpu.py tests/gpu/test_decode_loop_gpu.py
+  tests/gpu/test_fp8_gpu.py)
 if ((built)); then
   ((dry)) || export KOG_REQUIRE_GPU=1  # tests/gpu errors out instead of skipping when it cannot run
   step gpu_ops 75 pytest_step gpu_ops tests/gpu --ignore=tests/gpu/test_greedy_1b_gpu.py \
@@ -174,7 +175,7 @@ if ((built)); then
     step prefill_attention 25 "$PY" bench/gpu_prefill_attention.py --iters 10
   fi
   step cpu_tests 45 pytest_step cpu_tests -x -m "not slow" tests/cpu/test_info.py tests/cpu/test_gpu_program.py \
-    tests/cpu/test_decode_executor.py tests/cpu/test_ops.py tests/cpu/test_kvcache.py
+    tests/cpu/test_fp8.py tests/cpu/test_decode_executor.py tests/cpu/test_ops.py tests/cpu/test_kvcache.py
   sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
   if [[ $backend == cuda && -n $sanitizer ]]; then
     # Subsets that touch every kernel on its vector and scalar paths (each launch is slow under

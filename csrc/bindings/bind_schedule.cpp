@@ -37,12 +37,12 @@ ModelDims make_dims(int64_t n_layers, int64_t hidden, int64_t n_q_heads, int64_t
 
 Op make_op(int op, int layer, int in, int residual, int out, uintptr_t w0, uintptr_t w1,
            const std::vector<int>& deps, uintptr_t w2, int w_type, int w1_type, int lanes, int slot, int window,
-           int vocab_slice, uintptr_t expert_ranks) {
+           int vocab_slice, uintptr_t expert_ranks, uintptr_t w_scale) {
   KOG_CHECK(deps.size() <= size_t(kog::schedule::kMaxDeps), "Op: ", deps.size(), " deps (at most ",
             kog::schedule::kMaxDeps, ")");
   Op o{op, layer, in, residual, out, int32_t(deps.size()), reinterpret_cast<const void*>(w0),
        reinterpret_cast<const void*>(w1), {}, reinterpret_cast<const void*>(w2), w_type, w1_type, lanes, slot, window,
-       vocab_slice, reinterpret_cast<const int32_t*>(expert_ranks)};
+       vocab_slice, reinterpret_cast<const int32_t*>(expert_ranks), reinterpret_cast<const float*>(w_scale)};
   for (size_t k = 0; k < deps.size(); ++k) o.deps[k] = deps[k];
   return o;
 }
@@ -92,7 +92,7 @@ void bind_schedule(py::module_& m) {
       .def(py::init(&make_op), arg("opcode"), arg("layer"), arg("in_"), arg("residual"), arg("out"), arg("w0"),
            arg("w1"), arg("deps"), arg("w2") = 0, arg("w_type") = kog::schedule::kWeightRunDtype,
            arg("w1_type") = kog::schedule::kWeightRunDtype, arg("lanes") = 1, arg("slot") = -1, arg("window") = 0,
-           arg("vocab_slice") = 0, arg("expert_ranks") = 0)
+           arg("vocab_slice") = 0, arg("expert_ranks") = 0, arg("w_scale") = 0)
       .def_readonly("opcode", &Op::op)
       .def_readonly("layer", &Op::layer)
       .def_readonly("in_", &Op::in)
@@ -109,6 +109,8 @@ void bind_schedule(py::module_& m) {
       .def_readonly("slot", &Op::slot)
       .def_readonly("window", &Op::window)
       .def_readonly("vocab_slice", &Op::vocab_slice)
+      .def_property_readonly("w_scale", [](const Op& o) { return reinterpret_cast<uintptr_t>(o.w_scale); },
+                             "An FP8 weight's [rows] f32 row scales (w_type WEIGHT_FP8), else 0.")
       .def("__repr__", [](const Op& o) {
         std::string deps;
         for (int k = 0; k < o.n_deps; ++k) deps += (k ? ", " : "") + std::to_string(o.deps[k]);
@@ -121,6 +123,7 @@ void bind_schedule(py::module_& m) {
         "Raises InvalidRequest naming the first bad op (opcode, layer, buffers, weights, deps).");
   m.attr("PROGRAM_MAX_DEPS") = kog::schedule::kMaxDeps;
   m.attr("WEIGHT_RUN_DTYPE") = kog::schedule::kWeightRunDtype;
+  m.attr("WEIGHT_FP8") = kog::schedule::kWeightFp8;
 
   py::dict ops;
   ops["EMBED"] = int(Opcode::kEmbed);

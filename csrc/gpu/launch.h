@@ -37,6 +37,9 @@ void rope(const RopeParams& p, void* stream);
 void silu_and_mul(const SiluAndMulParams& p, void* stream);
 // Decode-batch GEMV: k and x's row stride multiples of 16 bytes, x and weight 16-byte aligned.
 void linear(const LinearParams& p, void* stream);
+// The same over FP8 e4m3 weights (schedule::kWeightFp8, the target's encoding): p.weight is
+// [n, k] bytes, scale [n] f32, out[b, r] = scale[r] * (x[b] . e4m3(w[r])) + bias[r]; k % 16 == 0.
+void linear_fp8(const LinearParams& p, const float* scale, void* stream);
 void kv_append(const KVAppendParams& p, void* stream);
 // Paged attention, decode (p.query_start_loc null) or causal prefill. partials: device scratch
 // of gpu_attention_partials_floats (ops/attention.h) floats (none when the launch takes the flash

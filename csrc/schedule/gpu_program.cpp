@@ -136,11 +136,12 @@ std::vector<int32_t> rmsnorm_prologue_fusions(std::vector<Op>& ops) {
 
 std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDims& dims) {
   validate_program(ops_in, dims);
-  // NOTE: the persistent kernel has no quantized GEMV or embedding yet (issue 17, a later item).
+  // NOTE: the persistent kernel's GEMV streams run-dtype and FP8 weights (kWeightFp8); it has
+  // no GEMV or embedding over ggml blocks yet (issue 17, a later item).
   for (size_t i = 0; i < ops_in.size(); ++i)
-    KOG_CHECK(ops_in[i].w_type == kWeightRunDtype, "GPU decode program: op ", i,
+    KOG_CHECK(ops_in[i].w_type == kWeightRunDtype || ops_in[i].w_type == kWeightFp8, "GPU decode program: op ", i,
               " reads a quantized weight (ggml type ", ops_in[i].w_type,
-              "), which the GPU kernel does not run yet; load the model with dtype=\"bfloat16\"");
+              "), which the GPU kernel does not run yet; load the model with dtype=\"bfloat16\" or quantization=\"fp8\"");
   // NOTE: nor the mixture-of-experts ops (issue 18's first slice is CPU only): an MoE model
   // decodes on the CPU executor.
   for (size_t i = 0; i < ops_in.size(); ++i) {

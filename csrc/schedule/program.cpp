@@ -48,7 +48,7 @@ void check_moe(const Op& o, size_t i, const ModelDims& d) {
 void check_quant_type(int32_t type, const char* which, int64_t k, size_t i, const ModelDims& d) {
   const QuantTypeInfo info = quant_type_info(QuantType(type));
   KOG_CHECK(info.name != nullptr, "program: op ", i, " has ", which, " type ", type,
-            " (supported: the run dtype or Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+            " (supported: the run dtype, FP8=-2 or Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
   KOG_CHECK(d.dtype == DType::kF32, "program: op ", i, " reads a ", info.name, " weight but the run dtype is ",
             dtype_name(d.dtype), " (quantized weights run with f32 activations)");
   KOG_CHECK(k % info.elems == 0, "program: op ", i, " has rows of ", k, " elements, not whole ", info.name,
@@ -104,7 +104,17 @@ void check_weight_type(const Op& o, size_t i, const ModelDims& d) {
   KOG_CHECK(o.w1_type == kWeightRunDtype || op == Opcode::kMoeExperts, "program: op ", i, " (opcode ", o.op,
             ") has w1 type ", o.w1_type, ": only MOE_EXPERTS' down weight may be quantized");
   if (o.w1_type != kWeightRunDtype) check_quant_type(o.w1_type, "w1", d.expert_intermediate, i, d);
+  KOG_CHECK((o.w_scale != nullptr) == (o.w_type == kWeightFp8), "program: op ", i,
+            o.w_scale != nullptr ? " has a weight scale but its weight is not FP8"
+                                 : " reads an FP8 weight without its row scales (w_scale)");
   if (o.w_type == kWeightRunDtype) return;
+  if (o.w_type == kWeightFp8) {  // one 16-byte GEMV vector is 16 elements
+    KOG_CHECK(op == Opcode::kLinear && o.lanes == 1, "program: op ", i, " (opcode ", o.op,
+              ") cannot read an FP8 weight: only a (non-lane) LINEAR takes one");
+    KOG_CHECK(buffer_width(d, o.in) % 16 == 0, "program: op ", i, " has FP8 rows of ", buffer_width(d, o.in),
+              " elements, not a multiple of 16");
+    return;
+  }
   KOG_CHECK(op == Opcode::kEmbed || op == Opcode::kLinear || op == Opcode::kMoeExperts, "program: op ", i,
             " (opcode ", o.op, ") cannot read a quantized weight (type ", o.w_type,
             "): only EMBED, LINEAR and MOE_EXPERTS take quantized weights");

@@ -70,6 +70,13 @@ struct KVCacheDesc {
 // Op::w_type of a weight stored in the run dtype (every weight of a float model; norms and
 // biases always). Any other value is a ggml QuantType id (csrc/ops/quant.h).
 constexpr int32_t kWeightRunDtype = -1;
+// Op::w_type of a LINEAR weight stored as FP8 e4m3, one byte per element, with one f32 scale per
+// weight row in Op::w_scale (w[r, c] = w_scale[r] * e4m3(w0[r, c])); any float run dtype. The
+// GPU decode kernel's format only: the bits are the target's e4m3 (OCP e4m3fn on NVIDIA,
+// e4m3fnuz on AMD, whose values are half the OCP ones for the same bits; gpu/vendor/*.h), so the
+// loader encodes for the device (kog.fp8). Not a ggml id (those are >= 0). The CPU executor
+// refuses it: an FP8 model is dequantized to the run dtype at load there.
+constexpr int32_t kWeightFp8 = -2;
 
 // Most ops one op may wait for. schedule.py's Llama-family ops have at most 4.
 constexpr int kMaxDeps = 8;
@@ -92,7 +99,8 @@ struct Op {
   // GPU expanded program only (null in a program): a GEMV's RMSNorm prologue weight [width(in)]:
   // x = rmsnorm(in) * w2 (expand_gpu_program).
   const void* w2 = nullptr;
-  // Storage of w0: kWeightRunDtype, or a QuantType (EMBED, LINEAR and MOE_EXPERTS only, run dtype
+  // Storage of w0: kWeightRunDtype, kWeightFp8 (LINEAR only, with w_scale), or a QuantType (EMBED,
+  // LINEAR and MOE_EXPERTS only, run dtype
   // f32: the quant GEMV writes f32; MOE_EXPERTS' stacked blocks are [(n_experts + shared_slots)
   // 2 expert_intermediate, hidden / elems * bytes]). w2, w_type and w1_type come last, with
   // defaults, so aggregate initializers that predate them keep meaning a float weight and no prologue.
@@ -116,6 +124,8 @@ struct Op {
   // (expert parallelism): a rank computes only the pairs routed to its experts, and the LANE_SUM
   // after the block adds the ranks' partial outputs. On one rank every expert must be its own.
   const int32_t* expert_ranks = nullptr;
+  // w_type kWeightFp8 only (else null): [rows of w0] f32 scale of each weight row.
+  const float* w_scale = nullptr;
 };
 
 // Elements per batch row of buffer b (TOKENS: one int32 id; LOGITS: vocab in the run dtype).

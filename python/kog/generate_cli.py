@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU build of kog)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model over N ranks (processes on this host; CPU, float weights)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: round the linear matrices to FP8 e4m3 with per-channel scales at load "
+                        "(default: none, 'as stored')")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--system", default=None, help="a system message (chat mode; default: none)")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
@@ -53,6 +56,7 @@ def run(args: argparse.Namespace, llm=None, out: TextIO = sys.stdout, err: TextI
             t0 = time.perf_counter()
             model = args.model if args.model is not None else args.model_option
             llm = LLM(model, None if args.dtype == "auto" else args.dtype, max_num_seqs=1, device=args.device,
+                      quantization=args.quantization,
                       chat_template=args.chat_template,
                       allow_special_tokens_in_content=args.allow_special_tokens_in_content,
                       tensor_parallel_size=args.tensor_parallel_size)

@@ -40,6 +40,11 @@ class LLM:
         model: an HF folder, a .gguf file, or None for the default SmolLM2-135M-Instruct.
         dtype: "float32", "bfloat16", "float16" (or "half") or None (bf16 checkpoints run in
             bf16, others in fp32).
+        quantization: "fp8" rounds each layer's linear matrices to FP8 e4m3 with one scale per
+            output channel at load (kog.fp8); None: as stored. FP8 checkpoints (a
+            quantization_config) load either way. NOTE: the runner computes with the FP8 values
+            dequantized to dtype on every device for now (its GPU prefill has no FP8 GEMM); the
+            persistent kernel's FP8 GEMV runs through kog.models.gpu_decode.GpuDecoder.
         max_model_len: context length limit (default: the model's).
         max_num_seqs: most sequences decoded together.
         max_num_batched_tokens: token budget of one engine step (chunked prefill size).
@@ -82,15 +87,16 @@ class LLM:
                  swap_space_gib: float = 0.0, enable_prefix_caching: bool = True,
                  device: str = "cpu", speculative_model: str | os.PathLike[str] | None = None,
                  gpu_memory_utilization: float | None = None, chat_template: str | None = None,
-                 allow_special_tokens_in_content: bool = False, tensor_parallel_size: int = 1, nnodes: int = 1,
-                 master_addr: str | None = None, master_port: int | None = None) -> None:
+                 allow_special_tokens_in_content: bool = False, quantization: str | None = None,
+                 tensor_parallel_size: int = 1, nnodes: int = 1, master_addr: str | None = None,
+                 master_port: int | None = None) -> None:
         from kog.kvcache import KVLayout
         from kog.models.runner import ModelRunner
 
         if kv_cache_gib is not None and gpu_memory_utilization is not None:
             raise InvalidRequest("give kv_cache_gib or gpu_memory_utilization, not both")
         template_source = read_chat_template(chat_template) if chat_template is not None else None
-        loaded = load_model(model, dtype, progress, template_source)
+        loaded = load_model(model, dtype, progress, template_source, quantization=quantization)
         if loaded.chat_template is not None:
             loaded.chat_template.allow_special_tokens_in_content = allow_special_tokens_in_content
         cfg = loaded.config

@@ -282,6 +282,42 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out
 
 
+def linear_fp8(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (weight.scale[:, None] * e4m3(weight.data)).T (+ bias)``: the GPU decode kernel's FP8
+    GEMV (kog.fp8; dequantized in registers, each row's scale applied once per output).
+
+    Args:
+        x: [..., k] float32/float16/bfloat16 on the GPU, k a multiple of 16.
+        weight: FP8 matrix [n, k] on the same GPU, in the build's encoding (kog.fp8.gpu_format()).
+        bias: [n] in x's dtype, or None.
+        out: optional [..., n] output.
+    Raises:
+        InvalidRequest: bad shapes or dtypes, a CPU tensor, or the wrong encoding.
+        BackendError: a build without a GPU backend.
+    """
+    from kog.fp8 import gpu_format
+
+    code = _float_code("x", x)
+    if weight.fmt != gpu_format():
+        raise InvalidRequest(f"linear_fp8: weight is {weight.fmt}, this build's GPU kernel reads {gpu_format()}")
+    if not weight.data.is_contiguous() or weight.data.device != x.device or weight.scale.device != x.device:
+        raise InvalidRequest("linear_fp8: weight bits and scale must be contiguous and on x's device")
+    n, k = weight.shape
+    m, x_stride = _rows("x", x, k)
+    if bias is not None:
+        _same("bias", bias, x, "x")
+        if bias.shape != (n,) or not bias.is_contiguous():
+            raise InvalidRequest(f"bias must be contiguous with shape ({n},), got {tuple(bias.shape)}")
+    out, out_stride = _output(out, (*x.shape[:-1], n), x)
+    device, stream = _device_and_stream(x)
+    if device < 0:
+        raise InvalidRequest("linear_fp8 runs on the GPU only (the CPU runs FP8 models dequantized)")
+    _C.linear_fp8(out.data_ptr(), x.data_ptr(), weight.data.data_ptr(), weight.scale.data_ptr(),
+                  bias.data_ptr() if bias is not None else 0, m, n, k, x_stride, out_stride, code, stream)
+    return out
+
+
 # GGUF block formats with native CPU kernels: name -> (ggml type id, elements, bytes per block).
 QUANT_TYPES: dict[str, tuple[int, int, int]] = dict(_C.quant_types())
 _QUANT_BY_ID = {v[0]: (name, v[1], v[2]) for name, v in QUANT_TYPES.items()}

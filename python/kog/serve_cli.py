@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run dtype; auto: bfloat16 for bf16 checkpoints, else float32 (half is float16)")
     p.add_argument("--device", default="cpu",
                    help="cpu, or cuda / cuda:N for a GPU build of kog (ROCm GPUs are cuda too)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: round the linear matrices to FP8 e4m3 with per-channel scales at load "
+                        "(default: none, 'as stored')")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-gib", type=float, default=None,
                     help="memory for the paged KV cache (default: enough for every sequence, at most 1 GiB)")
@@ -141,8 +144,8 @@ def load_llm(args: argparse.Namespace):
                block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching, progress=False,
                speculative_model=args.speculative_model, device=args.device, chat_template=args.chat_template,
                allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-               tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, master_addr=args.master_addr,
-               master_port=args.master_port)
+               quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
+               master_addr=args.master_addr, master_port=args.master_port)
 
 
 def bind_port(host: str, port: int) -> socket.socket:

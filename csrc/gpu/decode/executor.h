@@ -75,6 +75,7 @@ class GpuDecodeExecutor {
   const float* inv_freq_;
   int32_t n_ops_ = 0;
   int32_t n_sinks_ = 0;
+  bool fp8_ = false;                // the program has FP8 GEMVs: the kernel instantiation with them
   Op* program_ = nullptr;           // device
   int32_t* sinks_ = nullptr;        // device [n_sinks_] (schedule::program_sinks)
   char* arena_ = nullptr;           // device: activation buffers for kMaxBatch rows

@@ -1,5 +1,11 @@
 // GEMV work item for decode batches (1..kMaxBatch rows of x): out[b, r] = x[b] . w[r] (+ bias[r]).
-// Used by the persistent decode kernel (LINEAR ops) and by the standalone kog::gpu::linear.
+// Used by the persistent decode kernel (LINEAR ops) and by the standalone kog::gpu::linear and
+// kog::gpu::linear_fp8.
+//
+// Weights W: T (the run dtype) or Fp8E4M3 (schedule::kWeightFp8: out[b, r] = scale[r] *
+// (x[b] . e4m3(w[r])) + bias[r]); one 16-byte weight vector is kVec16<W> elements (8 bf16, 16
+// FP8) and meets kVec16<W> / kVec16<T> 16-byte vectors of x. FP8 is decoded in registers
+// (fp8.cuh) and the row scale applied once per output.
 //
 // Item i covers output rows [i * rows_per_item, (i + 1) * rows_per_item), rows_per_item =
 // kWarps * kLinearRowsPerWarp. Warp w takes kLinearRowsPerWarp consecutive rows; its lanes
@@ -10,9 +16,41 @@
 // The first kStaged vectors of each of a lane's rows come from a stage (weight_stage.cuh) that
 // was filled ahead of the item (the persistent kernel); the standalone GEMV stages nothing.
 #pragma once
+#include <type_traits>
+
+#include "gpu/decode/fp8.cuh"
 #include "gpu/decode/weight_stage.cuh"
 
 namespace kog::gpu::decode {
+
+template <typename W>
+constexpr bool kFp8Weights = std::is_same<W, Fp8E4M3>::value;
+
+// wf = elements [r * V, (r + 1) * V) of one 16-byte weight vector (FP8: times 2^(bias - 15),
+// undone by fp8_row_scale). Decoded one x vector's worth at a time: fewer live registers.
+template <typename W, int V>
+__device__ __forceinline__ void decode_weights(const WVec<W>& wv, int r, float (&wf)[V]) {
+  if constexpr (kFp8Weights<W>) {
+    static_assert(V % 4 == 0, "whole 4-byte words of FP8");
+    uint32_t words[4];
+    __builtin_memcpy(words, &wv, 16);
+#pragma unroll
+    for (int q = 0; q < V / 4; ++q) fp8x4_to_float(words[r * (V / 4) + q], wf + 4 * q);
+  } else {
+    static_assert(V == kVec16<W>, "a run-dtype weight vector meets one x vector");
+#pragma unroll
+    for (int j = 0; j < V; ++j) wf[j] = gpu_to_float(wv.v[j]);
+  }
+}
+
+// A staged 16-byte vector (WeightStages<T> holds raw 16-byte slots) as a vector of W.
+template <typename W, typename Raw>
+__device__ __forceinline__ WVec<W> as_weights(const Raw& raw) {
+  static_assert(sizeof(Raw) == 16 && sizeof(WVec<W>) == 16, "a stage slot is one 16-byte vector");
+  WVec<W> out;
+  __builtin_memcpy(&out, &raw, 16);
+  return out;
+}
 
 // An RMSNorm folded into a GEMV's prologue (schedule::expand_gpu_program, Op::w2): the GEMV's x
 // is rmsnorm(in) * norm_w, each element rounded to T as the unfused RMS_NORM stored it. Every
@@ -44,37 +82,42 @@ __device__ __forceinline__ void rows_rms_inv(const T* __restrict__ x, int64_t x_
   }
 }
 
-// acc[b] += w . x[b] over one 16-byte chunk c, for the first `batch` (<= kB) rows of x; with
-// kNorm, x[b] is first normalized: T(x * inv[b] * norm_w), the unfused RMS_NORM's values.
-template <typename T, int kB, bool kNorm>
-__device__ __forceinline__ void fma_chunk(WVec<T> wv, const T* __restrict__ x, int64_t x_stride,
+// acc[b] += w . x[b] over weight vector c (x vectors c * R .. c * R + R - 1, R = kVec16<W> /
+// kVec16<T>), for the first `batch` (<= kB) rows of x; with kNorm, x[b] is first normalized:
+// T(x * inv[b] * norm_w), the unfused RMS_NORM's values.
+template <typename T, typename W, int kB, bool kNorm>
+__device__ __forceinline__ void fma_chunk(WVec<W> wv, const T* __restrict__ x, int64_t x_stride,
                                           int64_t c, int batch, float (&acc)[kB], const T* __restrict__ norm_w,
                                           const float (&inv)[kB]) {
-  constexpr int V = kVec16<T>;
-  float wf[V], nf[V];
+  constexpr int V = kVec16<T>, R = kVec16<W> / kVec16<T>;
+  static_assert(R >= 1 && kVec16<W> % kVec16<T> == 0, "a weight vector covers whole x vectors");
 #pragma unroll
-  for (int j = 0; j < V; ++j) wf[j] = gpu_to_float(wv.v[j]);
-  if constexpr (kNorm) {
-    const WVec<T> nv = load16(reinterpret_cast<const WVec<T>*>(norm_w) + c);
+  for (int r = 0; r < R; ++r) {
+    const int64_t xc = c * R + r;
+    float wf[V], nf[V];
+    decode_weights<W, V>(wv, r, wf);
+    if constexpr (kNorm) {
+      const WVec<T> nv = load16(reinterpret_cast<const WVec<T>*>(norm_w) + xc);
 #pragma unroll
-    for (int j = 0; j < V; ++j) nf[j] = gpu_to_float(nv.v[j]);
-  }
+      for (int j = 0; j < V; ++j) nf[j] = gpu_to_float(nv.v[j]);
+    }
 #pragma unroll
-  for (int b = 0; b < kB; ++b) {
-    if (b < batch) {  // a guard, not a break: the loop stays unrolled and acc in registers
-      const WVec<T> xv = load16(reinterpret_cast<const WVec<T>*>(x + b * x_stride) + c);
-      float s = 0.f;
+    for (int b = 0; b < kB; ++b) {
+      if (b < batch) {  // a guard, not a break: the loop stays unrolled and acc in registers
+        const WVec<T> xv = load16(reinterpret_cast<const WVec<T>*>(x + b * x_stride) + xc);
+        float s = 0.f;
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        float xf = gpu_to_float(xv.v[j]);
-        if constexpr (kNorm) {
-          T t;
-          store_f32(&t, xf * inv[b] * nf[j]);
-          xf = load_f32(&t);
+        for (int j = 0; j < V; ++j) {
+          float xf = gpu_to_float(xv.v[j]);
+          if constexpr (kNorm) {
+            T t;
+            store_f32(&t, xf * inv[b] * nf[j]);
+            xf = load_f32(&t);
+          }
+          s += wf[j] * xf;
         }
-        s += wf[j] * xf;
+        acc[b] += s;
       }
-      acc[b] += s;
     }
   }
 }
@@ -140,10 +183,12 @@ __device__ __forceinline__ void rope_kv_pair(const GemvEpilogueArgs<T>& ep, T* o
 // products (rounded to T) for the fused epilogues, which finish at slot 1; first_col its column.
 // kFusable = false (the standalone GEMV): plain rows and kStore only, decided at compile time, so
 // that its machine code holds nothing of the fused forms (the CI's ISA check counts its loads).
-template <typename T, int kB, int kUnroll, int kStaged, bool kFusable, bool kNorm, typename OutT, typename Stages>
-__device__ __forceinline__ void linear_row(const WVec<T>* __restrict__ wr, const T* __restrict__ x, int64_t x_stride,
+// rs: FP8 weights only, the row's fp8_row_scale.
+template <typename T, typename W, int kB, int kUnroll, int kStaged, bool kFusable, bool kNorm, typename OutT,
+          typename Stages>
+__device__ __forceinline__ void linear_row(const WVec<W>* __restrict__ wr, const T* __restrict__ x, int64_t x_stride,
                                            OutT* out, int64_t out_stride, int batch, int64_t chunks,
-                                           int64_t out_col, float bv, const Stages& st, int stage, int rr,
+                                           int64_t out_col, float rs, float bv, const Stages& st, int stage, int rr,
                                            const GemvEpilogueArgs<T>& ep, float (&first)[kB], int64_t first_col,
                                            const T* __restrict__ norm_w, const float (&inv)[kB]) {
   const int lane = threadIdx.x % KOG_WARP_SIZE;
@@ -154,21 +199,23 @@ __device__ __forceinline__ void linear_row(const WVec<T>* __restrict__ wr, const
   int64_t c = lane;
 #pragma unroll
   for (int v = 0; v < kStaged; ++v, c += KOG_WARP_SIZE)
-    if (c < chunks) fma_chunk<T, kB, kNorm>(st.get(stage, rr, v), x, x_stride, c, batch, acc, norm_w, inv);
+    if (c < chunks)
+      fma_chunk<T, W, kB, kNorm>(as_weights<W>(st.get(stage, rr, v)), x, x_stride, c, batch, acc, norm_w, inv);
   for (; c + (kUnroll - 1) * KOG_WARP_SIZE < chunks; c += kUnroll * KOG_WARP_SIZE) {
-    WVec<T> wv[kUnroll];
+    WVec<W> wv[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) wv[u] = load16(wr + c + u * KOG_WARP_SIZE);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      fma_chunk<T, kB, kNorm>(wv[u], x, x_stride, c + u * KOG_WARP_SIZE, batch, acc, norm_w, inv);
+      fma_chunk<T, W, kB, kNorm>(wv[u], x, x_stride, c + u * KOG_WARP_SIZE, batch, acc, norm_w, inv);
   }
   for (; c < chunks; c += KOG_WARP_SIZE)
-    fma_chunk<T, kB, kNorm>(load16(wr + c), x, x_stride, c, batch, acc, norm_w, inv);
+    fma_chunk<T, W, kB, kNorm>(load16(wr + c), x, x_stride, c, batch, acc, norm_w, inv);
 #pragma unroll
   for (int b = 0; b < kB; ++b) {
     if (b < batch) {
-      const float s = warp_reduce_sum(acc[b]);
+      float s = warp_reduce_sum(acc[b]);
+      if constexpr (kFp8Weights<W>) s *= rs;  // once per output
       if (lane == 0) {
         if (kind == GemvEpilogue::kSiluMul || kind == GemvEpilogue::kRopeKv) {
           T t;  // the product as the unfused LINEAR stored it
@@ -197,13 +244,15 @@ __device__ __forceinline__ void linear_row(const WVec<T>* __restrict__ wr, const
 }
 
 // The rows of one item for one batch class (kB rows of x at most); kNorm: x through pro's norm.
-template <typename T, typename OutT, int kStaged, int kB, int kUnroll, bool kFusable, bool kNorm, typename Stages>
-__device__ __forceinline__ void linear_item_rows(const T* __restrict__ w, const T* __restrict__ bias, const T* x,
+template <typename T, typename W, typename OutT, int kStaged, int kB, int kUnroll, bool kFusable, bool kNorm,
+          typename Stages>
+__device__ __forceinline__ void linear_item_rows(const W* __restrict__ w, const float* __restrict__ w_scale,
+                                                 const T* __restrict__ bias, const T* x,
                                                  int64_t x_stride, OutT* out, int64_t out_stride, int batch, int64_t n,
                                                  int64_t k, int64_t item, const Stages& st, int stage,
                                                  const GemvEpilogueArgs<T>& ep, const GemvPrologue<T>& pro) {
   const GemvRows rows = kFusable ? ep.rows() : GemvRows{};
-  const int64_t chunks = k / kVec16<T>;
+  const int64_t chunks = k / kVec16<W>;
   const int64_t first_col = gemv_weight_row(item, 0, n, rows);
   float first[kB] = {};  // fused epilogues: slot 0's products, consumed at slot 1
   float inv[kB] = {};    // kNorm: each row's RMS scale
@@ -213,37 +262,47 @@ __device__ __forceinline__ void linear_item_rows(const T* __restrict__ w, const 
   for (int rr = 0; rr < kLinearRowsPerWarp; ++rr) {
     const int64_t row = gemv_weight_row(item, rr, n, rows);
     if (row >= n) break;  // uniform over the warp
-    const WVec<T>* wr = reinterpret_cast<const WVec<T>*>(w + row * k);
+    const WVec<W>* wr = reinterpret_cast<const WVec<W>*>(w + row * k);
+    float rs = 1.f;
+    if constexpr (kFp8Weights<W>) rs = fp8_row_scale(w_scale[row]);
     const float bv = bias != nullptr ? gpu_to_float(bias[row]) : 0.f;
     const int64_t out_col = rows.kind == GemvRows::kGlu ? first_col : row;
-    linear_row<T, kB, kUnroll, kStaged, kFusable, kNorm>(wr, x, x_stride, out, out_stride, batch, chunks, out_col, bv,
-                                                         st, stage, rr, ep, first, first_col, pro.norm_w, inv);
+    linear_row<T, W, kB, kUnroll, kStaged, kFusable, kNorm>(wr, x, x_stride, out, out_stride, batch, chunks, out_col,
+                                                            rs, bv, st, stage, rr, ep, first, first_col, pro.norm_w,
+                                                            inv);
   }
 }
 
 // Item `item` of a GEMV over w [n, k] (rows gemv_weight_row): st / stage hold its first kStaged
-// vectors per row and lane (landed: WeightStages::wait). OutT: T or float (logits). ep: what
-// the products become (GemvEpilogueArgs); kSiluMul writes out [batch, n / 2]. pro: an RMSNorm
-// applied to x first (kFusable only).
-template <typename T, typename OutT, int kStaged, bool kFusable = true, typename Stages>
-__device__ __forceinline__ void linear_item(const T* __restrict__ w, const T* __restrict__ bias, const T* x, int64_t x_stride,
+// vectors per row and lane (landed: WeightStages::wait). W: T, or Fp8E4M3 with w_scale [n] f32
+// (else null). OutT: T or float (logits). ep: what the products become (GemvEpilogueArgs);
+// kSiluMul writes out [batch, n / 2]. pro: an RMSNorm applied to x first (kFusable only).
+// Weight vectors in flight per lane for batches of 2-8: kLinearUnroll vectors' worth of x
+// elements, so that FP8 (16 elements a vector, two or four x vectors each) holds no more rows of
+// x in registers than the run-dtype GEMV (2 would spill in the persistent kernel on sm_90a).
+template <typename T, typename W>
+constexpr int kLinearUnrollOf = kLinearUnroll * kVec16<T> / kVec16<W> > 1 ? kLinearUnroll * kVec16<T> / kVec16<W> : 1;
+
+template <typename T, typename OutT, int kStaged, bool kFusable = true, typename W, typename Stages>
+__device__ __forceinline__ void linear_item(const W* __restrict__ w, const float* __restrict__ w_scale,
+                            const T* __restrict__ bias, const T* x, int64_t x_stride,
                             OutT* out, int64_t out_stride, int batch, int64_t n, int64_t k, int64_t item,
                             const Stages& st, int stage, const GemvEpilogueArgs<T>& ep,
                             const GemvPrologue<T>& pro = {}) {
   // batch and the norm are uniform over the grid
   if (kFusable && pro.norm_w != nullptr) {
     if (batch == 1)
-      linear_item_rows<T, OutT, kStaged, 1, kLinearUnrollBatch1, kFusable, kFusable>(
-          w, bias, x, x_stride, out, out_stride, batch, n, k, item, st, stage, ep, pro);
+      linear_item_rows<T, W, OutT, kStaged, 1, kLinearUnrollBatch1, kFusable, kFusable>(
+          w, w_scale, bias, x, x_stride, out, out_stride, batch, n, k, item, st, stage, ep, pro);
     else
-      linear_item_rows<T, OutT, kStaged, kMaxBatch, kLinearUnroll, kFusable, kFusable>(
-          w, bias, x, x_stride, out, out_stride, batch, n, k, item, st, stage, ep, pro);
+      linear_item_rows<T, W, OutT, kStaged, kMaxBatch, kLinearUnrollOf<T, W>, kFusable, kFusable>(
+          w, w_scale, bias, x, x_stride, out, out_stride, batch, n, k, item, st, stage, ep, pro);
   } else if (batch == 1) {
-    linear_item_rows<T, OutT, kStaged, 1, kLinearUnrollBatch1, kFusable, false>(w, bias, x, x_stride, out, out_stride,
-                                                                                batch, n, k, item, st, stage, ep, pro);
+    linear_item_rows<T, W, OutT, kStaged, 1, kLinearUnrollBatch1, kFusable, false>(
+        w, w_scale, bias, x, x_stride, out, out_stride, batch, n, k, item, st, stage, ep, pro);
   } else {
-    linear_item_rows<T, OutT, kStaged, kMaxBatch, kLinearUnroll, kFusable, false>(
-        w, bias, x, x_stride, out, out_stride, batch, n, k, item, st, stage, ep, pro);
+    linear_item_rows<T, W, OutT, kStaged, kMaxBatch, kLinearUnrollOf<T, W>, kFusable, false>(
+        w, w_scale, bias, x, x_stride, out, out_stride, batch, n, k, item, st, stage, ep, pro);
   }
 }
 

@@ -46,6 +46,12 @@ __device__ __forceinline__ int64_t gemv_rows(const PersistentDecodeParams& p, co
   return op.op == kOpLinearSiluMul ? 2 * p.dims.intermediate : buffer_width(p, op.out);
 }
 
+// Bytes of one weight row of a GEMV op over k inputs: FP8 weights take one byte an element.
+template <typename T>
+__device__ __forceinline__ int64_t gemv_row_bytes(const Op& op, int64_t k) {
+  return op.w_type == schedule::kWeightFp8 ? k : k * int64_t(sizeof(T));
+}
+
 // What a GEMV op does with its products, and (rows()) how its items take its weight rows: the
 // one mapping from opcode to epilogue, for the GEMV item and its weight staging. kv_layer: the
 // op's layer of the cache (kOpLinearRopeKv writes it).
@@ -116,7 +122,9 @@ __device__ inline void sample_partial_tail(const PersistentDecodeParams& p, cons
   }
 }
 
-template <typename T>
+// kFp8: the program has FP8 GEMVs (schedule::kWeightFp8); only then is the FP8 GEMV compiled in,
+// so a float model's kernel is the float GEMV's code alone (its registers are at the limit).
+template <typename T, bool kFp8>
 __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const Op& op, int64_t item, int step,
                          const WeightStages<T>& st, int stage, float* smem) {
   auto buf = [&](int32_t b) { return reinterpret_cast<T*>(p.buffers[b]); };
@@ -145,9 +153,18 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
     case kOpLinearSiluMul: {   // GATE_UP's rows [2 * inter, hidden] -> ACT [B, inter]
       const int64_t k = buffer_width(p, op.in);
       const GemvPrologue<T> pro{static_cast<const T*>(op.w2), p.dims.rms_eps};  // x = rmsnorm(in) * w2
-      linear_item<T, T, kStagedVecs>(static_cast<const T*>(op.w0), static_cast<const T*>(op.w1), buf(op.in), k,
-                                     buf(op.out), buffer_width(p, op.out), p.batch, gemv_rows(p, op), k, item, st,
-                                     stage, gemv_epilogue<T>(p, op, kv_layer), pro);
+      if constexpr (kFp8) {
+        if (op.w_type == schedule::kWeightFp8) {  // uniform over the grid: one op's weights
+          linear_item<T, T, kStagedVecs>(static_cast<const Fp8E4M3*>(op.w0), op.w_scale, static_cast<const T*>(op.w1),
+                                         buf(op.in), k, buf(op.out), buffer_width(p, op.out), p.batch,
+                                         gemv_rows(p, op), k, item, st, stage, gemv_epilogue<T>(p, op, kv_layer), pro);
+          break;
+        }
+      }
+      linear_item<T, T, kStagedVecs>(static_cast<const T*>(op.w0), static_cast<const float*>(nullptr),
+                                     static_cast<const T*>(op.w1), buf(op.in), k, buf(op.out), buffer_width(p, op.out),
+                                     p.batch, gemv_rows(p, op), k, item, st, stage, gemv_epilogue<T>(p, op, kv_layer),
+                                     pro);
       break;
     }
     case int32_t(Opcode::kQkNorm):
@@ -280,7 +297,7 @@ __device__ inline void stage_next(const PersistentDecodeParams& p, WeightStages<
       const int s = st.free_stage();
       if (s < 0) return;
       const Op& l = p.program[o];
-      st.issue(s, o, i, static_cast<const T*>(l.w0), gemv_rows(p, l), buffer_width(p, l.in),
+      st.issue(s, o, i, l.w0, gemv_rows(p, l), gemv_row_bytes<T>(l, buffer_width(p, l.in)),
                gemv_epilogue<T>(p, l, nullptr).rows());
     }
     j = o, cand = i + gridDim.x;
@@ -288,7 +305,7 @@ __device__ inline void stage_next(const PersistentDecodeParams& p, WeightStages<
   }
 }
 
-template <typename T>
+template <typename T, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(PersistentDecodeParams p) {
   __shared__ float smem[kSmemFloats];
   __shared__ int all_done;
@@ -325,13 +342,13 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(Persiste
           if (stage < 0) {           // not reached (the next item is staged whenever a stage frees)
             st.reset();
             stage = 0;
-            st.issue(stage, j, item, static_cast<const T*>(op.w0), gemv_rows(p, op), buffer_width(p, op.in),
+            st.issue(stage, j, item, op.w0, gemv_rows(p, op), gemv_row_bytes<T>(op, buffer_width(p, op.in)),
                      gemv_epilogue<T>(p, op, nullptr).rows());
           }
           stage_next<T>(p, st, j, item + gridDim.x, step);  // NVIDIA: the next items load while this runs
           st.wait(stage);
         }
-        run_item<T>(p, op, item, step, st, stage, smem);
+        run_item<T, kFp8>(p, op, item, step, st, stage, smem);
         if (stage >= 0) {
           st.release(stage);
           stage_next<T>(p, st, j, item + gridDim.x, step);  // into the stage just freed (AMD: the only one)
@@ -360,14 +377,21 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(Persiste
   }
 }
 
-template <typename T>
+template <typename T, bool kFp8>
 void* kernel_of() {
-  return reinterpret_cast<void*>(&persistent_decode_kernel<T>);
+  return reinterpret_cast<void*>(&persistent_decode_kernel<T, kFp8>);
 }
 
-void* kernel_for(DType t) {
+// The kernel for run dtype t; fp8: with the FP8 GEMV (16-bit run dtypes only: FP8 models run
+// with bf16 or f16 activations, one instantiation fewer of a kernel slow to compile).
+void* kernel_for(DType t, bool fp8) {
   void* k = nullptr;
-  dispatch_float(t, [&](auto tag) { k = kernel_of<decltype(tag)>(); });
+  if (!fp8)
+    dispatch_float(t, [&](auto tag) { k = kernel_of<decltype(tag), false>(); });
+  else if (t == DType::kBF16)
+    k = kernel_of<gpu_bf16, true>();
+  else if (t == DType::kF16)
+    k = kernel_of<gpu_f16, true>();
   return k;
 }
 
@@ -385,10 +409,18 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
   const int64_t vec = 16 / elem;
   KOG_CHECK(dims.hidden % vec == 0 && dims.intermediate % vec == 0 && (dims.n_q_heads * dims.head_dim) % vec == 0,
             "gpu decode: hidden, intermediate and q width must be multiples of ", vec, " elements");
-  for (const Op& o : ops)
-    if (schedule::is_gemv(o))
+  for (const Op& o : ops) {
+    fp8_ = fp8_ || o.w_type == schedule::kWeightFp8;
+    if (schedule::is_gemv(o)) {
       KOG_CHECK(reinterpret_cast<uintptr_t>(o.w0) % 16 == 0 && reinterpret_cast<uintptr_t>(o.w2) % 16 == 0,
                 "gpu decode: LINEAR and prologue norm weights must be 16-byte aligned");
+      // An FP8 row is one 16-byte vector per 16 elements (validate_program checked k % 16).
+      KOG_CHECK(o.w_type == schedule::kWeightRunDtype || (o.w_type == schedule::kWeightFp8 && o.w_scale != nullptr),
+                "gpu decode: a GEMV weight is neither the run dtype nor FP8 with row scales");
+    }
+  }
+  KOG_CHECK(!fp8_ || dims.dtype == DType::kBF16 || dims.dtype == DType::kF16, "gpu decode: FP8 weights run with ",
+            "bfloat16 or float16 activations, not ", dtype_name(dims.dtype));
   // TOKENS lives in the caller's tensor; every other buffer (LOGITS too) in the arena.
   int64_t offsets[int(Buffer::kNumBuffers)];
   int64_t total = 0;
@@ -437,16 +469,16 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
   if (kStageSmemBytes > 0) {  // above the default 48 KiB a kernel must ask for its dynamic shared memory
 #if defined(KOG_GPU_CUDA)
     gpuFuncAttributes attr;
-    KOG_GPU_CHECK(gpuFuncGetAttributes(&attr, kernel_for(dims.dtype)));
+    KOG_GPU_CHECK(gpuFuncGetAttributes(&attr, kernel_for(dims.dtype, fp8_)));
     KOG_CHECK_KIND(size_t(kStageSmemBytes) + attr.sharedSizeBytes <= prop.sharedMemPerBlockOptin, kBackend,
                    "gpu decode: the kernel needs ", kStageSmemBytes, " + ", attr.sharedSizeBytes,
                    " bytes of shared memory per block, the device gives ", prop.sharedMemPerBlockOptin);
 #endif
-    KOG_GPU_CHECK(gpuFuncSetAttribute(kernel_for(dims.dtype), gpuFuncAttributeMaxDynamicSharedMemorySize,
+    KOG_GPU_CHECK(gpuFuncSetAttribute(kernel_for(dims.dtype, fp8_), gpuFuncAttributeMaxDynamicSharedMemorySize,
                                       kStageSmemBytes));
   }
   KOG_GPU_CHECK(
-      gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel_for(dims.dtype), kThreads, kStageSmemBytes));
+      gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel_for(dims.dtype, fp8_), kThreads, kStageSmemBytes));
   KOG_CHECK_KIND(per_sm > 0, kBackend, "gpu decode: the kernel cannot be resident on this device");
   grid_ = prop.multiProcessorCount * std::min(per_sm, kBlocksPerMultiprocessor);
 
@@ -543,7 +575,7 @@ void GpuDecodeExecutor::run(const GpuDecodeStep& s, void* stream) {
   p.debug_skip_signal_op = debug_skip_signal_op_;
 
   void* args[] = {&p};
-  KOG_GPU_CHECK(gpuLaunchCooperativeKernel(kernel_for(d_.dtype), dim3(unsigned(grid_)), dim3(kThreads), args,
+  KOG_GPU_CHECK(gpuLaunchCooperativeKernel(kernel_for(d_.dtype, fp8_), dim3(unsigned(grid_)), dim3(kThreads), args,
                                            size_t(kStageSmemBytes), as_stream(stream)));
 }
 

@@ -130,16 +130,16 @@ struct WeightStages {
   }
 #endif
 
-  // Starts loading item i of GEMV op o (weights w [n, k], rows laid out as `rows`) into stage s
-  // (free).
-  __device__ void issue(int s, int32_t o, int64_t i, const T* __restrict__ w, int64_t n, int64_t k,
+  // Starts loading item i of GEMV op o (weights w: n rows of row_bytes, 16-byte vectors of any
+  // element type; rows laid out as `rows`) into stage s (free).
+  __device__ void issue(int s, int32_t o, int64_t i, const void* __restrict__ w, int64_t n, int64_t row_bytes,
                         const GemvRows& rows) {
     const int lane = threadIdx.x % KOG_WARP_SIZE;
-    const int64_t chunks = k / kVec16<T>;
+    const int64_t chunks = row_bytes / 16;
 #pragma unroll
     for (int rr = 0; rr < kLinearRowsPerWarp; ++rr) {
       const int64_t row = gemv_weight_row(i, rr, n, rows);
-      const WVec<T>* wr = reinterpret_cast<const WVec<T>*>(w + row * k);
+      const WVec<T>* wr = reinterpret_cast<const WVec<T>*>(static_cast<const char*>(w) + row * row_bytes);
 #pragma unroll
       for (int v = 0; v < kStagedVecs; ++v) {
         const int64_t c = lane + int64_t(v) * KOG_WARP_SIZE;

@@ -17,8 +17,30 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(LinearParams p, int64_
   T* out = static_cast<T*>(p.out) + row0 * p.out_stride;
   const decode::NoStages<T> none;
   for (int64_t item = blockIdx.x; item < decode::linear_items(p.n); item += gridDim.x)
-    decode::linear_item<T, T, 0, false>(static_cast<const T*>(p.weight), static_cast<const T*>(p.bias), x, p.x_stride, out,
-                                 p.out_stride, batch, p.n, p.k, item, none, 0, decode::GemvEpilogueArgs<T>{});
+    decode::linear_item<T, T, 0, false>(static_cast<const T*>(p.weight), static_cast<const float*>(nullptr),
+                                        static_cast<const T*>(p.bias), x, p.x_stride, out, p.out_stride, batch, p.n,
+                                        p.k, item, none, 0, decode::GemvEpilogueArgs<T>{});
+}
+
+// The FP8 twin (schedule::kWeightFp8): p.weight is [n, k] e4m3 bytes in the target's encoding,
+// scale [n] f32. Its own kernel, so the CI's ISA check reads the FP8 instantiation's loads.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) linear_fp8_kernel(LinearParams p, const float* scale, int64_t row0) {
+  const int batch = int(p.m - row0 < decode::kMaxBatch ? p.m - row0 : decode::kMaxBatch);
+  const T* x = static_cast<const T*>(p.x) + row0 * p.x_stride;
+  T* out = static_cast<T*>(p.out) + row0 * p.out_stride;
+  const decode::NoStages<T> none;
+  for (int64_t item = blockIdx.x; item < decode::linear_items(p.n); item += gridDim.x)
+    decode::linear_item<T, T, 0, false>(static_cast<const decode::Fp8E4M3*>(p.weight), scale,
+                                        static_cast<const T*>(p.bias), x, p.x_stride, out, p.out_stride, batch, p.n,
+                                        p.k, item, none, 0, decode::GemvEpilogueArgs<T>{});
+}
+
+// Items hold kThreads / warp_size * kLinearRowsPerWarp rows; size the grid for the smallest
+// (wave64) so every item has a workgroup on both warp widths.
+unsigned linear_grid(int64_t n) {
+  const int64_t rows_min = int64_t(kThreads / kMaxWarpSize) * decode::kLinearRowsPerWarp;
+  return unsigned((n + rows_min - 1) / rows_min < 65535 ? (n + rows_min - 1) / rows_min : 65535);
 }
 
 }  // namespace
@@ -30,12 +52,25 @@ void linear(const LinearParams& p, void* stream) {
     constexpr int V = kVec16<T>;
     KOG_CHECK(p.k % V == 0 && p.x_stride % V == 0 && aligned_to(p.weight, 16) && aligned_to(p.x, 16), "linear: the GPU ",
               "kernel needs k and the x row stride to be multiples of ", V, " elements and 16-byte aligned x and weight");
-    // Items hold kThreads / warp_size * kLinearRowsPerWarp rows; size the grid for the smallest
-    // (wave64) so every item has a workgroup on both warp widths.
-    const int64_t rows_min = int64_t(kThreads / kMaxWarpSize) * decode::kLinearRowsPerWarp;
-    const unsigned grid = unsigned((p.n + rows_min - 1) / rows_min < 65535 ? (p.n + rows_min - 1) / rows_min : 65535);
+    const unsigned grid = linear_grid(p.n);
     for (int64_t r = 0; r < p.m; r += decode::kMaxBatch) {
       linear_kernel<T><<<grid, kThreads, 0, as_stream(stream)>>>(p, r);
+      KOG_GPU_CHECK_LAUNCH();
+    }
+  });
+}
+
+void linear_fp8(const LinearParams& p, const float* scale, void* stream) {
+  if (p.m == 0) return;
+  dispatch_float(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int V = kVec16<T>;
+    KOG_CHECK(p.k % 16 == 0 && p.x_stride % V == 0 && aligned_to(p.weight, 16) && aligned_to(p.x, 16) &&
+                  aligned_to(scale, 4),
+              "linear_fp8: the GPU kernel needs k a multiple of 16, the x row stride a multiple of ", V,
+              " elements, 16-byte aligned x and weight and 4-byte aligned scales");
+    for (int64_t r = 0; r < p.m; r += decode::kMaxBatch) {
+      linear_fp8_kernel<T><<<linear_grid(p.n), kThreads, 0, as_stream(stream)>>>(p, scale, r);
       KOG_GPU_CHECK_LAUNCH();
     }
   });

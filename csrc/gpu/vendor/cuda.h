@@ -96,3 +96,8 @@ __device__ __forceinline__ void gpu_copy16_async_wait() {
 // Lane l gets lane l - delta's value (its own below delta).
 __device__ __forceinline__ float gpu_shfl_up(float v, int delta) { return __shfl_up_sync(0xffffffffu, v, delta); }
 __device__ __forceinline__ int gpu_shfl_up(int v, int delta) { return __shfl_up_sync(0xffffffffu, v, delta); }
+
+// ---- FP8 e4m3 weights (schedule::kWeightFp8) -----------------------------------------------------
+// The encoding of the FP8 weights this vendor's decode kernel reads: OCP e4m3fn (exponent bias
+// 7, max 448; Hopper's tensor-core format). The decode itself is shared (gpu/decode/fp8.cuh).
+constexpr int kGpuFp8ExponentBias = 7;

@@ -99,3 +99,9 @@ __device__ __forceinline__ int gpu_shfl_xor(int v, int lane_mask) { return __shf
 // Lane l gets lane l - delta's value (its own below delta).
 __device__ __forceinline__ float gpu_shfl_up(float v, int delta) { return __shfl_up(v, unsigned(delta)); }
 __device__ __forceinline__ int gpu_shfl_up(int v, int delta) { return __shfl_up(v, unsigned(delta)); }
+
+// ---- FP8 e4m3 weights (schedule::kWeightFp8) -----------------------------------------------------
+// The encoding of the FP8 weights this vendor's decode kernel reads: e4m3fnuz (exponent bias 8,
+// max 240, no negative zero or infinity; MI300X's hardware format, so one weight file serves a
+// later hardware decode too). The decode itself is shared (gpu/decode/fp8.cuh).
+constexpr int kGpuFp8ExponentBias = 8;

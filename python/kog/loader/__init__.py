@@ -19,6 +19,7 @@ import torch
 from kog.config import ModelConfig
 from kog.errors import ModelLoadError
 from kog.loader.chat_template import CHATML_MARKERS, ChatTemplate, TemplateError, hermes_tool_template
+from kog.loader.fp8_checkpoint import quantize_linears, read_fp8_checkpoint
 from kog.loader.gguf import GGUFCheckpoint
 from kog.loader.hub import DEFAULT_MODEL, cache_dir, resolve_model
 from kog.loader.safetensors import load_safetensors
@@ -46,8 +47,8 @@ class LoadedModel:
 
 
 def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.dtype | str | None = None,
-               progress: bool | None = None, chat_template: str | None = None,
-               shard: Callable[[ModelConfig], ModelConfig] | None = None) -> LoadedModel:
+               progress: bool | None = None, chat_template: str | None = None, quantization: str | None = None,
+               fp8_format: str | None = None, shard: Callable[[ModelConfig], ModelConfig] | None = None) -> LoadedModel:
     """Loads a model.
 
     Args:
@@ -56,13 +57,21 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
             blocks (QuantizedWeight) with f32 activations, bf16 for bf16 checkpoints, else f32).
         progress: progress bar while loading weights (None: only when stderr is a TTY).
         chat_template: Jinja text that replaces the model's own chat template.
+        quantization: "fp8" quantizes each layer's linear matrices to FP8 e4m3 with per-output-
+            channel scales at load (kog.loader.fp8_checkpoint.quantize_linears); None: as stored.
+            An FP8 checkpoint (quantization_config) is FP8 either way.
+        fp8_format: keep FP8 matrices as kog.fp8.Fp8Weight in this encoding (the GPU kernel's,
+            kog.fp8.gpu_format()); None: their values in the run dtype (what the CPU runs).
         shard: full config -> a tensor-parallel rank's view (kog.parallel); the model is then
             that rank's: its config, and only its part of each tensor (read as such from
             safetensors; a GGUF is read whole, then cut).
     Raises:
         ModelLoadError: anything wrong with the checkpoint, naming the file and tensor.
     """
+    if quantization not in (None, "fp8"):
+        raise ModelLoadError(f"quantization {quantization!r} is not supported (supported: fp8)")
     path = resolve_model(name_or_path)
+    fp8_checkpoint = False
     if path.suffix == ".gguf":
         ckpt = GGUFCheckpoint(path)
         config = ckpt.config
@@ -82,18 +91,22 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
     else:
         config = ModelConfig.from_hf_file(path)
         dt = run_dtype(dtype, config)
+        fp8_checkpoint = read_fp8_checkpoint(path) is not None
         if shard is None:
-            weights = load_safetensors(path, config, dt, progress)
+            weights = load_safetensors(path, config, dt, progress, fp8_format)
         else:
             from kog.parallel.shard import shard_index
 
             local = shard(config)
-            weights = load_safetensors(path, config, dt, progress, part=lambda n, ndim: shard_index(local, n, ndim))
+            weights = load_safetensors(path, config, dt, progress, fp8_format,
+                                       part=lambda n, ndim: shard_index(local, n, ndim))
             config = local
         tokenizer = Tokenizer.from_folder(path)
         source = read_tokenizer_config(path).get("chat_template")
         extra_stops = _generation_config_eos(path)
         file_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    if quantization == "fp8" and not fp8_checkpoint:
+        weights = quantize_linears(weights, dt, fp8_format)
     template = _chat_template(source if chat_template is None else chat_template, tokenizer,
                               user_given=chat_template is not None)
     stops = [*config.eos_token_ids, *extra_stops, tokenizer.eos_token_id]

@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from kog.config import ModelConfig
 from kog.errors import ModelLoadError
+from kog.loader.fp8_checkpoint import fp8_matrix, read_fp8_checkpoint
 from kog.loader.moe import combine, source_shape
 from kog.loader.weights import Weights, check_shape, expected_shapes, progress_bar, select_names, stored_sources
 
@@ -52,6 +53,7 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
 
 def load_safetensors(
     folder: str | Path, config: ModelConfig, dtype: torch.dtype, progress: bool | None = None,
+    fp8_format: str | None = None,
     part: Callable[[str, int], tuple | None] | None = None,
 ) -> Weights:
     """Loads and validates every weight of an HF folder.
@@ -61,15 +63,20 @@ def load_safetensors(
         config: the model's config; tensor names and shapes are checked against it.
         dtype: run dtype, every tensor is cast to it.
         progress: show a progress bar (None: only when stderr is a TTY).
+        fp8_format: for an FP8 checkpoint (kog.loader.fp8_checkpoint), keep its FP8 matrices as
+            kog.fp8.Fp8Weight in this encoding; None: dequantize them to `dtype`.
         part: (name, ndim) -> the index of the part of a tensor to keep, or None for all of it
             (a tensor-parallel rank's share: kog.parallel.shard.shard_index); a tensor stored as
             itself is read only in that part, one stacked from parts (experts) whole first.
     Returns:
-        {HF tensor name: tensor}, without `lm_head.weight` when embeddings are tied.
+        {HF tensor name: tensor or Fp8Weight}, without `lm_head.weight` when embeddings are tied.
     Raises:
         ModelLoadError: naming the file and tensor that is missing, misshapen or unreadable.
     """
     files = weight_files(folder)
+    fp8 = read_fp8_checkpoint(folder)
+    scales = {n: p for n, p in files.items() if fp8 is not None and fp8.is_scale(n)}
+    files = {n: p for n, p in files.items() if n not in scales}
     sources = stored_sources(files, config)
     names = select_names(files, config, source=str(folder), sources=sources)
     expected = expected_shapes(config)
@@ -90,13 +97,30 @@ def load_safetensors(
                 raise ModelLoadError(f"{path}: cannot read tensor {name!r}: {e}") from None
 
         # NOTE: MoE layers stored one tensor per expert are stacked here, once (kog.loader.moe).
+        def scale_of(name: str) -> torch.Tensor | None:
+            scale = name[: -len(".weight")] + fp8.scale_suffix
+            if scale not in scales:
+                return None
+            with _open(scales[scale]) as f:
+                return f.get_tensor(scale)
+
         for name in names:
             index = part(name, len(expected[name])) if part is not None else None
-            if sources[name] == [name]:
-                weights[name] = read(name, name, index).to(dtype)
+            stored_whole = sources[name] == [name]
+            w = read(name, name, index) if stored_whole else combine(name, sources[name],
+                                                                     [read(name, n) for n in sources[name]])
+            if not stored_whole and index is not None:
+                w = w[index]
+            if w.dtype == torch.float8_e4m3fn or (fp8 is not None and scale_of(name) is not None):
+                if fp8 is None or len(sources[name]) != 1 or not name.endswith(".weight"):
+                    raise ModelLoadError(f"{folder}: tensor {name!r} is {w.dtype} but config.json has no FP8 "
+                                         "quantization_config for it (FP8 MoE experts are not supported)")
+                if index is not None:
+                    raise ModelLoadError(f"{folder}: tensor {name!r}: tensor parallelism over FP8 checkpoints "
+                                         "is not supported")
+                weights[name] = fp8_matrix(name, w, scale_of(name), fp8, dtype, fp8_format)
             else:
-                w = combine(name, sources[name], [read(name, n) for n in sources[name]])
-                weights[name] = (w if index is None else w[index]).to(dtype)
+                weights[name] = w.to(dtype)
             bar.update()
     return weights
 

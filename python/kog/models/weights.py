@@ -13,10 +13,12 @@ import torch
 
 from kog.config import ModelConfig
 from kog.errors import ModelLoadError
+from kog.fp8 import Fp8Weight
+from kog.fp8 import cat_rows as cat_fp8_rows
 from kog.models.moe_weights import SHARED, moe_layer
 from kog.quantized import QuantizedWeight, cat_rows
 
-Tensor = Union[torch.Tensor, QuantizedWeight]
+Tensor = Union[torch.Tensor, QuantizedWeight, Fp8Weight]
 
 
 def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
@@ -37,7 +39,8 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
         has `mlp.gate.weight` [E, hidden], `mlp.experts.gate_up_proj` [E, 2 Ie, hidden] and
         `mlp.experts.down_proj` [E, hidden, Ie] instead of the MLP's matrices (kog.models.moe_weights:
         quantized expert stacks stay blocks). All contiguous. Matrices given as
-        QuantizedWeight stay so (fused by byte rows, see kog.quantized.cat_rows).
+        QuantizedWeight stay so (fused by byte rows, see kog.quantized.cat_rows), and so do
+        Fp8Weight matrices (kog.fp8: rows with their scales).
     """
 
     if config.architecture == "laneformer_tp":  # its tensors under the Llama names, lane-major
@@ -49,14 +52,17 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
         if name not in weights:
             raise ModelLoadError(f"weight {name!r} is missing")
         w = weights[name]
-        return w if isinstance(w, QuantizedWeight) else w.to(dtype)
+        return w if isinstance(w, (QuantizedWeight, Fp8Weight)) else w.to(dtype)
 
     def cat(parts: list[Tensor]) -> Tensor:
         # NOTE: a fused matrix is quantized only when all its parts are (a float part among
         # quantized ones -- an F16 attn_v, say -- makes the whole group float: exact, more bytes).
         if all(isinstance(p, QuantizedWeight) for p in parts):
             return cat_rows(parts)
-        return torch.cat([p.dequantize().to(dtype) if isinstance(p, QuantizedWeight) else p for p in parts])
+        if all(isinstance(p, Fp8Weight) for p in parts):
+            return cat_fp8_rows(parts)
+        return torch.cat([p.dequantize().to(dtype) if isinstance(p, (QuantizedWeight, Fp8Weight)) else p
+                          for p in parts])
 
     out = {"model.embed_tokens.weight": _contiguous(get("model.embed_tokens.weight")),
            "model.norm.weight": get("model.norm.weight").contiguous()}
@@ -115,4 +121,4 @@ def weight_bytes(weights: dict[str, Tensor]) -> int:
 
 
 def _contiguous(w: Tensor) -> Tensor:
-    return w if isinstance(w, QuantizedWeight) else w.contiguous()
+    return w if isinstance(w, (QuantizedWeight, Fp8Weight)) else w.contiguous()

@@ -91,6 +91,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         out = out + bias.double()
     return out.to(x.dtype)
+def linear_fp8(x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, fmt: str,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The FP8 GEMV (kog._C.WEIGHT_FP8): x [..., k] @ e4m3(bits [n, k] uint8, encoding fmt)^T,
+    times scale [n] f32 once per output (+ bias [n]), in fp64, rounded once to x's dtype."""
+    from kog.fp8 import decode
+
+    out = (x.double() @ decode(bits, fmt).double().T) * scale.double()
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype)
+
+
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's cache as dense (k, v), each [seq_len, n_kv_heads, head_dim].
 
