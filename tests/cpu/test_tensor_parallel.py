@@ -21,7 +21,7 @@ from kog.parallel import ThreadGroup, lane_form, shard_config, shard_weights
 from kog.parallel.transport import TransportError
 from kog.testing.tiny_models import random_weights, tiny_config
 
-from test_laneformer import VARIANTS, lane_model_config, reference_logits
+from test_laneformer import VARIANTS, VOCAB, lane_model_config, reference_logits
 
 IDS = torch.randint(3, 400, (24,), generator=torch.Generator().manual_seed(3)).tolist()
 SPLIT = 18  # prefill 18 tokens (every row's logits), decode the other 6 one by one
@@ -316,3 +316,19 @@ def test_a_rank_reads_only_its_part_of_each_safetensors_tensor(tmp_path, arch):
         assert torch.equal(rank1.weights[name], t), name
     smaller = [n for n in want if want[n].numel() < w[n].numel()]
     assert smaller  # really a part: q/k/v, o_proj, ... or the lane tensors
+
+
+@pytest.mark.parametrize("variant", ["delay1", "delay0_tied", "pre_norm_agg"])
+def test_a_replicated_head_is_split_by_vocabulary_over_the_ranks(variant):
+    # Each rank computes its vocabulary slice from the merged stream (a tied head from a copy of
+    # the embedding's rows), then the slices are gathered: no rank reads the whole head.
+    from kog.program import Opcode
+
+    config = lane_model_config(**VARIANTS[variant])
+    r = rank_runner(config, random_weights(config, seed=1), 1, 2, ThreadGroup(2).transport(1))
+    head = next(ins for ins in r.program if ins.opcode == Opcode.LINEAR and ins.layer == -1)
+    assert head.vocab_slice and r.program[-2].opcode == Opcode.ALL_GATHER
+    w = r.weights[head.weights[0]]
+    assert w.shape == (VOCAB // 2, config.hidden_size)
+    full = random_weights(config, seed=1)["model.tok_embeddings.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    assert torch.equal(w, full[VOCAB // 2:])

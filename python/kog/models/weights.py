@@ -16,6 +16,7 @@ from kog.errors import ModelLoadError
 from kog.fp8 import Fp8Weight
 from kog.fp8 import cat_rows as cat_fp8_rows
 from kog.models.moe_weights import SHARED, moe_layer
+from kog.program.lanes import splits_replicated_head
 from kog.quantized import QuantizedWeight, cat_rows
 
 Tensor = Union[torch.Tensor, QuantizedWeight, Fp8Weight]
@@ -68,6 +69,9 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
            "model.norm.weight": get("model.norm.weight").contiguous()}
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = _contiguous(get("lm_head.weight"))
+    elif splits_replicated_head(config):  # a rank's slice of a tied head: the embedding's rows, copied
+        n = config.vocab_size // config.shard.size
+        out["lm_head.weight"] = out["model.embed_tokens.weight"][config.shard.rank * n:(config.shard.rank + 1) * n].clone()
     for n in range(config.num_hidden_layers):
         p = f"model.layers.{n}."
         a, m = p + "self_attn.", p + "mlp."

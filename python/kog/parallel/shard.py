@@ -16,6 +16,7 @@ import torch
 from kog.config import ModelConfig
 from kog.errors import ModelLoadError
 from kog.lane_config import LaneConfig, LaneShard
+from kog.program.lanes import splits_replicated_head
 
 
 def lane_form(config: ModelConfig, lanes: int) -> ModelConfig:
@@ -88,6 +89,9 @@ def shard_index(config: ModelConfig, name: str, ndim: int) -> tuple[slice, ...] 
         lo, hi = shard.rank * L_local, (shard.rank + 1) * L_local
         if name == "lm_head.linear.weight":  # [V, L h]: the rank's lanes' columns
             return (slice(None), slice(lo * h, hi * h))
+        if name == "lm_head.weight" and splits_replicated_head(config):  # [V, h]: the rank's vocabulary rows
+            n = config.vocab_size // shard.size
+            return (slice(shard.rank * n, (shard.rank + 1) * n),)
         lane_tensors = {"model.norm.scale"} | ({"lm_head.weight"} if lanes.lm_head_type == "vocab_parallel" else set())
         if name in lane_tensors or (name.startswith("model.layers.") and ndim >= 2):  # [L, ...]
             return (slice(lo, hi),)
@@ -102,7 +106,7 @@ def shard_index(config: ModelConfig, name: str, ndim: int) -> tuple[slice, ...] 
         return (slice(r * rows[kind], (r + 1) * rows[kind]),)
     if kind in cols:
         return (slice(None), slice(r * cols[kind], (r + 1) * cols[kind]))
-    if name == "lm_head.weight" and lanes.lm_head_type == "vocab_parallel":
+    if name == "lm_head.weight" and (lanes.lm_head_type == "vocab_parallel" or splits_replicated_head(config)):
         n = config.vocab_size // shard.size
         return (slice(r * n, (r + 1) * n),)
     return None

@@ -29,6 +29,7 @@ class DecoderSpec:
     moe_layers: tuple[int, ...] = ()  # layers whose MLP is routed experts (moe_block)
     lanes: LaneConfig | None = None  # the tensor-parallel lane form (kog.parallel.shard.lane_form)
     sharded: bool = False            # a rank's share of the lanes (its head ends in a collective)
+    split_head: bool = False         # a rank computes its vocabulary slice of a replicated head
 
 
 def decoder_program(spec: DecoderSpec) -> list[Instruction]:
@@ -51,7 +52,7 @@ def decoder_program(spec: DecoderSpec) -> list[Instruction]:
     if spec.lanes:
         from kog.program.lanes import lane_lm_head
 
-        lane_lm_head(p, spec.lanes, tied=spec.tie_word_embeddings, sharded=spec.sharded)
+        lane_lm_head(p, spec.lanes, tied=spec.tie_word_embeddings, sharded=spec.sharded, split_head=spec.split_head)
     else:
         lm_head(p, tied=spec.tie_word_embeddings)
     return p.build()

@@ -118,7 +118,10 @@ def program_for(config: ModelConfig) -> list[Instruction]:
 
 def _lanes(config: ModelConfig) -> dict:
     """DecoderSpec's lane fields: a dense family's tensor-parallel lane form, if config has one."""
-    return {} if config.lanes is None else dict(lanes=config.lanes, sharded=config.shard.size > 1)
+    from kog.program.lanes import splits_replicated_head
+
+    return {} if config.lanes is None else dict(lanes=config.lanes, sharded=config.shard.size > 1,
+                                                split_head=splits_replicated_head(config))
 
 
 def _check_qk_norm(config: ModelConfig, family_has_it: bool) -> None:

@@ -33,8 +33,17 @@ def laneformer_program(config: ModelConfig) -> list[Instruction]:
         reduce_lanes(p, lanes, layer, ATTENTION, n)
         mlp_block(p, layer, lanes=lanes.num_lanes)
         reduce_lanes(p, lanes, layer, MLP, n)
-    lane_lm_head(p, lanes, tied=config.tie_word_embeddings, sharded=config.shard.size > 1)
+    lane_lm_head(p, lanes, tied=config.tie_word_embeddings, sharded=config.shard.size > 1,
+                 split_head=splits_replicated_head(config))
     return p.build()
+
+
+def splits_replicated_head(config: ModelConfig) -> bool:
+    """True when a tensor-parallel rank computes only its vocabulary slice of a replicated head
+    (the ranks divide the vocabulary)."""
+    lanes = config.lanes
+    return (lanes is not None and lanes.lm_head_type == "replicate" and config.shard.size > 1
+            and config.vocab_size % config.shard.size == 0)
 
 
 def reduce_lanes(p: ProgramBuilder, lanes: LaneConfig, layer: int, kind: int, n_layers: int) -> None:
@@ -52,23 +61,33 @@ def reduce_lanes(p: ProgramBuilder, lanes: LaneConfig, layer: int, kind: int, n_
         p.op(Opcode.LANE_ADD_PAST, layer, (B.HIDDEN, past), (B.HIDDEN,))
 
 
-def lane_lm_head(p: ProgramBuilder, lanes: LaneConfig, tied: bool, sharded: bool = False) -> None:
+def lane_lm_head(p: ProgramBuilder, lanes: LaneConfig, tied: bool, sharded: bool = False,
+                 split_head: bool = False) -> None:
     """Final norm, lane merge and LM head (config.lanes.lm_head_type), greedy sample; sampled rows.
 
     On a tensor-parallel rank (sharded) the lane ops reduce over every rank's lanes, a "lane"
     head's product over the rank's lanes is a partial sum (ALL_REDUCE) and a "vocab_parallel"
-    head's the rank's slice of the vocabulary (ALL_GATHER)."""
-    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    head's the rank's slice of the vocabulary (ALL_GATHER). A replicated head is split the same
+    way when the ranks divide the vocabulary (split_head: each rank computes its slice of the
+    vocabulary from the merged stream, `lm_head.weight` its rows -- for a tied head a copy of
+    the embedding's, kog.models.weights), else computed whole on every rank."""
+    head = "lm_head.weight" if split_head or not tied else "model.embed_tokens.weight"
     s = Rows.SAMPLED
+
+    def merged_head() -> None:
+        p.op(Opcode.LINEAR, -1, (B.MERGED,), (B.LOGITS,), (head,), s, vocab_slice=split_head)
+        if split_head:
+            p.op(Opcode.ALL_GATHER, -1, (B.LOGITS,), (B.LOGITS,), (), s)
+
     if lanes.pre_norm_lane_agg:  # sum of the lanes' residual streams, then one norm
         p.op(Opcode.LANE_MERGE_SUM, -1, (B.HIDDEN, B.RESIDUAL), (B.MERGED,), (), s)
         p.op(Opcode.RMS_NORM, -1, (B.MERGED,), (B.MERGED,), ("model.norm.weight",), s)
-        p.op(Opcode.LINEAR, -1, (B.MERGED,), (B.LOGITS,), (head,), s)
+        merged_head()
     else:
         p.op(Opcode.RMS_NORM, -1, (B.HIDDEN, B.RESIDUAL), (B.NORMED, B.RESIDUAL), ("model.norm.weight",), s)
         if lanes.lm_head_type == "replicate":
             p.op(Opcode.LANE_MEAN, -1, (B.NORMED,), (B.MERGED,), (), s)
-            p.op(Opcode.LINEAR, -1, (B.MERGED,), (B.LOGITS,), (head,), s)
+            merged_head()
         elif lanes.lm_head_type == "lane":  # [vocab, lanes hidden]: the lanes concatenated
             p.op(Opcode.LINEAR, -1, (B.NORMED,), (B.LOGITS,), (head,), s)
             if sharded:
