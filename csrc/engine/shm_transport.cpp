@@ -106,18 +106,17 @@ ShmTransport::~ShmTransport() {
   if (rank_ == 0) shm_unlink(name_.c_str());
 }
 
-void ShmTransport::delay_link() const {
-  if (latency_us_ <= 0) return;
-  const double until = now_s() + latency_us_ * 1e-6;
-  while (now_s() < until) {
-  }
+void ShmTransport::raise(Flag& f, uint64_t value) {
+  if (latency_us_ > 0) f.visible_ns.store(int64_t((now_s() + latency_us_ * 1e-6) * 1e9), std::memory_order_relaxed);
+  f.v.store(value, std::memory_order_release);
 }
 
 void ShmTransport::spin_until(Flag* flags, uint64_t target, const char* what) {
   const double t0 = now_s();
   for (int q = 0; q < size_; ++q) {
     uint64_t spins = 0;
-    while (flags[q].v.load(std::memory_order_acquire) < target) {
+    while (flags[q].v.load(std::memory_order_acquire) < target ||
+           (latency_us_ > 0 && now_s() * 1e9 < double(flags[q].visible_ns.load(std::memory_order_relaxed)))) {
       if (++spins % 1024 == 0) {
         const double t = now_s();
         KOG_CHECK_KIND(t - t0 < timeout_s_, kTransport, "shm transport: rank ", rank_, " waited ",
@@ -144,8 +143,7 @@ void ShmTransport::all_reduce(float* x, int64_t n) {
     const uint64_t k = ++reduce_seq_;
     float* area = reduce_data_ + (k % 2) * size_t(size_) * size_t(reduce_floats_);
     std::memcpy(area + size_t(rank_) * size_t(reduce_floats_), y, size_t(m) * sizeof(float));
-    delay_link();
-    reduce_flags_[rank_].v.store(k, std::memory_order_release);
+    raise(reduce_flags_[rank_], k);
     spin_until(reduce_flags_, k, "all_reduce");
     for (int64_t i = 0; i < m; ++i) y[i] = area[i];
     for (int q = 1; q < size_; ++q) {
@@ -164,8 +162,7 @@ void ShmTransport::publish(int slot, const void* part, int64_t bytes) {
   std::memcpy(dst, part, size_t(bytes));
   const uint64_t e = ++slot_epoch_[slot];
   if (noop_) return;
-  delay_link();
-  slot_flags_[size_t(slot) * size_t(size_) + size_t(rank_)].v.store(e, std::memory_order_release);
+  raise(slot_flags_[size_t(slot) * size_t(size_) + size_t(rank_)], e);
   comm_s_ += now_s() - t_in;
 }
 

@@ -20,7 +20,9 @@
 //
 // Every spin is bounded: past timeout_s it throws kog::Error(kTransport) naming the rank that
 // did not arrive; a rank whose process exited (its pid, kept in the segment, is gone) fails the
-// spin within a millisecond instead. link_latency_us (simulation, bench/tp_decode.py) delays each flag store;
+// spin within a millisecond instead. link_latency_us (simulation, bench/tp_decode.py) makes each
+// flag visible to the readers only that long after its store (the sender goes on at once, as over
+// a real link, so a reader that arrives later than that pays nothing);
 // noop makes every collective local (this rank's data only; for measuring exposed
 // communication, never for results).
 #pragma once
@@ -60,9 +62,10 @@ class ShmTransport {
  private:
   struct alignas(64) Flag {
     std::atomic<uint64_t> v;
+    std::atomic<int64_t> visible_ns;  // simulated link latency: readers wait until this (steady clock)
   };
   void spin_until(Flag* flags, uint64_t target, const char* what);
-  void delay_link() const;
+  void raise(Flag& f, uint64_t value);  // f = value, visible after the simulated latency
 
   std::string name_;
   int rank_, size_, n_slots_;

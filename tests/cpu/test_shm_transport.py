@@ -146,3 +146,17 @@ def test_a_rank_whose_process_exited_fails_the_wait_at_once(tmp_path):
     with pytest.raises(TransportError, match="exited"):
         first.all_reduce(x.data_ptr(), 8)
     assert time.monotonic() - t0 < 5
+
+
+def test_simulated_link_latency_delays_the_reader_not_the_sender():
+    ts = ranks(2)
+    for t in ts:
+        t.set_link_latency_us(30_000)  # 30 ms, far above scheduling noise
+    x = torch.ones(16)
+    t0 = time.monotonic()
+    ts[1].publish(0, x.data_ptr(), 64)
+    ts[0].publish(0, x.data_ptr(), 64)
+    sent = time.monotonic() - t0
+    ts[0].wait(0)
+    seen = time.monotonic() - t0
+    assert sent < 0.01 and seen >= 0.029
