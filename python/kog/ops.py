@@ -270,16 +270,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.dim() != 2 or not weight.is_contiguous():
         raise InvalidRequest(f"weight must be a contiguous [n, k] matrix, got shape {tuple(weight.shape)}")
     n, k = weight.shape
+    m, x_stride, out, out_stride = _linear_operands(x, bias, out, n, k)
+    device, stream = _device_and_stream(x)
+    _C.linear(out.data_ptr(), x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else 0,
+              m, n, k, x_stride, out_stride, code, device, stream)
+    return out
+
+
+def _linear_operands(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None, n: int,
+                     k: int) -> tuple[int, int, torch.Tensor, int]:
+    """(rows of x, x's row stride, out, out's row stride) of a product with an [n, k] weight,
+    the bias checked ([n], contiguous, x's dtype and device)."""
     m, x_stride = _rows("x", x, k)
     if bias is not None:
         _same("bias", bias, x, "x")
         if bias.shape != (n,) or not bias.is_contiguous():
             raise InvalidRequest(f"bias must be contiguous with shape ({n},), got {tuple(bias.shape)}")
     out, out_stride = _output(out, (*x.shape[:-1], n), x)
-    device, stream = _device_and_stream(x)
-    _C.linear(out.data_ptr(), x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else 0,
-              m, n, k, x_stride, out_stride, code, device, stream)
-    return out
+    return m, x_stride, out, out_stride
 
 
 def linear_fp8(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
@@ -304,12 +312,7 @@ def linear_fp8(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
     if not weight.data.is_contiguous() or weight.data.device != x.device or weight.scale.device != x.device:
         raise InvalidRequest("linear_fp8: weight bits and scale must be contiguous and on x's device")
     n, k = weight.shape
-    m, x_stride = _rows("x", x, k)
-    if bias is not None:
-        _same("bias", bias, x, "x")
-        if bias.shape != (n,) or not bias.is_contiguous():
-            raise InvalidRequest(f"bias must be contiguous with shape ({n},), got {tuple(bias.shape)}")
-    out, out_stride = _output(out, (*x.shape[:-1], n), x)
+    m, x_stride, out, out_stride = _linear_operands(x, bias, out, n, k)
     device, stream = _device_and_stream(x)
     if device < 0:
         raise InvalidRequest("linear_fp8 runs on the GPU only (the CPU runs FP8 models dequantized)")

@@ -2,7 +2,6 @@
 (ranks as threads here, each with its own attachment to the segment, as separate processes have)."""
 
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import torch
 
 from kog import _C
 from kog.errors import TransportError
+from kog.testing.threads import in_threads
 
 
 def name() -> str:
@@ -22,25 +22,6 @@ def ranks(size, reduce_floats=64, n_slots=3, slot_bytes=256, timeout_s=10.0):
     first = _C.ShmTransport(n, 0, size, reduce_floats, n_slots, slot_bytes, timeout_s)
     return [first] + [_C.ShmTransport(n, r, size, reduce_floats, n_slots, slot_bytes, timeout_s)
                       for r in range(1, size)]
-
-
-def in_threads(fns):
-    out, errors = [None] * len(fns), []
-
-    def run(i):
-        try:
-            out[i] = fns[i]()
-        except Exception as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])

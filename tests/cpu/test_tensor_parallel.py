@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ from kog.loader import LoadedModel
 from kog.models import ModelRunner, PrefillChunk
 from kog.parallel import ThreadGroup, lane_form, shard_config, shard_weights
 from kog.parallel.transport import TransportError
+from kog.testing.threads import in_threads
 from kog.testing.tiny_models import random_weights, tiny_config
 
 from test_laneformer import VARIANTS, VOCAB, lane_model_config, reference_logits
@@ -67,22 +67,7 @@ def run_threads(config, weights, size, shm=False):
         group = ThreadGroup(size)
         transports = [group.transport(r) for r in range(size)]
     runners = [rank_runner(config, weights, r, size, transports[r]) for r in range(size)]
-    out, errors = [None] * size, []
-
-    def work(r):
-        try:
-            out[r] = run_sequence(runners[r])
-        except Exception as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
+    return in_threads([lambda r=r: run_sequence(runners[r]) for r in range(size)])
 
 
 @pytest.mark.parametrize("variant, size", [
