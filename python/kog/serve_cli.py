@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nnodes", type=int, default=1, help="hosts the ranks run on (SGLang's flag)")
     p.add_argument("--node-rank", type=int, default=0,
                    help="this host's index: 0 serves (rank 0); others only run their ranks")
-    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"), help="host 0's address for the rendezvous")
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"),
+                   help="host 0's address for the rendezvous (default: $MASTER_ADDR, else 127.0.0.1)")
     p.add_argument("--master-port", type=int, default=int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ
                    else None, help="host 0's rendezvous port (default: a free one; needed with --nnodes > 1)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

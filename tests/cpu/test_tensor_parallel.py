@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import kog
 from kog.errors import ModelLoadError
 from kog.loader import LoadedModel
 from kog.models import ModelRunner, PrefillChunk
@@ -23,6 +24,9 @@ from kog.testing.tiny_models import random_weights, tiny_config
 
 from test_laneformer import VARIANTS, VOCAB, lane_model_config, reference_logits
 
+# The folder that holds the kog package these tests import (the source tree's python/ with an
+# in-place build, or site-packages once installed): what a rank process must import too.
+KOG_ROOT = str(Path(kog.__file__).resolve().parents[1])
 IDS = torch.randint(3, 400, (24,), generator=torch.Generator().manual_seed(3)).tolist()
 SPLIT = 18  # prefill 18 tokens (every row's logits), decode the other 6 one by one
 
@@ -118,8 +122,7 @@ def _free_port() -> int:
 def test_ranks_as_processes_over_gloo_compute_what_one_process_computes(tmp_path):
     variant, size, port = "delay2_4lanes_lane_scale_lane_head", 2, _free_port()
     here = Path(__file__).parent
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(here), str(here.parents[1] / "python"),
-                                                       os.environ.get("PYTHONPATH", "")])}
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(here), KOG_ROOT, os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, str(here / "tp_rank_worker.py"), str(r), str(size), str(port), variant,
                                str(tmp_path / f"rank{r}.pt")], env=env, stderr=subprocess.PIPE, text=True)
              for r in range(size)]
@@ -268,8 +271,7 @@ def test_two_hosts_on_loopback_generate_what_one_process_generates(tmp_path):
     prompt = {"prompt_token_ids": [9, 8, 7, 6, 5, 4]}
     want = kog.LLM(str(folder), dtype="float32").generate(prompt, greedy)[0].outputs[0].token_ids
     port = _free_port()
-    here = Path(__file__).parent
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(here.parents[1] / "python"), os.environ.get("PYTHONPATH", "")])}
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([KOG_ROOT, os.environ.get("PYTHONPATH", "")])}
     host1 = subprocess.Popen([sys.executable, "-m", "kog.parallel.worker", "--size", "2", "--nnodes", "2",
                               "--node-rank", "1", "--addr", "127.0.0.1", "--port", str(port)], env=env)
     try:
