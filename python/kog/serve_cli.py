@@ -201,5 +201,8 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace) -> int:
     print(f"kog serve: {names[0]} (context {llm.engine.max_model_len}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     server.run(sockets=[sock])
+    if server.failed is not None:
+        print(f"kog serve: a tensor-parallel rank failed: {server.failed}", file=sys.stderr, flush=True)
+        return 1
     return 0
 

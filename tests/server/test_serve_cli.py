@@ -176,3 +176,50 @@ def test_another_host_needs_the_rendezvous_port_and_a_split_nnodes_divides(capsy
     assert "--master-port" in capsys.readouterr().err
     assert run(parse("m", "-tp", "3", "--nnodes", "2", "--node-rank", "1", "--master-port", "1")) == 1
     assert "--nnodes 2 must divide" in capsys.readouterr().err
+
+
+def test_a_server_whose_rank_dies_fails_the_request_and_exits_with_an_error(tmp_path):
+    import os
+    import signal
+    import time
+
+    import httpx
+
+    from kog.testing.server_process import ServerProcess
+    from kog.testing.tiny_models import random_weights, tiny_config, write_hf_model
+
+    config = tiny_config("llama", num_hidden_layers=2)
+    folder = write_hf_model(tmp_path / "m", config, random_weights(config, seed=1))
+    server = ServerProcess(folder, "--dtype", "float32", "--kv-cache-gib", "0.01", "-tp", "2")
+    try:
+        worker = _children(server.proc.pid, "kog.parallel.worker")
+        assert len(worker) == 1
+        os.kill(worker[0], signal.SIGKILL)
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code >= 500 and "error" in r.json()
+        t0 = time.monotonic()
+        while server.proc.poll() is None and time.monotonic() - t0 < 30:
+            time.sleep(0.2)
+        assert server.proc.returncode == 1
+        assert "tensor-parallel rank failed" in server.stop()
+    finally:
+        server.stop()
+
+
+def _children(pid: int, marker: str) -> list[int]:
+    """Processes whose parent is pid and whose command line contains marker (read from /proc)."""
+    from pathlib import Path
+
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and marker in cmd:
+            found.append(int(d.name))
+    return found
