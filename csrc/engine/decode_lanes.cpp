@@ -128,10 +128,9 @@ void DecodeExecutor::lane_op(const Op& op, int64_t batch) {
       for (int64_t l = 0; l < L; ++l)
         for (int64_t e = 0; e < h; ++e) store_f32(row, l * h + e, round_to(acc[b * h + e], dt), dt);
     } else {
-      char* out = buf(op.out) + b * h * elem_;
-      const float scale = opcode == Opcode::kLaneMean ? 1.f / float(L * R) : 1.f;
+      char* out = buf(op.out) + b * h * elem_;  // MEAN: the sum / every lane's count; MERGE_SUM: the sum
       for (int64_t e = 0; e < h; ++e)
-        store_f32(out, e, opcode == Opcode::kLaneMean ? acc[b * h + e] / float(L * R) : acc[b * h + e] * scale, dt);
+        store_f32(out, e, opcode == Opcode::kLaneMean ? acc[b * h + e] / float(L * R) : acc[b * h + e], dt);
     }
   }
 }
