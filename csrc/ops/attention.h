@@ -44,7 +44,7 @@ struct PagedAttentionParams {
   float scale;                     // softmax scale, usually head_dim^-0.5
   DType dtype;                     // f32, f16 or bf16: q, out and kv_cache alike
   int64_t window = 0;              // 0: causal over the whole context; else the last `window` positions
-                                   //   up to the query's own (CPU kernels; the GPU launchers refuse it)
+                                   //   up to the query's own
 };
 
 // Kernels split a sequence's context into partitions of this many tokens (rounded to whole

@@ -153,9 +153,6 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
   // NOTE: nor Laneformer's lanes (issue 19's first slice is CPU only).
   KOG_CHECK(dims.n_lanes == 1, "GPU decode program: a model of ", dims.n_lanes,
             " lanes (Laneformer), which the GPU kernel does not run yet; run it on the CPU");
-  for (size_t i = 0; i < ops_in.size(); ++i)
-    KOG_CHECK(ops_in[i].window == 0, "GPU decode program: op ", i, " attends through a sliding window, which ",
-              "the GPU kernel does not run yet; run the model on the CPU");
   std::vector<Op> ops = ops_in;
   fuse_residual_adds(ops);
   const std::vector<int32_t> norm_consumer = rmsnorm_prologue_fusions(ops);

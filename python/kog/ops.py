@@ -521,7 +521,7 @@ def paged_attention_decode(
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its cached context (FlashDecoding on CPU).
 
-    window > 0 (CPU only): a sliding-window layer; the token sees its last `window` positions.
+    window > 0: a sliding-window layer; the token sees its last `window` positions.
 
     Args:
         q: [n_seqs, n_q_heads, head_dim], heads contiguous; n_q_heads a multiple of n_kv_heads,
@@ -548,7 +548,7 @@ def paged_attention_prefill(
 ) -> torch.Tensor:
     """Causal attention of a batch of query chunks over their cached context.
 
-    window > 0 (CPU only): a sliding-window layer; a row at position t sees positions in
+    window > 0: a sliding-window layer; a row at position t sees positions in
     (t - window, t] (HF's sliding_window).
 
     Serves prompt prefill, chunked prefill and multi-token (speculative) verification. Sequence

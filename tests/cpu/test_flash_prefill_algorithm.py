@@ -32,13 +32,14 @@ def padded_head_dim(head_dim: int) -> int:
     return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
 
 
-def flash_prefill_model(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, tiles):
+def flash_prefill_model(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, tiles, window=0):
     """The kernel's algorithm in float32 numpy.
 
     Args:
         q: [n_tokens, n_q_heads, head_dim]; kv_cache: [num_blocks, 2, n_kv_heads, block_size, head_dim];
         block_tables: [n_seqs, max_blocks]; seq_lens: [n_seqs]; query_start_loc: [n_seqs + 1].
         tiles: {kD: (kRows, kKeys)}.
+        window: 0, or a sliding window (a row at position t sees keys (t - window, t]).
 
     Returns:
         out: [n_tokens, n_q_heads, head_dim] float32.
@@ -58,11 +59,11 @@ def flash_prefill_model(q, kv_cache, block_tables, seq_lens, query_start_loc, sc
         tile = n_tiles - 1 - block // pairs
         seq, kvh = divmod(block % pairs, n_kv)
         workgroup(q, cache, tables[seq], int(lens[seq]), int(qsl[seq]), int(qsl[seq + 1]), kvh, group, bs,
-                  np.float32(scale), tile, k_rows, k_keys, out)
+                  np.float32(scale), tile, k_rows, k_keys, out, window)
     return torch.from_numpy(out)
 
 
-def workgroup(q, cache, table, seq_len, q0, q1, kvh, group, bs, scale, tile, k_rows, k_keys, out):
+def workgroup(q, cache, table, seq_len, q0, q1, kvh, group, bs, scale, tile, k_rows, k_keys, out, window=0):
     """One workgroup: rows r = i * group + j of the chunk, [tile * k_rows, + k_rows)."""
     q_len, hd = q1 - q0, q.shape[2]
     n_rows, r0 = q_len * group, tile * k_rows
@@ -80,11 +81,15 @@ def workgroup(q, cache, table, seq_len, q0, q1, kvh, group, bs, scale, tile, k_r
     m = np.full(k_rows, np.finfo(np.float32).min, np.float32)  # -FLT_MAX
     l = np.zeros(k_rows, np.float32)
     o = np.zeros((k_rows, hd), np.float32)
-    for n0 in range(0, kv_end, k_keys):
+    # the window's first visible key of the tile's first row, down to a whole key tile
+    n_begin = max(0, ctx + r0 // group - window + 1) // k_keys * k_keys if window > 0 else 0
+    for n0 in range(n_begin, kv_end, k_keys):
         keys = n0 + np.arange(k_keys)
         k_tile, v_tile = load_kv_tile(cache, table, kvh, keys, kv_end, bs)
         s = q_tile @ k_tile.T  # [k_rows, k_keys] fp32
         s[keys[None, :] > pos[:, None]] = -np.inf  # causal; covers keys >= kv_end
+        if window > 0:
+            s[keys[None, :] <= pos[:, None] - window] = -np.inf
         m_new = np.maximum(m, s.max(axis=1))
         corr = np.exp(m - m_new)
         p = np.exp(s - m_new[:, None])
@@ -128,6 +133,17 @@ def test_model_matches_reference_f32(gen, tiles, hd, n_q, n_kv, bs, lens):
     q, cache, table, seq_lens, qsl = random_prefill_case(gen, *lens, n_q, n_kv, hd, bs, torch.float32)
     got = flash_prefill_model(q, cache, table, seq_lens, qsl, hd ** -0.5, tiles)
     assert_close(got, ref.paged_attention(q, cache, table, seq_lens, qsl))  # fp32: 1e-5
+
+
+@pytest.mark.parametrize("tiles", [TILES_CUDA, TILES_HIP], ids=["cuda", "hip"])
+@pytest.mark.parametrize("hd", [64, 256])
+@pytest.mark.parametrize("window", [1, 5, 16, 33, 150])
+def test_sliding_window_model_matches_reference(gen, tiles, hd, window):
+    # windows inside a key tile, across tiles, longer than some chunks; GQA groups span rows
+    q, cache, table, seq_lens, qsl = random_prefill_case(gen, [70, 19, 64, 1], [100, 83, 200, 40], 6, 2, hd, 5,
+                                                         torch.float32)
+    got = flash_prefill_model(q, cache, table, seq_lens, qsl, hd ** -0.5, tiles, window=window)
+    assert_close(got, ref.paged_attention(q, cache, table, seq_lens, qsl, window=window))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

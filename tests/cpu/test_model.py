@@ -24,6 +24,8 @@ FAMILIES = {
     "qwen3-qknorm": dict(arch="qwen3"),
     "llama3-rope-scaling": dict(arch="llama", rope_scaling=LLAMA3_SCALING, rope_theta=500000.0),
     "llama-untied-mha": dict(arch="llama", num_key_value_heads=4, tie_word_embeddings=False),
+    # every layer through a 24-token window: prompts and greedy runs reach far past it
+    "mistral-sliding-window": dict(arch="mistral", sliding_window=24),
 }
 
 

@@ -57,6 +57,22 @@ def test_one_step_logits_match_cpu_executor(device, arch, dtype, rtol, lens):
     assert (got - expected).abs().max() <= rtol * scale
 
 
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("window", [7, 100, 260])  # inside a block; partitions wholly before it; across them
+def test_sliding_window_logits_match_cpu_executor(device, dtype, rtol, window):
+    r = cpu_runner("mistral", dtype, max_position_embeddings=1024, sliding_window=window)
+    gen = torch.Generator().manual_seed(window)
+    lens = [300, 17, 600]
+    prompts = [torch.randint(0, r.vocab_size, (n,), generator=gen).tolist() for n in lens]
+    tables = prefill(r, prompts)
+    dec = gpu_decoder(r, device)
+    tokens, positions = [p[-1] for p in prompts], np.array(lens)
+    slots = tables[np.arange(len(lens)), positions // BS] * BS + positions % BS
+    expected = r.decode(tokens, positions, tables, positions + 1, slots)
+    got = dec.decode(tokens, positions, tables).logits.cpu()
+    assert (got - expected).abs().max() <= rtol * expected.abs().max()
+
+
 def test_loop_mode_greedy_tokens_match_cpu(device):
     r = cpu_runner("llama", torch.float32)
     prompt = torch.randint(0, r.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -6,7 +6,9 @@
 //       partials[query, h, part, :hd + 2] for h in [g * G, (g + 1) * G);
 //   combine (query, heads): merges the partitions by log-sum-exp and stores the heads' output
 //       (attn_combine_heads; the persistent kernel runs it in the last partial item of a group).
-// A decode query sees its whole context; a prefill query at position p sees keys [0, p] (causal).
+// A decode query sees its whole context; a prefill query at position p sees keys [0, p] (causal);
+// with a sliding window W > 0 only keys (p - W, p] (PagedAttentionParams::window): a partition
+// wholly before the window is an empty range.
 // Used by the persistent decode kernel and by the standalone kog::gpu::paged_attention.
 //
 // Inside a partial item: a K or V row (hd * sizeof(T) bytes) is read in 16-byte vectors by a
@@ -53,14 +55,13 @@ constexpr int attn_max_vecs_per_lane() {
 }
 
 // The GQA group of KV head kvh of one query over keys [part * P, min(kv_len, (part + 1) * P))
-// (P = partition) of a sequence whose block table row is `table` -> dst[h * dst_head_stride ..
-// + hd + 2] =
-// (acc..., max, sum) for each head h of the group; an empty range stores sum 0 (the combine
-// skips it). q: the query's [n_q, hd] row.
+// (P = partition) of a sequence whose block table row is `table`, cut to the last `window` keys
+// when window > 0, -> dst[h * dst_head_stride .. + hd + 2] = (acc..., max, sum) for each head h
+// of the group; an empty range stores sum 0 (the combine skips it). q: the query's [n_q, hd] row.
 template <typename T>
 __device__ void attn_partial_item(const T* q, const T* kv_layer, const int32_t* table, int64_t kv_len, int kvh,
                                   float* dst, int64_t dst_head_stride, const AttnShape& s, int part, int partition,
-                                  float* smem) {
+                                  int64_t window, float* smem) {
   constexpr int kV = kVec16<T>;
   constexpr int kMaxVpl = attn_max_vecs_per_lane<T>();
   constexpr int kE = kMaxVpl * kV;  // K/V elements per lane at most
@@ -73,8 +74,10 @@ __device__ void attn_partial_item(const T* q, const T* kv_layer, const int32_t* 
   const int vpl = (row_vecs + L - 1) / L;  // <= kMaxVpl
   const int slot_lane = lane % L, slots_per_warp = KOG_WARP_SIZE / L;
   const int n_slots = kWarps * slots_per_warp;
-  const int64_t t0 = int64_t(part) * partition;
-  const int64_t t1 = kv_len < t0 + partition ? kv_len : t0 + partition;
+  const int64_t first = window > 0 && kv_len > window ? kv_len - window : 0;  // the query sits at kv_len - 1
+  const int64_t p0 = int64_t(part) * partition;  // the partition's keys: [p0, p0 + partition)
+  const int64_t t0 = p0 > first ? p0 : first;
+  const int64_t t1 = kv_len < p0 + partition ? kv_len : p0 + partition;
   const int64_t head_elems = int64_t(s.block_size) * hd;  // one (block, K or V, kv head) slab
 
   for (int h0 = 0; h0 < group; h0 += kAttnHeadsPerPass) {

@@ -188,7 +188,7 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
       float* seq_partials = p.attn_partials + int64_t(sb) * p.dims.n_q_heads * head_stride;
       attn_partial_item<T>(buf(op.in) + sb * qkv_w, kv_layer, p.block_tables + int64_t(sb) * p.max_blocks,
                            p.seq_lens[sb], g, seq_partials + part * (hd + 2), head_stride, as, part,
-                           p.attn_partition, smem);  // ends with __syncthreads: smem is free
+                           p.attn_partition, op.window, smem);  // ends with __syncthreads: smem is free
       // The group's last item to finish merges its parts (FlashDecoding's combine, without an op
       // and a grid-wide wait of its own).
       if (last_of_group(p.attn_group_counts + int64_t(sb) * p.dims.n_kv_heads + g, unsigned(p.max_parts), smem))

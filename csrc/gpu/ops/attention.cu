@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kThreads) attention_partial_kernel(PagedAttent
   float* dst = partials + (i * p.n_q_heads * max_parts + part) * (p.head_dim + 2);
   decode::attn_partial_item<T>(static_cast<const T*>(p.q) + i * p.q_stride, static_cast<const T*>(p.kv_cache),
                                p.block_tables + seq * p.block_tables_stride, kv_len, int(g), dst,
-                               int64_t(max_parts) * (p.head_dim + 2), s, part, decode::kAttnPartition, smem);
+                               int64_t(max_parts) * (p.head_dim + 2), s, part, decode::kAttnPartition, p.window, smem);
 }
 
 template <typename T>
@@ -65,8 +65,7 @@ __global__ void __launch_bounds__(kThreads) attention_combine_kernel(PagedAttent
 
 void paged_attention(const PagedAttentionParams& p, float* partials, void* stream, GpuPrefillKernel kernel) {
   KOG_CHECK(p.head_dim <= decode::kMaxHeadDim, "paged_attention: head_dim ", p.head_dim, " > ", decode::kMaxHeadDim);
-  KOG_CHECK(p.window == 0, "paged_attention: the GPU kernels have no sliding window yet (window ", p.window,
-            "); run sliding-window layers on the CPU");
+  KOG_CHECK(p.window >= 0, "paged_attention: window ", p.window, " must be >= 0");
   if (p.n_tokens == 0) return;
   if (gpu_prefill_uses_flash(p.query_start_loc == nullptr, p.max_q_len, kernel)) return prefill_attention(p, stream);
   // The split kernel reads q, K and V in 16-byte vectors (decode/attention_item.cuh).

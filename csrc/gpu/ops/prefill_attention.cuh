@@ -7,7 +7,8 @@
 // Workgroup (tile, seq, kvh) owns the query rows r of sequence seq whose KV head is kvh, flattened
 // as r = i * group + j (chunk token i, query head kvh * group + j), rows [tile * kRows, + kRows):
 // the heads of a GQA group share every K/V tile. Chunk token i sits at position ctx + i, ctx =
-// seq_len - q_len (the cache before this chunk: chunked prefill), and sees keys [0, ctx + i].
+// seq_len - q_len (the cache before this chunk: chunked prefill), and sees keys [0, ctx + i]
+// (with a sliding window W > 0: keys (ctx + i - W, ctx + i]).
 //
 // Thread t = (ty, tx) = (t / 16, t % 16) owns rows ty + 16a, score columns tx + 16b of each key
 // tile and output columns tx + 16c, so a row's 16 threads are one shuffle group; its running max
@@ -105,7 +106,14 @@ __device__ void prefill_tile(const PagedAttentionParams& p, int64_t tile, int64_
     for (int c = 0; c < kDC; ++c) o[a][c] = 0.f;
   }
 
-  for (int n0 = 0; n0 < kv_end; n0 += kKeys) {
+  // A sliding window (p.window > 0): row a sees keys (pos[a] - window, pos[a]]; tiles before the
+  // first row's window hold no visible key.
+  int n_begin = 0;
+  if (p.window > 0) {
+    const int64_t lo = ctx + r0 / group - p.window + 1;
+    n_begin = lo > 0 ? int(lo / kKeys * kKeys) : 0;
+  }
+  for (int n0 = n_begin; n0 < kv_end; n0 += kKeys) {
     load_kv_tile<T, kD>(p, table, kvh, 0, n0, kv_end, sm.kv);
     __syncthreads();  // K tile (and, on the first pass, Q tile) visible
     float s[kRA][kKB];
@@ -133,7 +141,9 @@ __device__ void prefill_tile(const PagedAttentionParams& p, int64_t tile, int64_
       float mx = -INFINITY;
 #pragma unroll
       for (int b = 0; b < kKB; ++b) {
-        if (n0 + tx + b * kRowLanes > pos[a]) s[a][b] = -INFINITY;  // causal; also every key >= kv_end
+        const int key = n0 + tx + b * kRowLanes;
+        if (key > pos[a] || (p.window > 0 && key <= pos[a] - p.window))
+          s[a][b] = -INFINITY;  // causal and the window; also every key >= kv_end
         mx = fmaxf(mx, s[a][b]);
       }
       const float m_new = fmaxf(m[a], row_max(mx));

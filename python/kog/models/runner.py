@@ -28,6 +28,7 @@ from kog.hugepages import to_hugepages
 from kog.models.weights import prepare_weights, weight_bytes
 from kog.quantized import QuantizedWeight
 from kog.program import Buffer, TokenBatch, program_for
+from kog.program.families import WINDOWED
 from kog.parallel.transport import Transport
 from kog.program.interpreter import ProgramInterpreter
 
@@ -59,9 +60,9 @@ class ModelRunner:
         self.dtype = model.dtype
         self.block_size = block_size
         self.vocab_size = c.vocab_size
-        # Laneformer's sliding-window layers attend through their window (the program's ATTN_DECODE
-        # window); the other families' program has no window yet: cap sequences at it so results stay exact.
-        window = None if c.lanes is not None else c.sliding_window
+        # Families in WINDOWED attend through their sliding window (the program's ATTN_DECODE window);
+        # the others' programs have none (Qwen2's per-layer windows): cap sequences at it, results stay exact.
+        window = None if c.architecture in WINDOWED else c.sliding_window
         self.max_model_len = min(c.max_position_embeddings, window or c.max_position_embeddings)
         try:
             self.device = torch.device(device)

@@ -30,6 +30,7 @@ class DecoderSpec:
     lanes: LaneConfig | None = None  # the tensor-parallel lane form (kog.parallel.shard.lane_form)
     sharded: bool = False            # a rank's share of the lanes (its head ends in a collective)
     split_head: bool = False         # a rank computes its vocabulary slice of a replicated head
+    window: int = 0                  # > 0: every layer attends through this sliding window (Mistral)
 
 
 def decoder_program(spec: DecoderSpec) -> list[Instruction]:
@@ -40,7 +41,7 @@ def decoder_program(spec: DecoderSpec) -> list[Instruction]:
     embed(p)
     n_lanes = spec.lanes.num_lanes if spec.lanes else 1
     for layer in range(spec.n_layers):
-        attention_block(p, layer, qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm, lanes=n_lanes)
+        attention_block(p, layer, qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm, lanes=n_lanes, window=spec.window)
         if spec.lanes:  # the lanes' partial o_proj sums, added up (an all-reduce across ranks)
             p.op(Opcode.LANE_SUM, layer, (B.HIDDEN,), (B.HIDDEN,))
         if layer in spec.moe_layers:

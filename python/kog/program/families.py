@@ -33,11 +33,12 @@ def llama(config: ModelConfig) -> list[Instruction]:
 
 
 def mistral(config: ModelConfig) -> list[Instruction]:
-    """Mistral: Llama's layers. NOTE: its sliding window is not in the program: ModelRunner caps
-    sequences at the window, where full attention and windowed attention agree."""
+    """Mistral: Llama's layers, every one attending through config.sliding_window (when set: each
+    token sees its last sliding_window positions, HF's mask)."""
     _check_qk_norm(config, False)
     return decoder_program(DecoderSpec(config.num_hidden_layers, qkv_bias=config.attention_bias,
-                                       tie_word_embeddings=config.tie_word_embeddings, **_lanes(config)))
+                                       tie_word_embeddings=config.tie_word_embeddings,
+                                       window=config.sliding_window or 0, **_lanes(config)))
 
 
 def qwen2(config: ModelConfig) -> list[Instruction]:
@@ -65,12 +66,13 @@ def qwen3_moe(config: ModelConfig) -> list[Instruction]:
 
 
 def mixtral(config: ModelConfig) -> list[Instruction]:
-    """Mixtral: Mistral's attention; every MLP is routed experts, weights renormalized over the
-    chosen ones (a softmax over the top-k logits). NOTE: sliding window as in mistral()."""
+    """Mixtral: Mistral's attention (its sliding window too); every MLP is routed experts, weights
+    renormalized over the chosen ones (a softmax over the top-k logits)."""
     _check_qk_norm(config, False)
     return decoder_program(DecoderSpec(config.num_hidden_layers, qkv_bias=config.attention_bias,
                                        tie_word_embeddings=config.tie_word_embeddings,
-                                       moe_layers=config.moe_layers, **_lanes(config)))
+                                       moe_layers=config.moe_layers, window=config.sliding_window or 0,
+                                       **_lanes(config)))
 
 
 def qwen2_moe(config: ModelConfig) -> list[Instruction]:
@@ -89,6 +91,10 @@ def laneformer_tp(config: ModelConfig) -> list[Instruction]:
     _check_qk_norm(config, False)
     return laneformer_program(config)
 
+
+# Families whose program applies config.sliding_window itself (Op.window); ModelRunner caps the
+# others' sequences at a configured window, where full and windowed attention agree.
+WINDOWED: frozenset[str] = frozenset({"mistral", "mixtral", "laneformer_tp"})
 
 # HF model_type -> the family's program function.
 FAMILIES: dict[str, FamilyFunction] = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3,
