@@ -48,6 +48,10 @@ class LaneConfig:
     replicated_rmsn_scale: bool = True   # one [hidden] norm weight for every lane, else [L, hidden]
     sliding_window_n_layers: int = 0     # > 0: the first n layers are windowed; < 0: the last -n
     unclamped_layers: tuple[int, ...] = ()  # layers that keep full attention whatever the above says
+    # A dense model's lane form with fewer KV heads than lanes (kog.parallel.shard.lane_form): the
+    # stored k/v projections hold num_key_value_heads / kv_repeat heads, each used by kv_repeat
+    # consecutive lanes (replicated: one KV head per lane). 1 everywhere else (not an HF field).
+    kv_repeat: int = 1
 
     def check(self, n_layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, tied: bool,
               source: str = "config.json") -> None:
@@ -118,4 +122,6 @@ class LaneConfig:
                    unclamped_layers=tuple(int(i) for i in d.get("unclamped_layers") or ()))
 
     def to_hf(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"unclamped_layers": list(self.unclamped_layers)}
+        d = dataclasses.asdict(self) | {"unclamped_layers": list(self.unclamped_layers)}
+        del d["kv_repeat"]
+        return d

@@ -164,9 +164,38 @@ def test_dense_families_in_lane_form_equal_the_plain_model_on_one_process_and_ov
     assert form.lanes.lm_head_type == ("replicate" if config.tie_word_embeddings else "vocab_parallel")
 
 
+@pytest.mark.parametrize("arch, kv, size", [("llama", 2, 4), ("qwen2", 1, 2), ("qwen3", 1, 4)])
+def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path, arch, kv, size):
+    # each rank holds one copy of its query heads' KV head (qwen2: k/v biases; qwen3: k norm)
+    from kog.loader import load_model
+    from kog.testing.tiny_models import write_hf_model
+
+    config = tiny_config(arch, num_hidden_layers=2, num_key_value_heads=kv)
+    w = random_weights(config, seed=8)
+    plain = dense_run(config, w)
+    form = lane_form(config, size)
+    assert (form.num_key_value_heads, form.lanes.kv_repeat) == (size, size // kv)
+    last = size - 1  # the last rank's KV head is stored head last // (size // kv)
+    local = shard_config(form, last, size)
+    k = shard_weights(local, w)["model.layers.0.self_attn.k_proj.weight"]
+    stored = w["model.layers.0.self_attn.k_proj.weight"].reshape(kv, -1, config.hidden_size)[last // (size // kv)]
+    assert torch.equal(k, stored)
+    # the same tensors read as a rank's part of a safetensors checkpoint
+    view = lambda c: shard_config(lane_form(c, size), last, size)  # noqa: E731
+    rank = load_model(str(write_hf_model(tmp_path / arch, config, w)), "float32", shard=view)
+    for name, t in shard_weights(local, w).items():
+        assert torch.equal(rank.weights[name], t), name
+    for lanes, ranks in ((size, 1), (size, size)):
+        got = dense_run(config, w, lanes, ranks)
+        torch.testing.assert_close(got, plain, rtol=0, atol=1e-5 * plain.abs().max().item(),
+                                   msg=f"{lanes} lanes on {ranks} ranks")
+        assert got.argmax(-1).tolist() == plain.argmax(-1).tolist()
+
+
 def test_lane_form_refuses_what_it_cannot_split():
-    with pytest.raises(ModelLoadError, match="num_key_value_heads"):
-        lane_form(tiny_config("llama"), 4)  # 2 KV heads
+    config = tiny_config("llama", num_attention_heads=6, num_key_value_heads=2)
+    with pytest.raises(ModelLoadError, match="num_key_value_heads=2"):
+        lane_form(config, 3)  # 3 lanes: 2 KV heads neither split over them nor divide them
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])

@@ -95,11 +95,11 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
         if shard is None:
             weights = load_safetensors(path, config, dt, progress, fp8_format)
         else:
-            from kog.parallel.shard import shard_index
+            from kog.parallel.shard import replicate_kv_heads, shard_index
 
             local = shard(config)
-            weights = load_safetensors(path, config, dt, progress, fp8_format,
-                                       part=lambda n, ndim: shard_index(local, n, ndim))
+            weights = replicate_kv_heads(local, load_safetensors(path, config, dt, progress, fp8_format,
+                                                                 part=lambda n, ndim: shard_index(local, n, ndim)))
             config = local
         tokenizer = Tokenizer.from_folder(path)
         source = read_tokenizer_config(path).get("chat_template")

@@ -27,15 +27,27 @@ def lane_form(config: ModelConfig, lanes: int) -> ModelConfig:
     tensor parallelism, written in the program's lane ops so that a rank runs its lanes. The
     same function of the tokens as config (up to the order of the partial sums). The head is
     vocabulary-parallel when lanes divide the vocabulary (and the head is not tied), else
-    replicated. A Laneformer is returned as is: its lanes are already the parallel axis.
+    replicated. With fewer KV heads than lanes (lanes a multiple of them), each KV head is
+    replicated over lanes / num_key_value_heads consecutive lanes (LaneConfig.kv_repeat: the lane
+    form has one KV head per lane; a rank reads its stored head and repeats it, replicate_kv_heads).
+    A Laneformer is returned as is: its lanes are already the parallel axis.
 
     Raises:
-        ModelLoadError: a family without a lane form, or lanes not dividing heads / units.
+        ModelLoadError: a family without a lane form, lanes not dividing heads / units, or KV
+            heads that neither divide into the lanes nor divide them.
     """
     if config.architecture == "laneformer_tp":
         return config
+    kv, repeat = config.num_key_value_heads, 1
+    if lanes >= 1 and kv % lanes:
+        if lanes % kv:
+            raise ModelLoadError(f"{lanes} lanes / tensor-parallel ranks: num_key_value_heads={kv} neither splits "
+                                 f"evenly over them nor divides them (to be replicated)")
+        repeat = lanes // kv
     head = "vocab_parallel" if config.vocab_size % lanes == 0 and not config.tie_word_embeddings else "replicate"
-    return dataclasses.replace(config, lanes=LaneConfig(num_lanes=lanes, broadcast_delay=0, lm_head_type=head))
+    return dataclasses.replace(config, num_key_value_heads=kv * repeat,
+                               lanes=LaneConfig(num_lanes=lanes, broadcast_delay=0, lm_head_type=head,
+                                                kv_repeat=repeat))
 
 
 def shard_config(config: ModelConfig, rank: int, size: int) -> ModelConfig:
@@ -67,6 +79,27 @@ def shard_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict
     for name, w in weights.items():
         index = shard_index(config, name, w.dim())
         out[name] = w if index is None else w[index]
+    return replicate_kv_heads(config, out)
+
+
+_KV_PROJECTIONS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_proj.bias",
+                   "self_attn.v_proj.bias")
+
+
+def replicate_kv_heads(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A lane form with replicated KV heads (LaneConfig.kv_repeat > 1): the rank's k/v projection
+    rows as shard_index read them (its stored heads) -> one head per local lane (copies). Every
+    other tensor, and every other config, as given."""
+    lanes = config.lanes
+    if lanes is None or lanes.kv_repeat == 1:
+        return weights
+    rep, hd, local = lanes.kv_repeat, config.head_dim, config.num_key_value_heads
+    first = config.shard.rank * local  # the rank's first (replicated) KV head
+    heads = torch.tensor([(first + i) // rep - first // rep for i in range(local)])  # into the stored slice
+    out = dict(weights)
+    for name, w in weights.items():
+        if name.startswith("model.layers.") and name.endswith(_KV_PROJECTIONS):
+            out[name] = w.reshape(-1, hd, *w.shape[1:])[heads].reshape(local * hd, *w.shape[1:])
     return out
 
 
@@ -102,6 +135,9 @@ def shard_index(config: ModelConfig, name: str, ndim: int) -> tuple[slice, ...] 
     cols = {"o_proj": q, "down_proj": units}
     expert = "shared_expert" in name or ".experts." in name or name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
     kind = name.split(".")[-2] if name.startswith("model.layers.") and not expert else None
+    if kind in ("k_proj", "v_proj") and lanes.kv_repeat > 1:  # the stored heads of the rank's replicated ones
+        local = config.num_key_value_heads
+        return (slice(r * local // lanes.kv_repeat * hd, (((r + 1) * local - 1) // lanes.kv_repeat + 1) * hd),)
     if kind in rows:
         return (slice(r * rows[kind], (r + 1) * rows[kind]),)
     if kind in cols:
