@@ -9,7 +9,9 @@ Columns: step time (median over steps, rank 0), communication time (rank 0's tim
 collective calls, median per step: copies, waiting for the other rank and for the simulated
 link), exposed communication = step time minus the step time of no-op steps interleaved with the
 real ones in the same run (the transport made a no-op: every rank computes alone, numbers wrong,
-timing right; measurement only), and exposed / communication. The simulated link latency makes
+timing right; measurement only), and exposed / communication; "paired": the median over steps of
+(real step - the no-op step right after it), less sensitive to the machine's drift. With at least
+one core per rank, each rank is pinned to its own cores. The simulated link latency makes
 each flag visible to the other rank only that long after its store (the sender goes on), so a
 reduction whose reader arrives later than that pays nothing: what delayed TP is built for.
 Target (issue 19): with delayed TP (delay >= 1) exposed communication <= 10% of the
@@ -61,6 +63,10 @@ def run_rank(spec: dict) -> dict:
     torch.manual_seed(0)
     config = model_config(spec["shape"])
     size, rank = spec["size"], spec["rank"]
+    cores = sorted(os.sched_getaffinity(0))
+    if size > 1 and len(cores) >= size:  # each rank on its own cores: no rank migrates onto another's
+        per = len(cores) // size
+        os.sched_setaffinity(0, cores[rank * per:(rank + 1) * per])
     weights = random_weights(config, seed=1)
     transport = None
     if size > 1:
@@ -104,6 +110,8 @@ def run_rank(spec: dict) -> dict:
     if transport is not None:
         out["noop"] = statistics.median(times["noop"]) * 1e3
         out["comm_ms"] = statistics.median(times["comm"]) * 1e3
+        # each real step minus the no-op step right after it: the machine's drift cancels pairwise
+        out["paired_ms"] = statistics.median(a - b for a, b in zip(times["real"], times["noop"])) * 1e3
     return out
 
 
@@ -135,17 +143,19 @@ def main() -> None:
     if args.quick:
         args.steps, args.latencies = 10, [0, 5]
     print(f"tp_decode: batch 1, {args.steps} steps after a 64-token prefill, fp32, {os.cpu_count()} cores")
-    print("| model | TP | link us | step ms | comm ms | exposed ms | exposed / comm |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | TP | link us | step ms | comm ms | exposed ms | exposed / comm | paired exposed ms | paired / comm |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for shape in SHAPES:
         one = launch(shape, 1, 0, args.steps)
-        print(f"| {shape} | 1 | - | {one['real']:.2f} | - | - | - |", flush=True)
+        print(f"| {shape} | 1 | - | {one['real']:.2f} | - | - | - | - | - |", flush=True)
         for lat in args.latencies:
             two = launch(shape, 2, lat, args.steps)
             exposed = max(0.0, two["real"] - two["noop"])
+            paired = max(0.0, two["paired_ms"])
             share = f"{100 * exposed / two['comm_ms']:.0f}%" if two["comm_ms"] > 0 else "-"
-            print(f"| {shape} | 2 | {lat:g} | {two['real']:.2f} | {two['comm_ms']:.3f} | {exposed:.3f} | {share} |",
-                  flush=True)
+            pshare = f"{100 * paired / two['comm_ms']:.0f}%" if two["comm_ms"] > 0 else "-"
+            print(f"| {shape} | 2 | {lat:g} | {two['real']:.2f} | {two['comm_ms']:.3f} | {exposed:.3f} | {share} "
+                  f"| {paired:.3f} | {pshare} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,10 @@ void linear_quant(uintptr_t out, uintptr_t x, uintptr_t weight, int64_t weight_b
   const kog::QuantType qt = static_cast<kog::QuantType>(type);
   const kog::QuantTypeInfo info = kog::quant_type_info(qt);
   KOG_CHECK(info.name != nullptr, "linear_quant: unsupported quant type ", type,
-            " (supported: Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+            " (supported: Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, and the packed Q4_0_R8=258, "
+            "Q4_1_R8=259, Q8_0_R8=264)");
+  KOG_CHECK(!kog::is_packed(qt) || n % kog::kPackRows == 0, "linear_quant: a ", info.name, " weight has ",
+            kog::kPackRows, "-row groups, got n=", n);
   KOG_CHECK(m >= 0 && n > 0 && k > 0, "linear_quant: bad shape m=", m, " n=", n, " k=", k);
   KOG_CHECK(k % info.elems == 0, "linear_quant: k=", k, " is not a multiple of the ", info.name, " block of ",
             info.elems, " elements");
@@ -50,6 +53,8 @@ void dequantize_rows(uintptr_t out, uintptr_t weight, int64_t weight_bytes, int6
   const kog::QuantType qt = static_cast<kog::QuantType>(type);
   const kog::QuantTypeInfo info = kog::quant_type_info(qt);
   KOG_CHECK(info.name != nullptr, "dequantize_rows: unsupported quant type ", type);
+  KOG_CHECK(!kog::is_packed(qt) || rows % kog::kPackRows == 0, "dequantize_rows: a ", info.name,
+            " weight has ", kog::kPackRows, "-row groups, got ", rows, " rows");
   KOG_CHECK(k > 0 && k % info.elems == 0 && rows >= 0 && n_ids >= 0, "dequantize_rows: bad shape k=", k,
             " rows=", rows, " n_ids=", n_ids, " for ", info.name);
   KOG_CHECK(weight_bytes == rows * (k / info.elems * info.bytes), "dequantize_rows: ", rows, " rows of ",
@@ -74,6 +79,15 @@ std::map<std::string, std::tuple<int, int, int>> quant_types() {
   return out;
 }
 
+// name -> (Kog's type id, the file type it packs, rows per group): the row-interleaved forms.
+std::map<std::string, std::tuple<int, int, int>> packed_quant_types() {
+  std::map<std::string, std::tuple<int, int, int>> out;
+  for (kog::QuantType t : kog::kPackedQuantTypes)
+    out[kog::quant_type_info(t).name] = {static_cast<int>(t), static_cast<int>(kog::packed_base(t)),
+                                         kog::kPackRows};
+  return out;
+}
+
 }  // namespace
 
 void bind_linear_quant(py::module_& m) {
@@ -84,4 +98,5 @@ void bind_linear_quant(py::module_& m) {
   m.def("dequantize_rows", &dequantize_rows, arg("out"), arg("weight"), arg("weight_bytes"), arg("rows"),
         arg("ids"), arg("n_ids"), arg("k"), arg("quant_type"), py::call_guard<py::gil_scoped_release>());
   m.def("quant_types", &quant_types);
+  m.def("packed_quant_types", &packed_quant_types);
 }

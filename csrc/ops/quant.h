@@ -7,6 +7,8 @@
 //   Q4_K  d * sc[j] * q - dmin * mn[j]            j = element / 32, (sc, mn) 6-bit (k_scale_min)
 //   Q5_K  as Q4_K, q = nibble + 16 * (qh bit)    5-bit
 //   Q6_K  d * scales[element / 16] * (q - 32)    q 6-bit (low nibble in ql, 2 high bits in qh)
+// Kog's row-interleaved forms of Q4_0, Q4_1, Q8_0 and Q4_K (`_R8`, built once at load, never in a file)
+// hold the same blocks with 8 rows' blocks of each 32 columns interleaved: see BlockQ4_1x8.
 #pragma once
 #include <cstdint>
 
@@ -20,7 +22,19 @@ enum class QuantType : int32_t {
   kQ4_K = 12,
   kQ5_K = 13,
   kQ6_K = 14,
+  // Row-interleaved (packed) forms, Kog's own ids (not ggml's): kPackedFlag | the base type.
+  kQ4_0_R8 = 0x100 | 2,
+  kQ4_1_R8 = 0x100 | 3,
+  kQ8_0_R8 = 0x100 | 8,
+  kQ4_K_R8 = 0x100 | 12,
 };
+
+constexpr int32_t kPackedFlag = 0x100;
+constexpr int kPackRows = 8;  // rows per interleaved group
+
+constexpr bool is_packed(QuantType t) { return (int32_t(t) & kPackedFlag) != 0; }
+// The file format a packed type interleaves (a file type itself for the others).
+constexpr QuantType packed_base(QuantType t) { return QuantType(int32_t(t) & ~kPackedFlag); }
 
 using half_bits = uint16_t;  // fp16 storage
 
@@ -67,12 +81,46 @@ struct BlockQ6_K {
   half_bits d;
 };
 
+// A packed [n, k] matrix (n a multiple of kPackRows): group g holds rows 8 g .. 8 g + 7 in the
+// bytes of those 8 rows (8 row_bytes from 8 g row_bytes), as k / 32 units; unit u interleaves the
+// 8 rows' block u: each header field as 8 consecutive halves (row r at index r), then the quants
+// in chunks of 32 bytes, chunk c = 4 bytes of each row in turn (row r at 4 r): row r's bytes
+// qs[4 c .. 4 c + 3]. So a row's Q4 chunk c holds elements 4c..4c+3 (low nibbles) and 16+4c..
+// (high nibbles), and one 32-byte load of a chunk is 8 rows' 4-element groups, which a 4-byte
+// group of x broadcast to every row dots in one instruction. Same bytes as the 8 rows.
+struct BlockQ4_0x8 {
+  half_bits d[kPackRows];
+  uint8_t qs[kPackRows * kQuantBlock / 2];  // 4 chunks
+};
+struct BlockQ4_1x8 {
+  half_bits d[kPackRows];
+  half_bits m[kPackRows];
+  uint8_t qs[kPackRows * kQuantBlock / 2];  // 4 chunks
+};
+struct BlockQ8_0x8 {
+  half_bits d[kPackRows];
+  int8_t qs[kPackRows * kQuantBlock];  // 8 chunks
+};
+// A Q4_K super-block of 8 rows: the 12 scale bytes are 3 chunks (chunk s: row r's scales[4 s ..
+// 4 s + 3], i.e. its 32-bit word s of k_scale_min), then 32 chunks of qs: chunk 8 c + g holds row
+// r's qs[32 c + 4 g .. + 3] = elements 4g..4g+3 of sub-block 2c (low nibbles) and 2c + 1 (high).
+struct BlockQ4_Kx8 {
+  half_bits d[kPackRows];
+  half_bits dmin[kPackRows];
+  uint8_t scales[kPackRows * 12];           // 3 chunks
+  uint8_t qs[kPackRows * kSuperBlock / 2];  // 32 chunks
+};
+
 static_assert(sizeof(BlockQ8_0) == 34, "ggml block_q8_0");
 static_assert(sizeof(BlockQ4_0) == 18, "ggml block_q4_0");
 static_assert(sizeof(BlockQ4_1) == 20, "ggml block_q4_1");
 static_assert(sizeof(BlockQ4_K) == 144, "ggml block_q4_K");
 static_assert(sizeof(BlockQ5_K) == 176, "ggml block_q5_K");
 static_assert(sizeof(BlockQ6_K) == 210, "ggml block_q6_K");
+static_assert(sizeof(BlockQ4_0x8) == kPackRows * sizeof(BlockQ4_0), "packed Q4_0: the rows' bytes");
+static_assert(sizeof(BlockQ4_1x8) == kPackRows * sizeof(BlockQ4_1), "packed Q4_1: the rows' bytes");
+static_assert(sizeof(BlockQ8_0x8) == kPackRows * sizeof(BlockQ8_0), "packed Q8_0: the rows' bytes");
+static_assert(sizeof(BlockQ4_Kx8) == kPackRows * sizeof(BlockQ4_K), "packed Q4_K: the rows' bytes");
 
 struct QuantTypeInfo {
   const char* name;
@@ -90,11 +138,18 @@ constexpr QuantTypeInfo quant_type_info(QuantType t) {
     case QuantType::kQ4_K: return {"Q4_K", kSuperBlock, int32_t(sizeof(BlockQ4_K))};
     case QuantType::kQ5_K: return {"Q5_K", kSuperBlock, int32_t(sizeof(BlockQ5_K))};
     case QuantType::kQ6_K: return {"Q6_K", kSuperBlock, int32_t(sizeof(BlockQ6_K))};
+    // Per row, a packed type has its base's block size (a unit of 8 rows is 8 blocks).
+    case QuantType::kQ4_0_R8: return {"Q4_0_R8", kQuantBlock, int32_t(sizeof(BlockQ4_0))};
+    case QuantType::kQ4_1_R8: return {"Q4_1_R8", kQuantBlock, int32_t(sizeof(BlockQ4_1))};
+    case QuantType::kQ8_0_R8: return {"Q8_0_R8", kQuantBlock, int32_t(sizeof(BlockQ8_0))};
+    case QuantType::kQ4_K_R8: return {"Q4_K_R8", kSuperBlock, int32_t(sizeof(BlockQ4_K))};
   }
   return {nullptr, 0, 0};
 }
 
 constexpr QuantType kQuantTypes[] = {QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ8_0,
                                      QuantType::kQ4_K, QuantType::kQ5_K, QuantType::kQ6_K};
+constexpr QuantType kPackedQuantTypes[] = {QuantType::kQ4_0_R8, QuantType::kQ4_1_R8, QuantType::kQ8_0_R8,
+                                           QuantType::kQ4_K_R8};
 
 }  // namespace kog

@@ -45,14 +45,19 @@ void check_moe(const Op& o, size_t i, const ModelDims& d) {
 // A quantized weight: a type this build has kernels for, on EMBED, LINEAR or MOE_EXPERTS (w1 on
 // MOE_EXPERTS only), rows of whole blocks (k = the input width; EMBED's rows and an expert's
 // gate_up rows are hidden wide, its down rows expert_intermediate wide), in an f32 run.
-void check_quant_type(int32_t type, const char* which, int64_t k, size_t i, const ModelDims& d) {
+// rows: of one matrix (EMBED's vocab, LINEAR's output width, one expert's rows), whole groups for a
+// packed (row-interleaved) type.
+void check_quant_type(int32_t type, const char* which, int64_t k, int64_t rows, size_t i, const ModelDims& d) {
   const QuantTypeInfo info = quant_type_info(QuantType(type));
   KOG_CHECK(info.name != nullptr, "program: op ", i, " has ", which, " type ", type,
-            " (supported: the run dtype, FP8=-2 or Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+            " (supported: the run dtype, FP8=-2 or Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, "
+            "Q4_0_R8=258, Q4_1_R8=259, Q8_0_R8=264)");
   KOG_CHECK(d.dtype == DType::kF32, "program: op ", i, " reads a ", info.name, " weight but the run dtype is ",
             dtype_name(d.dtype), " (quantized weights run with f32 activations)");
   KOG_CHECK(k % info.elems == 0, "program: op ", i, " has rows of ", k, " elements, not whole ", info.name,
             " blocks of ", info.elems);
+  KOG_CHECK(!is_packed(QuantType(type)) || rows % kPackRows == 0, "program: op ", i, " has a ", info.name,
+            " matrix of ", rows, " rows, not whole groups of ", kPackRows);
 }
 
 // Lane ops read lane-wide buffers ([batch, n_lanes, hidden]); the in-place ones write what they
@@ -103,7 +108,7 @@ void check_weight_type(const Op& o, size_t i, const ModelDims& d) {
   const auto op = Opcode(o.op);
   KOG_CHECK(o.w1_type == kWeightRunDtype || op == Opcode::kMoeExperts, "program: op ", i, " (opcode ", o.op,
             ") has w1 type ", o.w1_type, ": only MOE_EXPERTS' down weight may be quantized");
-  if (o.w1_type != kWeightRunDtype) check_quant_type(o.w1_type, "w1", d.expert_intermediate, i, d);
+  if (o.w1_type != kWeightRunDtype) check_quant_type(o.w1_type, "w1", d.expert_intermediate, d.hidden, i, d);
   KOG_CHECK((o.w_scale != nullptr) == (o.w_type == kWeightFp8), "program: op ", i,
             o.w_scale != nullptr ? " has a weight scale but its weight is not FP8"
                                  : " reads an FP8 weight without its row scales (w_scale)");
@@ -119,7 +124,10 @@ void check_weight_type(const Op& o, size_t i, const ModelDims& d) {
             " (opcode ", o.op, ") cannot read a quantized weight (type ", o.w_type,
             "): only EMBED, LINEAR and MOE_EXPERTS take quantized weights");
   const int64_t k = op == Opcode::kEmbed || op == Opcode::kMoeExperts ? d.hidden : buffer_width(d, o.in);
-  check_quant_type(o.w_type, "weight", k, i, d);
+  const int64_t rows = op == Opcode::kEmbed        ? d.vocab
+                       : op == Opcode::kMoeExperts ? 2 * d.expert_intermediate
+                                                   : buffer_width(d, o.out);
+  check_quant_type(o.w_type, "weight", k, rows, i, d);
 }
 
 void check_op(const Op& o, size_t i, const ModelDims& d) {

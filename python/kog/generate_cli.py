@@ -103,7 +103,7 @@ def _weights_kind(llm) -> str:
     by_type: dict[str, int] = {}
     for w in weights.values():
         if isinstance(w, QuantizedWeight):
-            by_type[w.type_name] = by_type.get(w.type_name, 0) + w.nbytes
+            by_type[w.file_type_name] = by_type.get(w.file_type_name, 0) + w.nbytes
     if not by_type:
         return str(llm.model.dtype)
     types = " + ".join(sorted(by_type, key=lambda t: -by_type[t]))

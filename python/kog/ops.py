@@ -323,7 +323,11 @@ def linear_fp8(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
 
 # GGUF block formats with native CPU kernels: name -> (ggml type id, elements, bytes per block).
 QUANT_TYPES: dict[str, tuple[int, int, int]] = dict(_C.quant_types())
+# Kog's row-interleaved forms of some of them (kog.quantized.pack_rows; csrc/ops/quant.h):
+# name -> (Kog's type id, the ggml type it packs, rows per group). Never in a file.
+PACKED_QUANT_TYPES: dict[str, tuple[int, int, int]] = dict(_C.packed_quant_types())
 _QUANT_BY_ID = {v[0]: (name, v[1], v[2]) for name, v in QUANT_TYPES.items()}
+_QUANT_BY_ID.update({v[0]: (name, *QUANT_TYPES[_QUANT_BY_ID[v[1]][0]][1:]) for name, v in PACKED_QUANT_TYPES.items()})
 
 
 def linear_quant(x: torch.Tensor, weight: torch.Tensor, quant_type: int | str,
@@ -380,6 +384,11 @@ def linear_quant(x: torch.Tensor, weight: torch.Tensor, quant_type: int | str,
     _C.linear_quant(out.data_ptr(), x.data_ptr(), weight.data_ptr(), weight.numel(), m, n, k, x_stride,
                     out_stride, code, quant_type, x_stages)
     return out
+
+
+def quant_file_type(quant_type: int) -> int:
+    """The ggml type a packed (row-interleaved) type id holds; any other id unchanged."""
+    return next((v[1] for v in PACKED_QUANT_TYPES.values() if v[0] == int(quant_type)), int(quant_type))
 
 
 def quant_type_name(quant_type: int) -> str:

@@ -17,6 +17,7 @@ import kog
 from kog.loader import LoadedModel, load_model
 from kog.models import ModelRunner
 from kog.models.decode import lower_program
+from kog.ops import quant_file_type
 from kog.quantized import QuantizedWeight
 from kog.testing.runner_seqs import RunnerSeqs
 from kog.testing.tiny_models import random_weights, tiny_config, write_gguf_model
@@ -92,7 +93,9 @@ def test_quantized_experts_run_like_the_dequantized_stacks(arch, gate_up, down, 
     r = ModelRunner(quant, num_kv_blocks=4, block_size=BS)
     ops = lower_program(r.program, r.weights)
     moe = [o for o in ops if o.opcode == int(kog.program.Opcode.MOE_EXPERTS)]
-    assert moe and all((o.w_type, o.w1_type) == (int(gate_up), int(down)) for o in moe)
+    # (the runner holds Q4_0/Q4_1/Q8_0 in their row-interleaved forms: same blocks)
+    assert moe and all((quant_file_type(o.w_type), quant_file_type(o.w1_type)) == (int(gate_up), int(down))
+                       for o in moe)
     prompt = np.random.default_rng(1).integers(3, quant.config.vocab_size, 40).tolist()
     assert_close_greedy(quant, floats, prompt)
 

@@ -2,6 +2,8 @@
 two-stage int8 GEMV, Op.w_type validation, the executor's quantized LINEAR/EMBED against
 kog.ops, and tiny quantized models (Q8_0, Q4_0, Q4_1, Q4_K) against the same weights in fp32."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -265,7 +267,8 @@ def test_validate_program_checks_w_type():
     runner = ModelRunner(qm, num_kv_blocks=8, block_size=4)
     ops_ = lower_program(runner.program, runner.weights)
     dims = model_dims(qm.config, torch.float32)
-    assert {o.w_type for o in ops_} == {_C.WEIGHT_RUN_DTYPE, int(T.Q8_0)}
+    q8_r8 = ops.PACKED_QUANT_TYPES["Q8_0_R8"][0]  # the runner's row-interleaved Q8_0
+    assert {o.w_type for o in ops_} == {_C.WEIGHT_RUN_DTYPE, q8_r8}
     _C.validate_program(ops_, dims)
 
     def with_type(i, t):
@@ -282,6 +285,12 @@ def test_validate_program_checks_w_type():
         _C.validate_program(with_type(lin, int(T.Q4_K)), dims)  # hidden 64 < 256
     with pytest.raises(InvalidRequest, match="run dtype is bf16|run dtype is bfloat16"):
         _C.validate_program(ops_, model_dims(qm.config, torch.bfloat16))
+    # a packed EMBED table of vocab rows must hold whole groups of 8
+    odd = model_dims(dataclasses.replace(qm.config, vocab_size=qm.config.vocab_size - 4), torch.float32)
+    with pytest.raises(InvalidRequest, match="not whole groups of 8"):
+        _C.validate_program(ops_, odd)
+    with pytest.raises(InvalidRequest, match="not whole groups of 8"):
+        _C.validate_program(with_type(lin, int(T.Q8_0)), odd)
     with pytest.raises(InvalidRequest, match="dtype=\"bfloat16\""):
         _C.expand_gpu_program(ops_, dims)
 

@@ -35,7 +35,7 @@ def engines(request, tmp_path_factory):
     kw = dict(max_num_seqs=1, max_model_len=512, max_num_batched_tokens=512, kv_cache_gib=0.05,
               enable_prefix_caching=False)
     quant, f32 = kog.LLM(str(path), **kw), kog.LLM(str(path), "float32", **kw)
-    assert {w.type_name for w in quant.engine.runner.weights.values() if hasattr(w, "qtype")} >= {request.param}
+    assert {w.file_type_name for w in quant.engine.runner.weights.values() if hasattr(w, "qtype")} >= {request.param}
     assert not any(hasattr(w, "qtype") for w in f32.engine.runner.weights.values())
     ids = quant.model.tokenizer.encode(TEXT.read_text())
     assert 300 <= len(ids) <= 512

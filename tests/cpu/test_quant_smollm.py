@@ -87,7 +87,7 @@ def test_greedy_tokens_agree_with_fp32(pair):
 def test_default_llm_runs_the_native_q4_1_blocks_within_the_file_bytes():
     llm = kog.LLM(max_num_seqs=1)
     runner = llm.engine.runner
-    types = {w.type_name for w in runner.weights.values() if isinstance(w, QuantizedWeight)}
+    types = {w.file_type_name for w in runner.weights.values() if isinstance(w, QuantizedWeight)}
     assert "Q4_1" in types and runner.dtype == torch.float32
     file_bytes = llm.model.file_weight_bytes
     assert file_bytes and runner.weight_bytes <= 1.1 * file_bytes, (runner.weight_bytes, file_bytes)

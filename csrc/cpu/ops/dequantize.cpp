@@ -4,6 +4,8 @@
 #include "cpu/kernels.h"
 #include "cpu/ops/quant_dot.h"
 
+#include <vector>
+
 namespace kog::cpu::KOG_ISA_NS {
 namespace {
 
@@ -83,24 +85,46 @@ void row_q6_k(const uint8_t* row, int64_t nb, float* y) {
 // (elements, bytes) of one block. NOTE: not quant_type_info: an inline function shared by the
 // ISA builds could be linked from the AVX-512 one into the generic path (cmake/KogCpuIsa.cmake).
 void block_of(QuantType t, int64_t& elems, int64_t& bytes) {
-  switch (t) {
+  switch (packed_base(t)) {
     case QuantType::kQ8_0: elems = kQuantBlock, bytes = sizeof(BlockQ8_0); return;
     case QuantType::kQ4_0: elems = kQuantBlock, bytes = sizeof(BlockQ4_0); return;
     case QuantType::kQ4_1: elems = kQuantBlock, bytes = sizeof(BlockQ4_1); return;
     case QuantType::kQ4_K: elems = kSuperBlock, bytes = sizeof(BlockQ4_K); return;
     case QuantType::kQ5_K: elems = kSuperBlock, bytes = sizeof(BlockQ5_K); return;
     case QuantType::kQ6_K: elems = kSuperBlock, bytes = sizeof(BlockQ6_K); return;
+    default: break;
   }
   elems = 1, bytes = 0;
 }
 
 }  // namespace
 
+const uint8_t* plain_row(QuantType type, const uint8_t* w, int64_t r, int64_t row_bytes, uint8_t* buf) {
+  if (!is_packed(type)) return w + r * row_bytes;
+  const QuantType base = packed_base(type);
+  // Half fields before the 4-byte chunks, and a block's bytes (quant.h: BlockQ4_1x8, BlockQ4_Kx8).
+  const int hdr = base == QuantType::kQ4_1 || base == QuantType::kQ4_K ? 2 : 1;
+  int64_t elems, block;
+  block_of(base, elems, block);
+  const int qs_bytes = int(block) - 2 * hdr;
+  const int64_t nb = row_bytes / block, lane = r % kPackRows;
+  const uint8_t* group = w + (r - lane) * row_bytes;
+  for (int64_t u = 0; u < nb; ++u) {
+    const uint8_t* unit = group + u * kPackRows * block;
+    uint8_t* out = buf + u * block;
+    for (int h = 0; h < hdr; ++h) __builtin_memcpy(out + 2 * h, unit + 2 * kPackRows * h + 2 * lane, 2);
+    for (int c = 0; c < qs_bytes / 4; ++c)
+      __builtin_memcpy(out + 2 * hdr + 4 * c, unit + 2 * kPackRows * hdr + 4 * kPackRows * c + 4 * lane, 4);
+  }
+  return buf;
+}
+
 void dequantize_row(QuantType type, const uint8_t* w, int64_t k, float* y) {
   int64_t elems, bytes;
   block_of(type, elems, bytes);
   const int64_t nb = k / elems;
   switch (type) {
+    default: break;  // packed types: plain_row first
     case QuantType::kQ8_0: row_q8_0(w, nb, y); break;
     case QuantType::kQ4_0: row_q4<false, BlockQ4_0>(w, nb, y); break;
     case QuantType::kQ4_1: row_q4<true, BlockQ4_1>(w, nb, y); break;
@@ -115,7 +139,10 @@ void dequantize_rows(const DequantizeRowsParams& p) {
   block_of(p.type, elems, bytes);
   const int64_t row_bytes = p.k / elems * bytes;
   for_each_row(p.n_ids, p.n_ids * p.k >= kParallelMinElems, [&](int64_t r) {
-    dequantize_row(p.type, p.weight + (p.ids != nullptr ? p.ids[r] : r) * row_bytes, p.k, p.out + r * p.k);
+    thread_local std::vector<uint8_t> buf;
+    buf.resize(size_t(row_bytes));
+    const uint8_t* row = plain_row(p.type, p.weight, p.ids != nullptr ? p.ids[r] : r, row_bytes, buf.data());
+    dequantize_row(packed_base(p.type), row, p.k, p.out + r * p.k);
   });
 }
 

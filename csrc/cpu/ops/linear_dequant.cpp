@@ -17,7 +17,11 @@
 
 namespace kog::cpu::KOG_ISA_NS {
 
-void dequantize_row(QuantType type, const uint8_t* w, int64_t k, float* y);  // csrc/cpu/ops/dequantize.cpp
+// csrc/cpu/ops/dequantize.cpp
+void dequantize_row(QuantType type, const uint8_t* w, int64_t k, float* y);
+// Row r of a [*, k] matrix of `type` in its file layout: the row itself, or, for a packed type, its
+// blocks gathered from their group into buf (row_bytes).
+const uint8_t* plain_row(QuantType type, const uint8_t* w, int64_t r, int64_t row_bytes, uint8_t* buf);
 
 namespace {
 
@@ -143,10 +147,13 @@ void block_rc(int nr, int nc, const float* w, int64_t k, const float* x, int64_t
 // Output columns [r0, r0 + nr) of every row of x, through the thread's f32 tile.
 void tile_rows(const LinearQuantParams& p, int64_t row_bytes, int64_t r0, int64_t nr) {
   thread_local std::vector<float> tile;
+  thread_local std::vector<uint8_t> row_buf;
   tile.resize(static_cast<size_t>(kTileRows * p.k));
+  row_buf.resize(static_cast<size_t>(row_bytes));
+  const QuantType base = packed_base(p.type);
   for (int64_t r = 0; r < nr; ++r) {
-    const uint8_t* w = p.weight + (r0 + r) * row_bytes;
-    if (!dequantize_row_fast(p.type, w, p.k, &tile[r * p.k])) dequantize_row(p.type, w, p.k, &tile[r * p.k]);
+    const uint8_t* w = plain_row(p.type, p.weight, r0 + r, row_bytes, row_buf.data());
+    if (!dequantize_row_fast(base, w, p.k, &tile[r * p.k])) dequantize_row(base, w, p.k, &tile[r * p.k]);
   }
   const float* x = static_cast<const float*>(p.x);
   for (int64_t c0 = 0; c0 < p.m; c0 += kC) {

@@ -4,6 +4,7 @@
 // is unpacked block by block, once for up to kCols rows of x, as in csrc/cpu/ops/linear.cpp.
 #include "cpu/kernels.h"
 #include "cpu/ops/quant_dot.h"
+#include "cpu/ops/quant_dot_r8.h"
 
 #include <algorithm>
 #include <type_traits>
@@ -101,6 +102,42 @@ QuantizedX quantize_x(const LinearQuantParams& p, bool parallel = true) {
   });
   return qx;
 }
+
+// x's rows as X16Row (Q8_0_R8 with x_stages 2), in the scratch of 2 stages: int16 [m, k], then f32
+// [m, k / 32] scales (2 m k + m k / 8 bytes <= linear_quant_scratch_bytes(m, k, 2)).
+struct QuantizedX16 {
+  int16_t* q;
+  float* d;
+  int64_t k;
+  X16Row row(int64_t c) const { return {q + c * k, d + c * (k / 32)}; }
+};
+
+QuantizedX16 quantize_x16(const LinearQuantParams& p, bool parallel = true) {
+  int16_t* q = static_cast<int16_t*>(p.scratch);
+  QuantizedX16 qx{q, reinterpret_cast<float*>(q + p.m * p.k), p.k};
+  for_each_row(p.m, parallel && p.m * p.k >= kParallelMinElems, [&](int64_t c) {
+    dispatch_float(p.x_dtype, [&](auto tag) {
+      using T = decltype(tag);
+      const T* x = static_cast<const T*>(p.x) + c * p.x_stride;
+      int16_t* qr = qx.q + c * p.k;
+      for (int64_t u = 0; u < p.k / 32; ++u) {
+        float xf[32], amax = 0.f;
+        for (int i = 0; i < 32; ++i) {
+          xf[i] = to_f32(x[32 * u + i]);
+          const float a = __builtin_fabsf(xf[i]);
+          amax = a > amax || a != a ? a : amax;  // NaN propagates, as in quantize_unit
+        }
+        const float d = amax / (127.f * 256.f), id = d != 0.f ? 1.f / d : 0.f;
+        for (int i = 0; i < 32; ++i) qr[32 * u + i] = int16_t(__builtin_rintf(xf[i] * id));
+        qx.d[c * (p.k / 32) + u] = d;
+      }
+    });
+  });
+  return qx;
+}
+
+// Q8_0_R8 with x_stages 2 reads x as int16 (the same error bound, half the integer work).
+bool uses_x16(const LinearQuantParams& p) { return p.type == QuantType::kQ8_0_R8 && p.x_stages == 2; }
 
 // ---- one weight row per format: unpack each unit, hand it to the accumulator --------------------
 
@@ -223,9 +260,45 @@ void dot_row(QuantType type, const uint8_t* w, int64_t k, const QRow* x, float* 
     case QuantType::kQ4_K: dot_k4<false, BlockQ4_K>(w, k / kSuperBlock, acc); break;
     case QuantType::kQ5_K: dot_k4<true, BlockQ5_K>(w, k / kSuperBlock, acc); break;
     case QuantType::kQ6_K: dot_q6_k(w, k / kSuperBlock, acc); break;
+    default: break;  // packed types: quant_groups
   }
   for (int c = 0; c < NC; ++c) out[c] = acc.result(c);
 }
+
+// A packed type's output rows [row_begin, row_end), both multiples of kPackRows: one group of 8
+// rows at a time, x's quantized rows kR8Cols at a time (a row's stages in the same pass).
+void quant_groups(const LinearQuantParams& p, const QuantizedX& qx, int64_t row_bytes, int64_t row_begin,
+                  int64_t row_end) {
+  static_assert(kR8Cols % 2 == 0 || kR8Cols == 1, "a row's two stages share a pass");
+  const int64_t cols = p.m * p.x_stages;
+  for (int64_t r = row_begin; r < row_end; r += kPackRows) {
+    const uint8_t* group = p.weight + r * row_bytes;
+    for (int64_t c0 = 0; c0 < cols; c0 += kR8Cols) {
+      const int nc = int(cols - c0 < kR8Cols ? cols - c0 : kR8Cols);
+      QRow x[kR8Cols];
+      for (int c = 0; c < nc; ++c) x[c] = qx.row(c0 + c);
+      float acc[kR8Cols * kPackRows];
+      switch (nc) {
+        case 1: group_dot_r8<1>(p.type, group, p.k, x, acc); break;
+#if defined(__AVX512F__) || !defined(__AVX2__)
+        case 2: group_dot_r8<2>(p.type, group, p.k, x, acc); break;
+        case 3: group_dot_r8<3>(p.type, group, p.k, x, acc); break;
+#endif
+        default: group_dot_r8<kR8Cols>(p.type, group, p.k, x, acc); break;
+      }
+      for (int j = 0; j < kPackRows; ++j) {
+        const float b = p.bias != nullptr ? p.bias[r + j] : 0.f;
+        if (p.x_stages == 1) {
+          for (int c = 0; c < nc; ++c) p.out[(c0 + c) * p.out_stride + r + j] = acc[c * kPackRows + j] + b;
+        } else {
+          for (int c = 0; c < nc; c += 2)
+            p.out[(c0 + c) / 2 * p.out_stride + r + j] = acc[c * kPackRows + j] + acc[(c + 1) * kPackRows + j] + b;
+        }
+      }
+    }
+  }
+}
+
 
 // Output rows [row_begin, row_end).
 void quant_rows(const LinearQuantParams& p, const QuantizedX& qx, int64_t row_bytes, int64_t row_begin,
@@ -256,6 +329,39 @@ void quant_rows(const LinearQuantParams& p, const QuantizedX& qx, int64_t row_by
   }
 }
 
+// uses_x16: output rows [row_begin, row_end) (multiples of kPackRows), kR8Cols rows of x a pass.
+void quant_groups_x16(const LinearQuantParams& p, const QuantizedX16& qx, int64_t row_bytes, int64_t row_begin,
+                      int64_t row_end) {
+  for (int64_t r = row_begin; r < row_end; r += kPackRows) {
+    const uint8_t* group = p.weight + r * row_bytes;
+    for (int64_t c0 = 0; c0 < p.m; c0 += kR8Cols) {
+      const int nc = int(p.m - c0 < kR8Cols ? p.m - c0 : kR8Cols);
+      X16Row x[kR8Cols];
+      for (int c = 0; c < nc; ++c) x[c] = qx.row(c0 + c);
+      float acc[kR8Cols * kPackRows];
+      switch (nc) {
+        case 1: group_dot_r8_x16<1>(group, p.k, x, acc); break;
+#if defined(__AVX512F__) || !defined(__AVX2__)
+        case 2: group_dot_r8_x16<2>(group, p.k, x, acc); break;
+        case 3: group_dot_r8_x16<3>(group, p.k, x, acc); break;
+#endif
+        default: group_dot_r8_x16<kR8Cols>(group, p.k, x, acc); break;
+      }
+      for (int j = 0; j < kPackRows; ++j) {
+        const float b = p.bias != nullptr ? p.bias[r + j] : 0.f;
+        for (int c = 0; c < nc; ++c) p.out[(c0 + c) * p.out_stride + r + j] = acc[c * kPackRows + j] + b;
+      }
+    }
+  }
+}
+
+// Rows [row_begin, row_end) of any type (multiples of kPackRows for a packed one).
+void rows_of(const LinearQuantParams& p, const QuantizedX& qx, int64_t row_bytes, int64_t row_begin,
+             int64_t row_end) {
+  if (is_packed(p.type)) return quant_groups(p, qx, row_bytes, row_begin, row_end);
+  quant_rows(p, qx, row_bytes, row_begin, row_end);
+}
+
 // Bytes of one weight row (the binding has checked k against the block size).
 int64_t row_bytes_of(const LinearQuantParams& p) {
   switch (p.type) {
@@ -265,6 +371,10 @@ int64_t row_bytes_of(const LinearQuantParams& p) {
     case QuantType::kQ4_K: return p.k / kSuperBlock * int64_t(sizeof(BlockQ4_K));
     case QuantType::kQ5_K: return p.k / kSuperBlock * int64_t(sizeof(BlockQ5_K));
     case QuantType::kQ6_K: return p.k / kSuperBlock * int64_t(sizeof(BlockQ6_K));
+    case QuantType::kQ4_0_R8: return p.k / kQuantBlock * int64_t(sizeof(BlockQ4_0));
+    case QuantType::kQ4_1_R8: return p.k / kQuantBlock * int64_t(sizeof(BlockQ4_1));
+    case QuantType::kQ8_0_R8: return p.k / kQuantBlock * int64_t(sizeof(BlockQ8_0));
+    case QuantType::kQ4_K_R8: return p.k / kSuperBlock * int64_t(sizeof(BlockQ4_K));
   }
   return 0;
 }
@@ -274,11 +384,19 @@ int64_t row_bytes_of(const LinearQuantParams& p) {
 void linear_quant(const LinearQuantParams& p) {
   const int64_t row_bytes = row_bytes_of(p);
   if (p.x_stages == 0) return linear_dequant(p, row_bytes);
-  const QuantizedX qx = quantize_x(p);
-  constexpr int64_t kChunk = 16;  // rows per parallel work item
+  constexpr int64_t kChunk = 16;  // rows per parallel work item (whole groups of a packed type)
+  static_assert(kChunk % kPackRows == 0, "a work item takes whole packed groups");
   const int64_t n_chunks = (p.n + kChunk - 1) / kChunk;
+  if (uses_x16(p)) {
+    const QuantizedX16 qx = quantize_x16(p);
+    parallel_for(n_chunks, p.n * row_bytes >= kParallelMinBytes, [&](int64_t t) {
+      quant_groups_x16(p, qx, row_bytes, t * kChunk, std::min(p.n, (t + 1) * kChunk));
+    });
+    return;
+  }
+  const QuantizedX qx = quantize_x(p);
   parallel_for(n_chunks, p.n * row_bytes >= kParallelMinBytes, [&](int64_t t) {
-    quant_rows(p, qx, row_bytes, t * kChunk, (t + 1) * kChunk < p.n ? (t + 1) * kChunk : p.n);
+    rows_of(p, qx, row_bytes, t * kChunk, (t + 1) * kChunk < p.n ? (t + 1) * kChunk : p.n);
   });
 }
 
@@ -286,13 +404,23 @@ void linear_quant(const LinearQuantParams& p) {
 // row) rather than thread 0 once behind a barrier: a barrier costs more than the work, and every
 // thread computes bit-identical integers, so the result does not depend on who did it.
 void linear_quant_part(const LinearQuantParams& p, RowQueue& queue, uint32_t epoch, int part) {
-  const QuantizedX qx = quantize_x(p, /*parallel=*/false);
   const int64_t row_bytes = row_bytes_of(p);
+  if (uses_x16(p)) {
+    const QuantizedX16 qx = quantize_x16(p, /*parallel=*/false);
+    const int64_t rows = std::max<int64_t>(1, (int64_t(16) << 10) / row_bytes / kPackRows) * kPackRows;
+    queue.start(epoch, part, (p.n + rows - 1) / rows);
+    for (int64_t c; (c = queue.next(epoch, part)) >= 0;)
+      quant_groups_x16(p, qx, row_bytes, c * rows, std::min(p.n, (c + 1) * rows));
+    return;
+  }
+  const QuantizedX qx = quantize_x(p, /*parallel=*/false);
   // ~16 KB of weight rows per chunk, as the float linear_part (csrc/cpu/ops/linear.cpp).
-  const int64_t rows = std::max<int64_t>(1, (int64_t(16) << 10) / row_bytes);
+  // (whole groups of a packed type, whose n is a multiple of kPackRows).
+  const int64_t unit = is_packed(p.type) ? kPackRows : 1;
+  const int64_t rows = std::max<int64_t>(1, (int64_t(16) << 10) / row_bytes / unit) * unit;
   queue.start(epoch, part, (p.n + rows - 1) / rows);
   for (int64_t c; (c = queue.next(epoch, part)) >= 0;)
-    quant_rows(p, qx, row_bytes, c * rows, std::min(p.n, (c + 1) * rows));
+    rows_of(p, qx, row_bytes, c * rows, std::min(p.n, (c + 1) * rows));
 }
 
 }  // namespace kog::cpu::KOG_ISA_NS

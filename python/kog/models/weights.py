@@ -17,7 +17,7 @@ from kog.fp8 import Fp8Weight
 from kog.fp8 import cat_rows as cat_fp8_rows
 from kog.models.moe_weights import SHARED, moe_layer
 from kog.program.lanes import splits_replicated_head
-from kog.quantized import QuantizedWeight, cat_rows
+from kog.quantized import QuantizedWeight, can_pack, cat_rows, pack_rows
 
 Tensor = Union[torch.Tensor, QuantizedWeight, Fp8Weight]
 
@@ -100,6 +100,30 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
                     out[name] = lane_columns(out[name], config.lanes.num_lanes)
             if n in config.moe_layers and config.shard.size > 1:  # expert parallelism
                 out[m + "experts.ranks"] = expert_ranks(config)
+    return out
+
+
+def pack_quantized(config: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The CPU's form of prepared weights: every Q4_0/Q4_1/Q8_0/Q4_K matrix row-interleaved
+    (kog.quantized.pack_rows: same bytes, 2-4x faster decode GEMVs, PERFORMANCE.md issue 17), where
+    its rows (an expert stack's rows per expert) come in whole groups of 8; the rest as given.
+    A tensor under two names (a tied head) is packed once. KOG_PACK_QUANT=0 keeps the file forms
+    (for comparisons)."""
+    import os
+
+    if os.environ.get("KOG_PACK_QUANT", "1") == "0":
+        return weights
+    done: dict[int, QuantizedWeight] = {}
+    out = dict(weights)
+    for name, w in weights.items():
+        if not isinstance(w, QuantizedWeight):
+            continue
+        stack = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        rows = w.shape[0] // (config.num_experts + config.shared_expert_slots) if stack else None
+        key = w.data.data_ptr()
+        if key not in done and can_pack(w, rows):
+            done[key] = pack_rows(w)
+        out[name] = done.get(key, w)
     return out
 
 

@@ -126,7 +126,9 @@ class ParallelRunner:
     def __init__(self, local, commands, procs: list[subprocess.Popen]) -> None:
         self.local, self._commands, self._procs = local, commands, procs
         self.kv = _MirroredKV(local.kv, self)
-        self.native_decoder = None  # ranks decode through the interpreter (no native transport yet)
+        # None: no multi-token decode loop over ranks (each rank would have to run it, its
+        # sampling in step with rank 0's); every decode step is one mirrored call.
+        self.native_decoder = None
         self._closed = False
         atexit.register(self.close)
 

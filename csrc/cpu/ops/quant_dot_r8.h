@@ -1,0 +1,332 @@
+// ISA-local GEMV over row-interleaved quantized weights (Q4_0_R8, Q4_1_R8, Q8_0_R8: csrc/ops/quant.h),
+// for csrc/cpu/ops/linear_quant.cpp. One group = 8 weight rows; per 32-element unit:
+//   a 32-byte chunk of the packed quants holds 4 weights of each of the 8 rows (unpacked Q4: two
+//   such vectors per chunk); x's matching 4 int8 are broadcast to every row, so one maddubs (AVX2)
+//   or dpbusd (VNNI) makes 8 rows' partial dots at once, summed per row in the vector's lanes;
+//   the unit's scales then apply as vectors of 8 rows: out_r += d_r dx sum_r (+ m_r t for Q4_1,
+//   -8 d_r t for Q4_0, t = dx * the sum of x's unit).
+// That is ~2 instructions per row and unit where a row-major dot spends ~10 on the scales and
+// the horizontal structure (PERFORMANCE.md, issue 17: the decode GEMV was instruction-bound).
+// Exactness: the integer sums are exact (Q4 on AVX2: 8 pair sums of |q x| <= 2 * 15 * 127 stay
+// below 2^15 in i16); only the f32 accumulation order differs from the row-major kernel.
+#pragma once
+#include "cpu/ops/quant_dot.h"
+#include "ops/quant.h"
+
+namespace kog::cpu::KOG_ISA_NS {
+
+// One row of x quantized once per 32-element unit to int16: q[32 u + i] = rint(x / d[u]),
+// d[u] = amax / (127 * 256), so |x - d q| <= amax / 65024: the bound of two int8 stages (QRow),
+// for the Q8_0_R8 GEMV with x_stages 2.
+struct X16Row {
+  const int16_t* q;
+  const float* d;
+};
+
+// Output rows 8 g .. 8 g + 7 for NC quantized rows of x: out[c][r] for the unit range of the row.
+#if defined(__AVX2__)
+// Columns (quantized rows of x) per pass over a group: each takes 3 accumulators (i-sum, f32 sum,
+// correction); AVX-512 has 32 vector registers, AVX2 16.
+#if defined(__AVX512F__)
+constexpr int kR8Cols = 4;
+#else
+constexpr int kR8Cols = 2;
+#endif
+
+static inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+static inline __m256 halves8(const half_bits* h) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
+// Q4_0_R8 / Q4_1_R8 (kMin): unsigned nibbles q, w = d q + m (Q4_1) or d (q - 8) (Q4_0).
+template <int NC, bool kMin, class Unit>
+KOG_QINLINE void group_q4_r8(const Unit* units, int64_t nb, const QRow* x, __m256* out) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  __m256 acc[NC], cor[NC];
+  for (int c = 0; c < NC; ++c) acc[c] = cor[c] = _mm256_setzero_ps();
+  for (int64_t u = 0; u < nb; ++u) {
+    const Unit& b = units[u];
+    __m256i s[NC];
+    for (int c = 0; c < NC; ++c) s[c] = _mm256_setzero_si256();
+    for (int ch = 0; ch < 4; ++ch) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * ch));
+      const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      for (int c = 0; c < NC; ++c) {
+        const int8_t* xq = x[c].q + 32 * u + 4 * ch;
+#if defined(__AVX512VNNI__)
+        s[c] = _mm256_dpbusd_epi32(s[c], lo, bcast4(xq));
+        s[c] = _mm256_dpbusd_epi32(s[c], hi, bcast4(xq + 16));
+#else
+        s[c] = _mm256_add_epi16(s[c], _mm256_maddubs_epi16(lo, bcast4(xq)));
+        s[c] = _mm256_add_epi16(s[c], _mm256_maddubs_epi16(hi, bcast4(xq + 16)));
+#endif
+      }
+    }
+    const __m256 d = halves8(b.d);
+    __m256 m;
+    if constexpr (kMin) {
+      m = halves8(b.m);
+    } else {
+      m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+    }
+    for (int c = 0; c < NC; ++c) {
+#if defined(__AVX512VNNI__)
+      const __m256i i = s[c];
+#else
+      const __m256i i = _mm256_madd_epi16(s[c], _mm256_set1_epi16(1));
+#endif
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, _mm256_broadcast_ss(x[c].d + u)), acc[c]);
+      cor[c] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(x[c].t + u), cor[c]);
+    }
+  }
+  for (int c = 0; c < NC; ++c) out[c] = _mm256_add_ps(acc[c], cor[c]);
+}
+
+// Q8_0_R8: signed q, w = d q. |q| <= 128 and |x| <= 127 keep maddubs' pair sums in i16 (abs/sign).
+template <int NC>
+KOG_QINLINE void group_q8_r8(const BlockQ8_0x8* units, int64_t nb, const QRow* x, __m256* out) {
+  __m256 acc[NC];
+  for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t u = 0; u < nb; ++u) {
+    const BlockQ8_0x8& b = units[u];
+    __m256i s[NC];
+    for (int c = 0; c < NC; ++c) s[c] = _mm256_setzero_si256();
+    for (int ch = 0; ch < 8; ++ch) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * ch));
+      const __m256i aw = _mm256_abs_epi8(w);
+      for (int c = 0; c < NC; ++c) {
+        const __m256i xs = _mm256_sign_epi8(bcast4(x[c].q + 32 * u + 4 * ch), w);
+#if defined(__AVX512VNNI__)
+        s[c] = _mm256_dpbusd_epi32(s[c], aw, xs);
+#else
+        s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), _mm256_set1_epi16(1)));
+#endif
+      }
+    }
+    const __m256 d = halves8(b.d);
+    for (int c = 0; c < NC; ++c)
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[c]), _mm256_mul_ps(d, _mm256_broadcast_ss(x[c].d + u)), acc[c]);
+  }
+  for (int c = 0; c < NC; ++c) out[c] = acc[c];
+}
+
+// Q4_K_R8: per super-block, the 8 rows' 6-bit scales and mins decoded as vectors of 8 rows
+// (k_scale_min on the three 32-bit words, one per scale chunk), then per sub-block j the nibbles
+// as in group_q4_r8: w = a_j q - m_j, a_j = d sc_j, m_j = dmin mn_j.
+template <int NC>
+KOG_QINLINE void group_q4k_r8(const BlockQ4_Kx8* blocks, int64_t nb, const QRow* x, __m256* out) {
+  const __m256i low4 = _mm256_set1_epi8(15), low6 = _mm256_set1_epi8(63), low2 = _mm256_set1_epi8(3);
+  __m256 acc[NC], cor[NC];
+  for (int c = 0; c < NC; ++c) acc[c] = cor[c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const BlockQ4_Kx8& b = blocks[i];
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.scales));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.scales + 32));
+    const __m256i w2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.scales + 64));
+    // Byte j of each row's word: sc (mn) of sub-block j (lo) and j + 4 (hi).
+    const __m256i sc_lo = _mm256_and_si256(w0, low6), mn_lo = _mm256_and_si256(w1, low6);
+    const __m256i sc_hi = _mm256_or_si256(_mm256_and_si256(w2, low4),
+                                          _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w0, 6), low2), 4));
+    const __m256i mn_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), low4),
+                                          _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, 6), low2), 4));
+    const __m256 d = halves8(b.d), dmin = halves8(b.dmin);
+    auto byte_j = [](__m256i v, int j) __attribute__((always_inline)) {
+      return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * j), _mm256_set1_epi32(255)));
+    };
+    for (int ch = 0; ch < 4; ++ch) {  // sub-blocks 2 ch (low nibbles) and 2 ch + 1 (high)
+      const int64_t u = 8 * i + 2 * ch;  // x's unit of the low sub-block
+      __m256i s0[NC], s1[NC];
+      for (int c = 0; c < NC; ++c) s0[c] = s1[c] = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 256 * ch + 32 * g));
+        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        for (int c = 0; c < NC; ++c) {
+          const int8_t* xq = x[c].q + 32 * u + 4 * g;
+#if defined(__AVX512VNNI__)
+          s0[c] = _mm256_dpbusd_epi32(s0[c], lo, bcast4(xq));
+          s1[c] = _mm256_dpbusd_epi32(s1[c], hi, bcast4(xq + 32));
+#else
+          s0[c] = _mm256_add_epi16(s0[c], _mm256_maddubs_epi16(lo, bcast4(xq)));
+          s1[c] = _mm256_add_epi16(s1[c], _mm256_maddubs_epi16(hi, bcast4(xq + 32)));
+#endif
+        }
+      }
+      const int j0 = 2 * ch, j1 = 2 * ch + 1;
+      const __m256 a0 = _mm256_mul_ps(d, byte_j(j0 < 4 ? sc_lo : sc_hi, j0 % 4));
+      const __m256 a1 = _mm256_mul_ps(d, byte_j(j1 < 4 ? sc_lo : sc_hi, j1 % 4));
+      const __m256 m0 = _mm256_mul_ps(dmin, byte_j(j0 < 4 ? mn_lo : mn_hi, j0 % 4));
+      const __m256 m1 = _mm256_mul_ps(dmin, byte_j(j1 < 4 ? mn_lo : mn_hi, j1 % 4));
+      for (int c = 0; c < NC; ++c) {
+#if defined(__AVX512VNNI__)
+        const __m256i i0 = s0[c], i1 = s1[c];
+#else
+        const __m256i i0 = _mm256_madd_epi16(s0[c], _mm256_set1_epi16(1)), i1 = _mm256_madd_epi16(s1[c], _mm256_set1_epi16(1));
+#endif
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(a0, _mm256_broadcast_ss(x[c].d + u)), acc[c]);
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(a1, _mm256_broadcast_ss(x[c].d + u + 1)), acc[c]);
+        cor[c] = _mm256_fnmadd_ps(m0, _mm256_broadcast_ss(x[c].t + u), cor[c]);
+        cor[c] = _mm256_fnmadd_ps(m1, _mm256_broadcast_ss(x[c].t + u + 1), cor[c]);
+      }
+    }
+  }
+  for (int c = 0; c < NC; ++c) out[c] = _mm256_add_ps(acc[c], cor[c]);
+}
+
+// out[c * 8 + r] = dot(row 8 g + r, x row c) for c < NC (group g at `group`, k / 32 units).
+template <int NC>
+void group_dot_r8(QuantType type, const uint8_t* group, int64_t k, const QRow* x, float* out) {
+  __m256 v[NC];
+  const int64_t nb = k / kQuantBlock;
+  switch (type) {
+    case QuantType::kQ4_K_R8:
+      group_q4k_r8<NC>(reinterpret_cast<const BlockQ4_Kx8*>(group), k / kSuperBlock, x, v);
+      break;
+    case QuantType::kQ4_0_R8:
+      group_q4_r8<NC, false>(reinterpret_cast<const BlockQ4_0x8*>(group), nb, x, v);
+      break;
+    case QuantType::kQ4_1_R8:
+      group_q4_r8<NC, true>(reinterpret_cast<const BlockQ4_1x8*>(group), nb, x, v);
+      break;
+    default:  // kQ8_0_R8 (the callers dispatch packed types only)
+      group_q8_r8<NC>(reinterpret_cast<const BlockQ8_0x8*>(group), nb, x, v);
+      break;
+  }
+  for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out + 8 * c, v[c]);
+}
+
+// Q8_0_R8 against x quantized once to int16 per unit (X16Row): w (sign-extended to i16) times 4
+// values of x broadcast, madd into i32 pairs per row (rows 0-3 and 4-7 in two accumulators), one
+// hadd per unit. |w| <= 128, |X| <= 32512: a unit's sum stays below 2^28.
+template <int NC>
+KOG_QINLINE void group_q8_r8_x16(const BlockQ8_0x8* units, int64_t nb, const X16Row* x, __m256* out) {
+  // hadd leaves rows as 0 1 4 5 2 3 6 7; the unit's scales are permuted the same way.
+  const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+  __m256 acc[NC];
+  for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t u = 0; u < nb; ++u) {
+    const BlockQ8_0x8& b = units[u];
+    __m256i s0[NC], s1[NC];
+    for (int c = 0; c < NC; ++c) s0[c] = s1[c] = _mm256_setzero_si256();
+    for (int ch = 0; ch < 8; ++ch) {
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs + 32 * ch)));
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs + 32 * ch + 16)));
+      for (int c = 0; c < NC; ++c) {
+        int64_t xv;
+        __builtin_memcpy(&xv, x[c].q + 32 * u + 4 * ch, 8);
+        const __m256i xb = _mm256_set1_epi64x(xv);
+#if defined(__AVX512VNNI__)
+        s0[c] = _mm256_dpwssd_epi32(s0[c], w0, xb);
+        s1[c] = _mm256_dpwssd_epi32(s1[c], w1, xb);
+#else
+        s0[c] = _mm256_add_epi32(s0[c], _mm256_madd_epi16(w0, xb));
+        s1[c] = _mm256_add_epi32(s1[c], _mm256_madd_epi16(w1, xb));
+#endif
+      }
+    }
+    const __m256 d = _mm256_permutevar8x32_ps(halves8(b.d), order);
+    for (int c = 0; c < NC; ++c)
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(s0[c], s1[c])),
+                               _mm256_mul_ps(d, _mm256_broadcast_ss(x[c].d + u)), acc[c]);
+  }
+  for (int c = 0; c < NC; ++c) out[c] = _mm256_permutevar8x32_ps(acc[c], order);  // the order is its own inverse
+}
+
+template <int NC>
+void group_dot_r8_x16(const uint8_t* group, int64_t k, const X16Row* x, float* out) {
+  __m256 v[NC];
+  group_q8_r8_x16<NC>(reinterpret_cast<const BlockQ8_0x8*>(group), k / kQuantBlock, x, v);
+  for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out + 8 * c, v[c]);
+}
+
+#else  // generic: the same sums, one row at a time
+
+constexpr int kR8Cols = 4;
+
+template <int NC>
+void group_dot_r8_x16(const uint8_t* group, int64_t k, const X16Row* x, float* out) {
+  const BlockQ8_0x8* units = reinterpret_cast<const BlockQ8_0x8*>(group);
+  for (int c = 0; c < NC * kPackRows; ++c) out[c] = 0.f;
+  for (int64_t u = 0; u < k / kQuantBlock; ++u)
+    for (int r = 0; r < kPackRows; ++r)
+      for (int c = 0; c < NC; ++c) {
+        int32_t s = 0;
+        for (int ch = 0; ch < 8; ++ch)
+          for (int j = 0; j < 4; ++j) s += int32_t(units[u].qs[32 * ch + 4 * r + j]) * x[c].q[32 * u + 4 * ch + j];
+        out[c * kPackRows + r] += half_to_f32(units[u].d[r]) * x[c].d[u] * float(s);
+      }
+}
+
+// The 6-bit scale (or min, mn) of sub-block j from a row's 12 scale bytes (csrc/ops/quant.h).
+static inline int k_scale6(const uint8_t* q, int j, bool mn) {
+  if (j < 4) return q[j + (mn ? 4 : 0)] & 63;
+  return mn ? (q[j + 4] >> 4) | ((q[j] >> 6) << 4) : (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+}
+
+template <int NC>
+void group_dot_r8(QuantType type, const uint8_t* group, int64_t k, const QRow* x, float* out) {
+  const int64_t nb = k / kQuantBlock;
+  for (int c = 0; c < NC * kPackRows; ++c) out[c] = 0.f;
+  if (type == QuantType::kQ4_K_R8) {
+    const BlockQ4_Kx8* blocks = reinterpret_cast<const BlockQ4_Kx8*>(group);
+    for (int64_t i = 0; i < k / kSuperBlock; ++i)
+      for (int r = 0; r < kPackRows; ++r) {
+        const BlockQ4_Kx8& b = blocks[i];
+        uint8_t sc[12];
+        for (int s = 0; s < 3; ++s)
+          for (int j = 0; j < 4; ++j) sc[4 * s + j] = b.scales[32 * s + 4 * r + j];
+        for (int sb = 0; sb < 8; ++sb) {
+          const float a = half_to_f32(b.d[r]) * float(k_scale6(sc, sb, false));
+          const float m = half_to_f32(b.dmin[r]) * float(k_scale6(sc, sb, true));
+          const int64_t u = 8 * i + sb;
+          for (int c = 0; c < NC; ++c) {
+            int32_t acc = 0;
+            for (int g = 0; g < 8; ++g)
+              for (int j = 0; j < 4; ++j) {
+                const uint8_t byte = b.qs[256 * (sb / 2) + 32 * g + 4 * r + j];
+                acc += int32_t((byte >> (4 * (sb % 2))) & 15) * x[c].q[32 * u + 4 * g + j];
+              }
+            out[c * kPackRows + r] += a * x[c].d[u] * float(acc) - m * x[c].t[u];
+          }
+        }
+      }
+    return;
+  }
+  for (int64_t u = 0; u < nb; ++u) {
+    for (int r = 0; r < kPackRows; ++r) {
+      for (int c = 0; c < NC; ++c) {
+        const int8_t* xq = x[c].q + 32 * u;
+        int32_t s = 0;
+        float d, m;
+        if (type == QuantType::kQ8_0_R8) {
+          const BlockQ8_0x8& b = reinterpret_cast<const BlockQ8_0x8*>(group)[u];
+          for (int ch = 0; ch < 8; ++ch)
+            for (int j = 0; j < 4; ++j) s += int32_t(b.qs[32 * ch + 4 * r + j]) * xq[4 * ch + j];
+          d = half_to_f32(b.d[r]), m = 0.f;
+        } else {
+          const bool q4_1 = type == QuantType::kQ4_1_R8;
+          const uint8_t* qs = q4_1 ? reinterpret_cast<const BlockQ4_1x8*>(group)[u].qs
+                                   : reinterpret_cast<const BlockQ4_0x8*>(group)[u].qs;
+          for (int ch = 0; ch < 4; ++ch)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t byte = qs[32 * ch + 4 * r + j];
+              s += int32_t(byte & 15) * xq[4 * ch + j] + int32_t(byte >> 4) * xq[16 + 4 * ch + j];
+            }
+          if (q4_1) {
+            const BlockQ4_1x8& b = reinterpret_cast<const BlockQ4_1x8*>(group)[u];
+            d = half_to_f32(b.d[r]), m = half_to_f32(b.m[r]);
+          } else {
+            d = half_to_f32(reinterpret_cast<const BlockQ4_0x8*>(group)[u].d[r]), m = -8.f * d;
+          }
+        }
+        out[c * kPackRows + r] += d * x[c].d[u] * float(s) + m * x[c].t[u];
+      }
+    }
+  }
+}
+#endif
+
+}  // namespace kog::cpu::KOG_ISA_NS
