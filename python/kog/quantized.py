@@ -125,20 +125,18 @@ def pack_rows(w: QuantizedWeight) -> QuantizedWeight:
 
 def unpack_rows(w: QuantizedWeight) -> QuantizedWeight:
     """pack_rows inverted: the file form of a packed matrix."""
-    from kog.ops import PACKED_QUANT_TYPES
+    from kog.ops import quant_file_type
 
     if not w.packed:
         return w
-    base = next(v[1] for v in PACKED_QUANT_TYPES.values() if v[0] == w.qtype)
-    name = next(k for k, v in PACKED_QUANT_TYPES.items() if v[0] == w.qtype).removesuffix("_R8")
-    hdr, qs = _PACK_LAYOUT[name]
+    hdr, qs = _PACK_LAYOUT[w.file_type_name]
     n, row_bytes = w.data.shape
     block = 2 * hdr + qs
     u = w.data.view(n // 8, row_bytes // block, 8 * block)  # [G, nb, unit]
     heads = u[..., :16 * hdr].reshape(*u.shape[:2], hdr, 8, 2).transpose(2, 3)  # [G, nb, 8, hdr, 2]
     quants = u[..., 16 * hdr:].reshape(*u.shape[:2], qs // 4, 8, 4).transpose(2, 3)  # [G, nb, 8, chunk, 4]
     blocks = torch.cat([heads.reshape(*u.shape[:2], 8, -1), quants.reshape(*u.shape[:2], 8, -1)], dim=3)
-    return QuantizedWeight(blocks.transpose(1, 2).reshape(n, row_bytes).contiguous(), base, w.cols)
+    return QuantizedWeight(blocks.transpose(1, 2).reshape(n, row_bytes).contiguous(), quant_file_type(w.qtype), w.cols)
 
 
 def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:

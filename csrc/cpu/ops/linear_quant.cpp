@@ -265,30 +265,43 @@ void dot_row(QuantType type, const uint8_t* w, int64_t k, const QRow* x, float* 
   for (int c = 0; c < NC; ++c) out[c] = acc.result(c);
 }
 
+// One group's dot for NC rows of x, by x's form (QRow: int8 stages; X16Row: Q8_0_R8's int16).
+template <int NC, class Row>
+KOG_QINLINE void group_dot(QuantType type, const uint8_t* group, int64_t k, const Row* x, float* out) {
+  if constexpr (std::is_same_v<Row, X16Row>) {
+    group_dot_r8_x16<NC>(group, k, x, out);
+  } else {
+    group_dot_r8<NC>(type, group, k, x, out);
+  }
+}
+
 // A packed type's output rows [row_begin, row_end), both multiples of kPackRows: one group of 8
 // rows at a time, x's quantized rows kR8Cols at a time (a row's stages in the same pass).
-void quant_groups(const LinearQuantParams& p, const QuantizedX& qx, int64_t row_bytes, int64_t row_begin,
-                  int64_t row_end) {
+// QX: QuantizedX, or QuantizedX16 (one int16 row per row of x).
+template <class QX>
+void quant_groups(const LinearQuantParams& p, const QX& qx, int64_t row_bytes, int64_t row_begin, int64_t row_end) {
   static_assert(kR8Cols % 2 == 0 || kR8Cols == 1, "a row's two stages share a pass");
-  const int64_t cols = p.m * p.x_stages;
+  using Row = decltype(qx.row(0));
+  const int stages = std::is_same_v<Row, X16Row> ? 1 : p.x_stages;
+  const int64_t cols = p.m * stages;
   for (int64_t r = row_begin; r < row_end; r += kPackRows) {
     const uint8_t* group = p.weight + r * row_bytes;
     for (int64_t c0 = 0; c0 < cols; c0 += kR8Cols) {
       const int nc = int(cols - c0 < kR8Cols ? cols - c0 : kR8Cols);
-      QRow x[kR8Cols];
+      Row x[kR8Cols];
       for (int c = 0; c < nc; ++c) x[c] = qx.row(c0 + c);
       float acc[kR8Cols * kPackRows];
       switch (nc) {
-        case 1: group_dot_r8<1>(p.type, group, p.k, x, acc); break;
+        case 1: group_dot<1>(p.type, group, p.k, x, acc); break;
 #if defined(__AVX512F__) || !defined(__AVX2__)
-        case 2: group_dot_r8<2>(p.type, group, p.k, x, acc); break;
-        case 3: group_dot_r8<3>(p.type, group, p.k, x, acc); break;
+        case 2: group_dot<2>(p.type, group, p.k, x, acc); break;
+        case 3: group_dot<3>(p.type, group, p.k, x, acc); break;
 #endif
-        default: group_dot_r8<kR8Cols>(p.type, group, p.k, x, acc); break;
+        default: group_dot<kR8Cols>(p.type, group, p.k, x, acc); break;
       }
       for (int j = 0; j < kPackRows; ++j) {
         const float b = p.bias != nullptr ? p.bias[r + j] : 0.f;
-        if (p.x_stages == 1) {
+        if (stages == 1) {
           for (int c = 0; c < nc; ++c) p.out[(c0 + c) * p.out_stride + r + j] = acc[c * kPackRows + j] + b;
         } else {
           for (int c = 0; c < nc; c += 2)
@@ -298,7 +311,6 @@ void quant_groups(const LinearQuantParams& p, const QuantizedX& qx, int64_t row_
     }
   }
 }
-
 
 // Output rows [row_begin, row_end).
 void quant_rows(const LinearQuantParams& p, const QuantizedX& qx, int64_t row_bytes, int64_t row_begin,
@@ -329,54 +341,53 @@ void quant_rows(const LinearQuantParams& p, const QuantizedX& qx, int64_t row_by
   }
 }
 
-// uses_x16: output rows [row_begin, row_end) (multiples of kPackRows), kR8Cols rows of x a pass.
-void quant_groups_x16(const LinearQuantParams& p, const QuantizedX16& qx, int64_t row_bytes, int64_t row_begin,
-                      int64_t row_end) {
-  for (int64_t r = row_begin; r < row_end; r += kPackRows) {
-    const uint8_t* group = p.weight + r * row_bytes;
-    for (int64_t c0 = 0; c0 < p.m; c0 += kR8Cols) {
-      const int nc = int(p.m - c0 < kR8Cols ? p.m - c0 : kR8Cols);
-      X16Row x[kR8Cols];
-      for (int c = 0; c < nc; ++c) x[c] = qx.row(c0 + c);
-      float acc[kR8Cols * kPackRows];
-      switch (nc) {
-        case 1: group_dot_r8_x16<1>(group, p.k, x, acc); break;
-#if defined(__AVX512F__) || !defined(__AVX2__)
-        case 2: group_dot_r8_x16<2>(group, p.k, x, acc); break;
-        case 3: group_dot_r8_x16<3>(group, p.k, x, acc); break;
-#endif
-        default: group_dot_r8_x16<kR8Cols>(group, p.k, x, acc); break;
-      }
-      for (int j = 0; j < kPackRows; ++j) {
-        const float b = p.bias != nullptr ? p.bias[r + j] : 0.f;
-        for (int c = 0; c < nc; ++c) p.out[(c0 + c) * p.out_stride + r + j] = acc[c * kPackRows + j] + b;
-      }
-    }
+// Rows [row_begin, row_end) of any type (multiples of kPackRows for a packed one); a
+// QuantizedX16 only for uses_x16.
+template <class QX>
+void rows_of(const LinearQuantParams& p, const QX& qx, int64_t row_bytes, int64_t row_begin, int64_t row_end) {
+  if constexpr (std::is_same_v<QX, QuantizedX>) {
+    if (!is_packed(p.type)) return quant_rows(p, qx, row_bytes, row_begin, row_end);
   }
-}
-
-// Rows [row_begin, row_end) of any type (multiples of kPackRows for a packed one).
-void rows_of(const LinearQuantParams& p, const QuantizedX& qx, int64_t row_bytes, int64_t row_begin,
-             int64_t row_end) {
-  if (is_packed(p.type)) return quant_groups(p, qx, row_bytes, row_begin, row_end);
-  quant_rows(p, qx, row_bytes, row_begin, row_end);
+  quant_groups(p, qx, row_bytes, row_begin, row_end);
 }
 
 // Bytes of one weight row (the binding has checked k against the block size).
 int64_t row_bytes_of(const LinearQuantParams& p) {
-  switch (p.type) {
+  switch (packed_base(p.type)) {  // a packed type's rows have its file type's bytes
     case QuantType::kQ8_0: return p.k / kQuantBlock * int64_t(sizeof(BlockQ8_0));
     case QuantType::kQ4_0: return p.k / kQuantBlock * int64_t(sizeof(BlockQ4_0));
     case QuantType::kQ4_1: return p.k / kQuantBlock * int64_t(sizeof(BlockQ4_1));
     case QuantType::kQ4_K: return p.k / kSuperBlock * int64_t(sizeof(BlockQ4_K));
     case QuantType::kQ5_K: return p.k / kSuperBlock * int64_t(sizeof(BlockQ5_K));
     case QuantType::kQ6_K: return p.k / kSuperBlock * int64_t(sizeof(BlockQ6_K));
-    case QuantType::kQ4_0_R8: return p.k / kQuantBlock * int64_t(sizeof(BlockQ4_0));
-    case QuantType::kQ4_1_R8: return p.k / kQuantBlock * int64_t(sizeof(BlockQ4_1));
-    case QuantType::kQ8_0_R8: return p.k / kQuantBlock * int64_t(sizeof(BlockQ8_0));
-    case QuantType::kQ4_K_R8: return p.k / kSuperBlock * int64_t(sizeof(BlockQ4_K));
+    default: break;
   }
   return 0;
+}
+
+}  // namespace
+
+namespace {
+
+template <class QX>
+void all_rows(const LinearQuantParams& p, const QX& qx, int64_t row_bytes) {
+  constexpr int64_t kChunk = 16;  // rows per parallel work item (whole groups of a packed type)
+  static_assert(kChunk % kPackRows == 0, "a work item takes whole packed groups");
+  parallel_for((p.n + kChunk - 1) / kChunk, p.n * row_bytes >= kParallelMinBytes, [&](int64_t t) {
+    rows_of(p, qx, row_bytes, t * kChunk, std::min(p.n, (t + 1) * kChunk));
+  });
+}
+
+template <class QX>
+void queued_rows(const LinearQuantParams& p, const QX& qx, int64_t row_bytes, RowQueue& queue, uint32_t epoch,
+                 int part) {
+  // ~16 KB of weight rows per chunk, as the float linear_part (csrc/cpu/ops/linear.cpp); whole
+  // groups of a packed type, whose n is a multiple of kPackRows.
+  const int64_t unit = is_packed(p.type) ? kPackRows : 1;
+  const int64_t rows = std::max<int64_t>(1, (int64_t(16) << 10) / row_bytes / unit) * unit;
+  queue.start(epoch, part, (p.n + rows - 1) / rows);
+  for (int64_t c; (c = queue.next(epoch, part)) >= 0;)
+    rows_of(p, qx, row_bytes, c * rows, std::min(p.n, (c + 1) * rows));
 }
 
 }  // namespace
@@ -384,20 +395,8 @@ int64_t row_bytes_of(const LinearQuantParams& p) {
 void linear_quant(const LinearQuantParams& p) {
   const int64_t row_bytes = row_bytes_of(p);
   if (p.x_stages == 0) return linear_dequant(p, row_bytes);
-  constexpr int64_t kChunk = 16;  // rows per parallel work item (whole groups of a packed type)
-  static_assert(kChunk % kPackRows == 0, "a work item takes whole packed groups");
-  const int64_t n_chunks = (p.n + kChunk - 1) / kChunk;
-  if (uses_x16(p)) {
-    const QuantizedX16 qx = quantize_x16(p);
-    parallel_for(n_chunks, p.n * row_bytes >= kParallelMinBytes, [&](int64_t t) {
-      quant_groups_x16(p, qx, row_bytes, t * kChunk, std::min(p.n, (t + 1) * kChunk));
-    });
-    return;
-  }
-  const QuantizedX qx = quantize_x(p);
-  parallel_for(n_chunks, p.n * row_bytes >= kParallelMinBytes, [&](int64_t t) {
-    rows_of(p, qx, row_bytes, t * kChunk, (t + 1) * kChunk < p.n ? (t + 1) * kChunk : p.n);
-  });
+  if (uses_x16(p)) return all_rows(p, quantize_x16(p), row_bytes);
+  all_rows(p, quantize_x(p), row_bytes);
 }
 
 // NOTE: each thread quantizes all of x itself (m * k elements, a few microseconds for a decode
@@ -405,22 +404,8 @@ void linear_quant(const LinearQuantParams& p) {
 // thread computes bit-identical integers, so the result does not depend on who did it.
 void linear_quant_part(const LinearQuantParams& p, RowQueue& queue, uint32_t epoch, int part) {
   const int64_t row_bytes = row_bytes_of(p);
-  if (uses_x16(p)) {
-    const QuantizedX16 qx = quantize_x16(p, /*parallel=*/false);
-    const int64_t rows = std::max<int64_t>(1, (int64_t(16) << 10) / row_bytes / kPackRows) * kPackRows;
-    queue.start(epoch, part, (p.n + rows - 1) / rows);
-    for (int64_t c; (c = queue.next(epoch, part)) >= 0;)
-      quant_groups_x16(p, qx, row_bytes, c * rows, std::min(p.n, (c + 1) * rows));
-    return;
-  }
-  const QuantizedX qx = quantize_x(p, /*parallel=*/false);
-  // ~16 KB of weight rows per chunk, as the float linear_part (csrc/cpu/ops/linear.cpp).
-  // (whole groups of a packed type, whose n is a multiple of kPackRows).
-  const int64_t unit = is_packed(p.type) ? kPackRows : 1;
-  const int64_t rows = std::max<int64_t>(1, (int64_t(16) << 10) / row_bytes / unit) * unit;
-  queue.start(epoch, part, (p.n + rows - 1) / rows);
-  for (int64_t c; (c = queue.next(epoch, part)) >= 0;)
-    rows_of(p, qx, row_bytes, c * rows, std::min(p.n, (c + 1) * rows));
+  if (uses_x16(p)) return queued_rows(p, quantize_x16(p, /*parallel=*/false), row_bytes, queue, epoch, part);
+  queued_rows(p, quantize_x(p, /*parallel=*/false), row_bytes, queue, epoch, part);
 }
 
 }  // namespace kog::cpu::KOG_ISA_NS
