@@ -5,15 +5,26 @@ TP (a Laneformer shape, broadcast_delay 1), with a simulated link latency.
 
 Each configuration runs as real processes (one per rank, KOG_NUM_THREADS = cores / ranks), the
 ranks' collectives through kog._C.ShmTransport; batch-1 decode steps after a 64-token prefill.
-Columns: step time (median over steps, rank 0), communication time (rank 0's time inside
-collective calls, median per step: copies, waiting for the other rank and for the simulated
-link), exposed communication = step time minus the step time of no-op steps interleaved with the
-real ones in the same run (the transport made a no-op: every rank computes alone, numbers wrong,
-timing right; measurement only), and exposed / communication; "paired": the median over steps of
-(real step - the no-op step right after it), less sensitive to the machine's drift. With at least
-one core per rank, each rank is pinned to its own cores. The simulated link latency makes
-each flag visible to the other rank only that long after its store (the sender goes on), so a
-reduction whose reader arrives later than that pays nothing: what delayed TP is built for.
+Columns (rank 0, medians per step), communication split into the delayed all-gathers
+(LANE_GATHER's publish + LANE_ADD_PAST's wait) and the all-reduces (lane sums of standard TP and
+of the first broadcast_delay Laneformer layers, the head's LANE_MEAN and logits gathers):
+- step ms: the decode step's wall time.
+- comm ms: the communication time, what the collectives' data took to travel whether or not
+  anyone waited for it (ShmTransport.stats() link_s: per all-reduce piece and per publish its
+  copies and sums plus the simulated link latency).
+- inside ms: time inside the collective calls (copies, sums, waiting for the other rank and for
+  the link). A rank runs one thread per core and computes nothing while inside, so this is the
+  communication the step exposes, measured directly; inside / comm is the exposed share.
+- exposed ms: the issue's measure, step time minus the step time of no-op steps interleaved
+  with the real ones in the same run (the transport made a no-op: every rank computes alone,
+  numbers wrong, timing right; measurement only); "paired": the median over steps of (real step
+  - the no-op step right after it), less sensitive to the machine's drift. Both are differences
+  of two step times, so on a noisy machine they resolve only communication that is a sizeable
+  part of the step; "inside" resolves microseconds.
+With at least one core per rank, each rank is pinned to its own
+cores. The simulated link latency makes each flag visible to the other rank only that long after
+its store (the sender goes on), so a reduction whose reader arrives later than that pays
+nothing: what delayed TP is built for.
 Target (issue 19): with delayed TP (delay >= 1) exposed communication <= 10% of the
 communication time at every latency.
 """
@@ -91,25 +102,27 @@ def run_rank(spec: dict) -> dict:
     times = {"real": [], "noop": []}
     pos = 64
     if transport is not None:
-        transport.native.reset_wait_seconds()
-    comm_steps = 0
+        transport.native.reset_stats()
     for i in range(2 * spec["steps"] + 4):
         mode = "noop" if transport is not None and i % 2 else "real"
         if transport is not None:
             transport.native.set_noop(mode == "noop")
-        before = transport.native.comm_seconds if transport is not None else 0.0
+        before = transport.native.stats() if transport is not None else None
         t0 = time.perf_counter()
         r.decode(np.array([7]), np.array([pos]), table[None], np.array([pos + 1], np.int32), np.array([pos], np.int64))
         if i >= 4:
             times[mode].append(time.perf_counter() - t0)
             if mode == "real" and transport is not None:
-                comm_steps += 1
-                times.setdefault("comm", []).append(transport.native.comm_seconds - before)
+                after = transport.native.stats()
+                for kind in ("all_reduce", "gather"):
+                    for field in ("inside_s", "wait_s", "link_s"):
+                        times.setdefault(f"{kind}.{field}", []).append(after[kind][field] - before[kind][field])
         pos += 1
     out = {"real": statistics.median(times["real"]) * 1e3}
     if transport is not None:
         out["noop"] = statistics.median(times["noop"]) * 1e3
-        out["comm_ms"] = statistics.median(times["comm"]) * 1e3
+        for key in [k for k in times if "." in k]:
+            out[key] = statistics.median(times[key]) * 1e3  # ms per step
         # each real step minus the no-op step right after it: the machine's drift cancels pairwise
         out["paired_ms"] = statistics.median(a - b for a, b in zip(times["real"], times["noop"])) * 1e3
     return out
@@ -143,19 +156,22 @@ def main() -> None:
     if args.quick:
         args.steps, args.latencies = 10, [0, 5]
     print(f"tp_decode: batch 1, {args.steps} steps after a 64-token prefill, fp32, {os.cpu_count()} cores")
-    print("| model | TP | link us | step ms | comm ms | exposed ms | exposed / comm | paired exposed ms | paired / comm |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | TP | link us | step ms | comm ms: gathers + reduces | inside ms: gathers + reduces "
+          "| inside / comm: gathers, all | exposed ms | paired ms | paired / comm |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    pct = lambda a, b: f"{100 * a / b:.0f}%" if b > 0 else "-"  # noqa: E731
     for shape in SHAPES:
         one = launch(shape, 1, 0, args.steps)
-        print(f"| {shape} | 1 | - | {one['real']:.2f} | - | - | - | - | - |", flush=True)
+        print(f"| {shape} | 1 | - | {one['real']:.2f} | - | - | - | - | - | - |", flush=True)
         for lat in args.latencies:
             two = launch(shape, 2, lat, args.steps)
             exposed = max(0.0, two["real"] - two["noop"])
             paired = max(0.0, two["paired_ms"])
-            share = f"{100 * exposed / two['comm_ms']:.0f}%" if two["comm_ms"] > 0 else "-"
-            pshare = f"{100 * paired / two['comm_ms']:.0f}%" if two["comm_ms"] > 0 else "-"
-            print(f"| {shape} | 2 | {lat:g} | {two['real']:.2f} | {two['comm_ms']:.3f} | {exposed:.3f} | {share} "
-                  f"| {paired:.3f} | {pshare} |", flush=True)
+            lg, lr = two["gather.link_s"], two["all_reduce.link_s"]
+            ig, ir = two["gather.inside_s"], two["all_reduce.inside_s"]
+            print(f"| {shape} | 2 | {lat:g} | {two['real']:.2f} | {lg:.3f} + {lr:.3f} | {ig:.3f} + {ir:.3f} "
+                  f"| {pct(ig, lg)}, {pct(ig + ir, lg + lr)} | {exposed:.3f} | {paired:.3f} | {pct(paired, lg + lr)} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,16 @@ void bind_transport(py::module_& m) {
            arg("slot"), nogil, "Address of the slot's [size][slot_bytes] parts once every rank published.")
       .def("set_link_latency_us", &ShmTransport::set_link_latency_us, arg("us"))
       .def("set_noop", &ShmTransport::set_noop, arg("noop"))
-      .def_property_readonly("wait_seconds", &ShmTransport::wait_seconds)
-      .def_property_readonly("comm_seconds", &ShmTransport::comm_seconds)
-      .def("reset_wait_seconds", &ShmTransport::reset_wait_seconds);
+      .def("stats", [](const ShmTransport& t) {
+             auto one = [](const ShmTransport::CommStats& c) {
+               py::dict d;
+               d["count"] = c.count, d["inside_s"] = c.inside_s, d["wait_s"] = c.wait_s, d["link_s"] = c.link_s;
+               return d;
+             };
+             py::dict d;
+             d["all_reduce"] = one(t.reduce_stats()), d["gather"] = one(t.gather_stats());
+             return d;
+           }, "Per kind of collective since the last reset_stats: count, inside_s (time inside the calls: "
+              "the exposed communication), wait_s (spinning for other ranks), link_s (copies + link latency).")
+      .def("reset_stats", &ShmTransport::reset_stats);
 }

@@ -13,6 +13,10 @@
 
 #include "common/errors.h"
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#endif
+
 namespace kog::engine {
 
 namespace {
@@ -28,6 +32,24 @@ struct Header {
 };
 
 size_t round_up(size_t x) { return (x + 63) / 64 * 64; }
+
+// A publish's copy into the segment with streaming stores where the target is 16-byte aligned:
+// the lines go out without first being fetched from the reader's cache (where its last read of
+// the slot left them), so the sender pays for the stores only; the fence orders them before the
+// flag that announces them.
+void publish_copy(char* dst, const char* src, size_t bytes) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+    size_t i = 0;
+    for (; i + 16 <= bytes; i += 16)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    std::memcpy(dst + i, src + i, bytes - i);
+    _mm_sfence();
+    return;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
 
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -111,7 +133,7 @@ void ShmTransport::raise(Flag& f, uint64_t value) {
   f.v.store(value, std::memory_order_release);
 }
 
-void ShmTransport::spin_until(Flag* flags, uint64_t target, const char* what) {
+double ShmTransport::spin_until(Flag* flags, uint64_t target, const char* what) {
   const double t0 = now_s();
   for (int q = 0; q < size_; ++q) {
     uint64_t spins = 0;
@@ -128,7 +150,7 @@ void ShmTransport::spin_until(Flag* flags, uint64_t target, const char* what) {
       }
     }
   }
-  wait_s_ += now_s() - t0;
+  return now_s() - t0;
 }
 
 void ShmTransport::all_reduce(float* x, int64_t n) {
@@ -140,18 +162,22 @@ void ShmTransport::all_reduce(float* x, int64_t n) {
   for (int64_t off = 0; off < n; off += reduce_floats_) {
     const int64_t m = n - off < reduce_floats_ ? n - off : reduce_floats_;
     float* y = x + off;
+    const double t_piece = now_s();
     const uint64_t k = ++reduce_seq_;
     float* area = reduce_data_ + (k % 2) * size_t(size_) * size_t(reduce_floats_);
     std::memcpy(area + size_t(rank_) * size_t(reduce_floats_), y, size_t(m) * sizeof(float));
     raise(reduce_flags_[rank_], k);
-    spin_until(reduce_flags_, k, "all_reduce");
+    const double spun = spin_until(reduce_flags_, k, "all_reduce");
     for (int64_t i = 0; i < m; ++i) y[i] = area[i];
     for (int q = 1; q < size_; ++q) {
       const float* src = area + size_t(q) * size_t(reduce_floats_);
       for (int64_t i = 0; i < m; ++i) y[i] += src[i];
     }
+    reduce_stats_.count += 1;
+    reduce_stats_.wait_s += spun;
+    reduce_stats_.link_s += now_s() - t_piece - spun + latency_us_ * 1e-6;
   }
-  comm_s_ += now_s() - t_in;
+  reduce_stats_.inside_s += now_s() - t_in;
 }
 
 void ShmTransport::publish(int slot, const void* part, int64_t bytes) {
@@ -159,19 +185,23 @@ void ShmTransport::publish(int slot, const void* part, int64_t bytes) {
             " bytes to slot ", slot, " (", n_slots_, " slots of ", slot_bytes_, " bytes)");
   const double t_in = now_s();
   char* dst = slot_data_ + (size_t(slot) * size_t(size_) + size_t(rank_)) * size_t(slot_bytes_);
-  std::memcpy(dst, part, size_t(bytes));
+  publish_copy(dst, static_cast<const char*>(part), size_t(bytes));
   if (noop_) return;  // the epoch stays: a later real publish / wait pairs with the other ranks' again
   const uint64_t e = ++slot_epoch_[slot];
   raise(slot_flags_[size_t(slot) * size_t(size_) + size_t(rank_)], e);
-  comm_s_ += now_s() - t_in;
+  const double t_out = now_s();
+  gather_stats_.count += 1;
+  gather_stats_.inside_s += t_out - t_in;
+  gather_stats_.link_s += t_out - t_in + latency_us_ * 1e-6;
 }
 
 const char* ShmTransport::wait(int slot) {
   KOG_CHECK(slot >= 0 && slot < n_slots_, "shm transport: wait on slot ", slot, " of ", n_slots_);
   if (!noop_ && size_ > 1) {
     const double t_in = now_s();
-    spin_until(slot_flags_ + size_t(slot) * size_t(size_), slot_epoch_[slot], "wait");
-    comm_s_ += now_s() - t_in;
+    const double spun = spin_until(slot_flags_ + size_t(slot) * size_t(size_), slot_epoch_[slot], "wait");
+    gather_stats_.wait_s += spun;
+    gather_stats_.inside_s += now_s() - t_in;
   }
   return slot_data_ + size_t(slot) * size_t(size_) * size_t(slot_bytes_);
 }

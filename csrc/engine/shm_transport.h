@@ -53,24 +53,33 @@ class ShmTransport {
 
   void set_link_latency_us(double us) { latency_us_ = us; }
   void set_noop(bool noop) { noop_ = noop; }
-  // Seconds this rank spent waiting for the others (all_reduce and wait), and inside collective
-  // calls at all (copies, the simulated link latency, waits), since the last reset.
-  double wait_seconds() const { return wait_s_; }
-  double comm_seconds() const { return comm_s_; }
-  void reset_wait_seconds() { wait_s_ = comm_s_ = 0; }
+  // Where this rank's communication time went since the last reset, per kind of collective.
+  struct CommStats {
+    int64_t count = 0;    // all-reduce pieces; delayed gathers (a publish and its wait count once)
+    double inside_s = 0;  // inside the calls: copies, sums, waits. A rank computes nothing
+                          // meanwhile, so this is the communication its step exposes
+    double wait_s = 0;    // the part of inside_s spent spinning for other ranks' flags
+    double link_s = 0;    // what the data took to travel, waited for or not: per all-reduce piece
+                          // and per publish its copies (and sums) plus the simulated link
+                          // latency; a wait adds nothing (its data travelled at the publish)
+  };
+  const CommStats& reduce_stats() const { return reduce_stats_; }  // all_reduce
+  const CommStats& gather_stats() const { return gather_stats_; }  // publish + wait
+  void reset_stats() { reduce_stats_ = gather_stats_ = CommStats{}; }
 
  private:
   struct alignas(64) Flag {
     std::atomic<uint64_t> v;
     std::atomic<int64_t> visible_ns;  // simulated link latency: readers wait until this (steady clock)
   };
-  void spin_until(Flag* flags, uint64_t target, const char* what);
+  double spin_until(Flag* flags, uint64_t target, const char* what);  // returns the seconds spun
   void raise(Flag& f, uint64_t value);  // f = value, visible after the simulated latency
 
   std::string name_;
   int rank_, size_, n_slots_;
   int64_t reduce_floats_, slot_bytes_;
-  double timeout_s_, latency_us_ = 0, wait_s_ = 0, comm_s_ = 0;
+  double timeout_s_, latency_us_ = 0;
+  CommStats reduce_stats_, gather_stats_;
   bool noop_ = false;
   size_t bytes_ = 0;
   char* base_ = nullptr;

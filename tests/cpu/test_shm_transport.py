@@ -141,3 +141,40 @@ def test_simulated_link_latency_delays_the_reader_not_the_sender():
     ts[0].wait(0)
     seen = time.monotonic() - t0
     assert sent < 0.01 and seen >= 0.029
+
+
+@pytest.mark.parametrize("nbytes", [4, 52, 250])  # the streaming copy's 16-byte steps and its tail
+def test_publish_copies_parts_of_any_length_exactly(nbytes):
+    ts = ranks(2, n_slots=1, slot_bytes=256)
+    parts = [torch.randint(0, 256, (256,), dtype=torch.uint8) for _ in range(2)]
+    for r in (1, 0):
+        ts[r].publish(0, parts[r].data_ptr() + 3, nbytes)  # an unaligned source
+    got = ctypes_string(ts[0].wait(0), 2 * 256)
+    for r in range(2):
+        assert got[r * 256:r * 256 + nbytes] == bytes(parts[r][3:3 + nbytes].tolist())
+
+
+def test_stats_split_what_the_link_took_from_what_the_rank_waited():
+    ts = ranks(2)
+    for t in ts:
+        t.set_link_latency_us(20_000)
+    x = [torch.ones(16), torch.ones(16)]
+    # A delayed gather read 30 ms after its publish: the 20 ms link is hidden.
+    ts[1].publish(0, x[1].data_ptr(), 64)
+    ts[0].publish(0, x[0].data_ptr(), 64)
+    time.sleep(0.03)
+    ts[0].wait(0)
+    g = ts[0].stats()["gather"]
+    assert g["count"] == 1 and g["link_s"] >= 0.02 and g["inside_s"] < 0.01 and g["wait_s"] <= g["inside_s"]
+    # An all-reduce pays the link at once: inside >= the latency, most of it waiting.
+    in_threads([lambda r=r: ts[r].all_reduce(x[r].data_ptr(), 16) for r in range(2)])
+    for t in ts:
+        a = t.stats()["all_reduce"]
+        assert a["count"] == 1 and a["inside_s"] >= 0.019 and a["wait_s"] >= 0.015
+        assert 0.02 <= a["link_s"] < 0.02 + a["inside_s"]
+    assert torch.equal(x[0], torch.full((16,), 2.0))
+    ts[0].reset_stats()
+    ts[0].set_noop(True)
+    ts[0].all_reduce(x[0].data_ptr(), 16)
+    ts[0].publish(0, x[0].data_ptr(), 64)
+    assert all(v == 0 for kind in ts[0].stats().values() for v in kind.values())
