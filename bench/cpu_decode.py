@@ -113,7 +113,10 @@ def quant_table(prompt: list[int], new: int, repeats: int) -> None:
 
 def vs_llama_cpp_table(prompt: list[int], new: int, repeats: int) -> None:
     """Kog (blocks kept, dtype None) next to llama.cpp on the same GGUF files: the shipped Q4_1,
-    and Q8_0 and Q4_K written by `kog convert` (requantize_gguf). Per file the two engines
+    Q8_0 and Q4_K written by `kog convert` (requantize_gguf), and Q4_K_M and Q5_K_M written by
+    llama.cpp's own quantizer from the shipped file (the mixes users download: for SmolLM2's
+    576-wide rows, not whole 256-element super-blocks, llama.cpp falls back to Q5_0 / Q5_1 and
+    Q8_0 beside Q4_K / Q5_K / Q6_K). Per file the two engines
     alternate run by run (decode, then the 512-token prefill), each decode run between two
     triads; the same thread count for both."""
     import llama_cpp
@@ -127,6 +130,8 @@ def vs_llama_cpp_table(prompt: list[int], new: int, repeats: int) -> None:
         for outtype in ("q8_0", "q4_k"):
             files[outtype.upper()] = Path(tmp) / f"smollm2-{outtype}.gguf"
             requantize_gguf(files["Q4_1"], files[outtype.upper()], outtype)
+        for name in ("Q4_K_M", "Q5_K_M"):
+            files[name] = llama_cpp_quantize(files["Q4_1"], Path(tmp) / f"smollm2-{name}.gguf", name)
         for name, path in files.items():
             model = load_model(path, progress=False)
             nbytes, types = weight_bytes_per_token(model), file_matrix_types(path)
@@ -155,6 +160,21 @@ def vs_llama_cpp_table(prompt: list[int], new: int, repeats: int) -> None:
     print("MB/tok: matrix bytes of one decode step as Kog holds them (the LM head = the tied embedding), "
           "%bw = MB/tok x tok/s / triad for both engines. kog/lcpp > 1: Kog faster (prefill: time ratio "
           "llama.cpp / Kog).")
+
+
+def llama_cpp_quantize(src, dst: Path, name: str) -> Path:
+    """dst: src re-quantized by llama.cpp (llama_model_quantize) to its file type `name`, e.g. Q4_K_M."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}")
+    params.allow_requantize = True  # the shipped file is already Q4_1
+    params.nthread = torch.get_num_threads()
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {src} to {name}")
+    return dst
 
 
 def file_matrix_types(path) -> str:

@@ -4,10 +4,12 @@
 //   Q8_0  d * q                     q int8
 //   Q4_0  d * (q - 8)               q 4-bit: byte i low nibble = element i, high nibble = i + 16
 //   Q4_1  d * q + m                 nibbles as Q4_0
+//   Q5_0  d * (q - 16)              q 5-bit: nibbles as Q4_0, bit i of the 32-bit qh = element i's fifth bit
+//   Q5_1  d * q + m                 q as Q5_0
 //   Q4_K  d * sc[j] * q - dmin * mn[j]            j = element / 32, (sc, mn) 6-bit (k_scale_min)
 //   Q5_K  as Q4_K, q = nibble + 16 * (qh bit)    5-bit
 //   Q6_K  d * scales[element / 16] * (q - 32)    q 6-bit (low nibble in ql, 2 high bits in qh)
-// Kog's row-interleaved forms of Q4_0, Q4_1, Q8_0 and Q4_K (`_R8`, built once at load, never in a file)
+// Kog's row-interleaved forms of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K (`_R8`, built once at load, never in a file)
 // hold the same blocks with 8 rows' blocks of each 32 columns interleaved: see BlockQ4_1x8.
 #pragma once
 #include <cstdint>
@@ -18,6 +20,8 @@ namespace kog {
 enum class QuantType : int32_t {
   kQ4_0 = 2,
   kQ4_1 = 3,
+  kQ5_0 = 6,
+  kQ5_1 = 7,
   kQ8_0 = 8,
   kQ4_K = 12,
   kQ5_K = 13,
@@ -25,6 +29,8 @@ enum class QuantType : int32_t {
   // Row-interleaved (packed) forms, Kog's own ids (not ggml's): kPackedFlag | the base type.
   kQ4_0_R8 = 0x100 | 2,
   kQ4_1_R8 = 0x100 | 3,
+  kQ5_0_R8 = 0x100 | 6,
+  kQ5_1_R8 = 0x100 | 7,
   kQ8_0_R8 = 0x100 | 8,
   kQ4_K_R8 = 0x100 | 12,
 };
@@ -52,6 +58,17 @@ struct BlockQ4_0 {
 struct BlockQ4_1 {
   half_bits d;
   half_bits m;
+  uint8_t qs[kQuantBlock / 2];
+};
+struct BlockQ5_0 {
+  half_bits d;
+  uint8_t qh[4];  // a little-endian 32-bit word: bit i = the fifth bit of element i
+  uint8_t qs[kQuantBlock / 2];
+};
+struct BlockQ5_1 {
+  half_bits d;
+  half_bits m;
+  uint8_t qh[4];
   uint8_t qs[kQuantBlock / 2];
 };
 // Q4_K/Q5_K: 8 sub-blocks of 32. scales[12] packs 8 6-bit scales sc[j] and 8 6-bit mins mn[j]:
@@ -97,6 +114,18 @@ struct BlockQ4_1x8 {
   half_bits m[kPackRows];
   uint8_t qs[kPackRows * kQuantBlock / 2];  // 4 chunks
 };
+// Q5: chunk 0 holds the 8 rows' qh words (row r at 4 r), chunks 1-4 their qs as Q4's chunks 0-3.
+struct BlockQ5_0x8 {
+  half_bits d[kPackRows];
+  uint8_t qh[kPackRows * 4];                // 1 chunk
+  uint8_t qs[kPackRows * kQuantBlock / 2];  // 4 chunks
+};
+struct BlockQ5_1x8 {
+  half_bits d[kPackRows];
+  half_bits m[kPackRows];
+  uint8_t qh[kPackRows * 4];
+  uint8_t qs[kPackRows * kQuantBlock / 2];
+};
 struct BlockQ8_0x8 {
   half_bits d[kPackRows];
   int8_t qs[kPackRows * kQuantBlock];  // 8 chunks
@@ -112,6 +141,8 @@ struct BlockQ4_Kx8 {
 };
 
 static_assert(sizeof(BlockQ8_0) == 34, "ggml block_q8_0");
+static_assert(sizeof(BlockQ5_0) == 22, "ggml block_q5_0");
+static_assert(sizeof(BlockQ5_1) == 24, "ggml block_q5_1");
 static_assert(sizeof(BlockQ4_0) == 18, "ggml block_q4_0");
 static_assert(sizeof(BlockQ4_1) == 20, "ggml block_q4_1");
 static_assert(sizeof(BlockQ4_K) == 144, "ggml block_q4_K");
@@ -119,6 +150,8 @@ static_assert(sizeof(BlockQ5_K) == 176, "ggml block_q5_K");
 static_assert(sizeof(BlockQ6_K) == 210, "ggml block_q6_K");
 static_assert(sizeof(BlockQ4_0x8) == kPackRows * sizeof(BlockQ4_0), "packed Q4_0: the rows' bytes");
 static_assert(sizeof(BlockQ4_1x8) == kPackRows * sizeof(BlockQ4_1), "packed Q4_1: the rows' bytes");
+static_assert(sizeof(BlockQ5_0x8) == kPackRows * sizeof(BlockQ5_0), "packed Q5_0: the rows' bytes");
+static_assert(sizeof(BlockQ5_1x8) == kPackRows * sizeof(BlockQ5_1), "packed Q5_1: the rows' bytes");
 static_assert(sizeof(BlockQ8_0x8) == kPackRows * sizeof(BlockQ8_0), "packed Q8_0: the rows' bytes");
 static_assert(sizeof(BlockQ4_Kx8) == kPackRows * sizeof(BlockQ4_K), "packed Q4_K: the rows' bytes");
 
@@ -134,6 +167,8 @@ constexpr QuantTypeInfo quant_type_info(QuantType t) {
   switch (t) {
     case QuantType::kQ4_0: return {"Q4_0", kQuantBlock, int32_t(sizeof(BlockQ4_0))};
     case QuantType::kQ4_1: return {"Q4_1", kQuantBlock, int32_t(sizeof(BlockQ4_1))};
+    case QuantType::kQ5_0: return {"Q5_0", kQuantBlock, int32_t(sizeof(BlockQ5_0))};
+    case QuantType::kQ5_1: return {"Q5_1", kQuantBlock, int32_t(sizeof(BlockQ5_1))};
     case QuantType::kQ8_0: return {"Q8_0", kQuantBlock, int32_t(sizeof(BlockQ8_0))};
     case QuantType::kQ4_K: return {"Q4_K", kSuperBlock, int32_t(sizeof(BlockQ4_K))};
     case QuantType::kQ5_K: return {"Q5_K", kSuperBlock, int32_t(sizeof(BlockQ5_K))};
@@ -141,15 +176,17 @@ constexpr QuantTypeInfo quant_type_info(QuantType t) {
     // Per row, a packed type has its base's block size (a unit of 8 rows is 8 blocks).
     case QuantType::kQ4_0_R8: return {"Q4_0_R8", kQuantBlock, int32_t(sizeof(BlockQ4_0))};
     case QuantType::kQ4_1_R8: return {"Q4_1_R8", kQuantBlock, int32_t(sizeof(BlockQ4_1))};
+    case QuantType::kQ5_0_R8: return {"Q5_0_R8", kQuantBlock, int32_t(sizeof(BlockQ5_0))};
+    case QuantType::kQ5_1_R8: return {"Q5_1_R8", kQuantBlock, int32_t(sizeof(BlockQ5_1))};
     case QuantType::kQ8_0_R8: return {"Q8_0_R8", kQuantBlock, int32_t(sizeof(BlockQ8_0))};
     case QuantType::kQ4_K_R8: return {"Q4_K_R8", kSuperBlock, int32_t(sizeof(BlockQ4_K))};
   }
   return {nullptr, 0, 0};
 }
 
-constexpr QuantType kQuantTypes[] = {QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ8_0,
-                                     QuantType::kQ4_K, QuantType::kQ5_K, QuantType::kQ6_K};
-constexpr QuantType kPackedQuantTypes[] = {QuantType::kQ4_0_R8, QuantType::kQ4_1_R8, QuantType::kQ8_0_R8,
-                                           QuantType::kQ4_K_R8};
+constexpr QuantType kQuantTypes[] = {QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ5_0, QuantType::kQ5_1,
+                                     QuantType::kQ8_0, QuantType::kQ4_K, QuantType::kQ5_K, QuantType::kQ6_K};
+constexpr QuantType kPackedQuantTypes[] = {QuantType::kQ4_0_R8, QuantType::kQ4_1_R8, QuantType::kQ5_0_R8,
+                                           QuantType::kQ5_1_R8, QuantType::kQ8_0_R8, QuantType::kQ4_K_R8};
 
 }  // namespace kog

@@ -1,6 +1,8 @@
 // Validation of the model program. Contract: program.h.
 #include "schedule/program.h"
 
+#include <string>
+
 #include "common/errors.h"
 
 namespace kog::schedule {
@@ -49,9 +51,14 @@ void check_moe(const Op& o, size_t i, const ModelDims& d) {
 // packed (row-interleaved) type.
 void check_quant_type(int32_t type, const char* which, int64_t k, int64_t rows, size_t i, const ModelDims& d) {
   const QuantTypeInfo info = quant_type_info(QuantType(type));
-  KOG_CHECK(info.name != nullptr, "program: op ", i, " has ", which, " type ", type,
-            " (supported: the run dtype, FP8=-2 or Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, "
-            "Q4_0_R8=258, Q4_1_R8=259, Q8_0_R8=264)");
+  if (info.name == nullptr) {
+    std::string known;
+    for (QuantType t : kQuantTypes) known += std::string(", ") + quant_type_info(t).name + "=" + std::to_string(int(t));
+    for (QuantType t : kPackedQuantTypes)
+      known += std::string(", ") + quant_type_info(t).name + "=" + std::to_string(int(t));
+    KOG_CHECK(false, "program: op ", i, " has ", which, " type ", type, " (supported: the run dtype, FP8=-2", known,
+              ")");
+  }
   KOG_CHECK(d.dtype == DType::kF32, "program: op ", i, " reads a ", info.name, " weight but the run dtype is ",
             dtype_name(d.dtype), " (quantized weights run with f32 activations)");
   KOG_CHECK(k % info.elems == 0, "program: op ", i, " has rows of ", k, " elements, not whole ", info.name,

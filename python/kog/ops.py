@@ -341,8 +341,8 @@ def linear_quant(x: torch.Tensor, weight: torch.Tensor, quant_type: int | str,
         x: [..., k] float32/float16/bfloat16 on the CPU.
         weight: [n, k / block_elems * block_bytes] uint8, contiguous: each row k elements of
             GGUF blocks as stored in the file (gguf's byte shape for an [n, k] tensor).
-        quant_type: a ggml type id (``gguf.GGMLQuantizationType``) or name: Q4_0, Q4_1, Q8_0,
-            Q4_K, Q5_K or Q6_K.
+        quant_type: a ggml type id (``gguf.GGMLQuantizationType``) or name: Q4_0, Q4_1, Q5_0,
+            Q5_1, Q8_0, Q4_K, Q5_K or Q6_K (or a packed ``_R8`` form of one, PACKED_QUANT_TYPES).
         out: optional [..., n] float32 output.
         x_stages: 1, or 2 to also quantize and dot x's residual after the first int8 rounding
             (the bound above divided by 254, for twice the integer work; the model's decode

@@ -6,7 +6,7 @@ row operations (concatenating q/k/v, llama's q/k row un-permutation, taking one 
 act on whole byte rows. The decode executor dots them as stored (kog._C linear_quant kernels);
 the prefill interpreter dequantizes tiles of rows at a time (`dequantize`).
 
-On the CPU the runner packs Q4_0/Q4_1/Q8_0/Q4_K matrices once at load into Kog's row-interleaved
+On the CPU the runner packs Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K matrices once at load into Kog's row-interleaved
 forms (`pack_rows`: Q4_1 -> Q4_1_R8, same bytes, csrc/ops/quant.h), which the decode GEMV reads
 8 rows per instruction; every kernel that takes the file form takes the packed one too. A packed
 matrix's byte rows are no longer its rows: `dequantize` gathers them, and row surgery
@@ -90,7 +90,8 @@ class QuantizedWeight:
 
 
 # Header fields (fp16 each) and quant bytes of one block of the types pack_rows interleaves.
-_PACK_LAYOUT = {"Q4_0": (1, 16), "Q4_1": (2, 16), "Q8_0": (1, 32), "Q4_K": (2, 140)}  # Q4_K: 12 scale + 128 quant bytes
+# Q5: 4 qh + 16 qs bytes; Q4_K: 12 scale + 128 quant bytes.
+_PACK_LAYOUT = {"Q4_0": (1, 16), "Q4_1": (2, 16), "Q5_0": (1, 20), "Q5_1": (2, 20), "Q8_0": (1, 32), "Q4_K": (2, 140)}
 
 
 def _packed_id(base: int) -> int | None:
@@ -100,7 +101,7 @@ def _packed_id(base: int) -> int | None:
 
 
 def can_pack(w: QuantizedWeight, rows: int | None = None) -> bool:
-    """Whether pack_rows applies: a file type with a packed form (Q4_0, Q4_1, Q8_0, Q4_K), and whole groups of 8 rows
+    """Whether pack_rows applies: a file type with a packed form (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K), and whole groups of 8 rows
     (of every sub-matrix of `rows` rows, e.g. one expert of a stack, when given)."""
     n = w.shape[0] if rows is None else rows
     return not w.packed and _packed_id(w.qtype) is not None and n > 0 and w.shape[0] % n == 0 and n % 8 == 0
@@ -112,7 +113,7 @@ def pack_rows(w: QuantizedWeight) -> QuantizedWeight:
     32-byte chunks of 4 bytes per row. Same bytes; InvalidRequest where can_pack is false."""
     if not can_pack(w):
         raise InvalidRequest(f"pack_rows: a {w.type_name} matrix of {w.shape[0]} rows has no packed form "
-                             f"(Q4_0, Q4_1, Q8_0, Q4_K in whole groups of 8 rows)")
+                             f"(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K in whole groups of 8 rows)")
     hdr, qs = _PACK_LAYOUT[w.type_name]
     n, row_bytes = w.data.shape
     block = 2 * hdr + qs

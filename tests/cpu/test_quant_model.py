@@ -1,6 +1,6 @@
 """A model whose matrices stay in GGUF blocks (issue 17): the row dequantizer against gguf's, the
 two-stage int8 GEMV, Op.w_type validation, the executor's quantized LINEAR/EMBED against
-kog.ops, and tiny quantized models (Q8_0, Q4_0, Q4_1, Q4_K) against the same weights in fp32."""
+kog.ops, and tiny quantized models (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1) against the same weights in fp32."""
 
 import dataclasses
 
@@ -22,12 +22,12 @@ from kog.quantized import QuantizedWeight, cat_rows
 from kog.sampling_params import SamplingParams
 from kog.testing.tiny_models import random_weights, tiny_config, tiny_tokenizer, write_gguf_model
 
-ALL_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K]
+ALL_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
 def random_blocks(rng: np.random.Generator, qtype: T, n: int, k: int) -> np.ndarray:
     """[n, row_bytes] valid random blocks (as tests/cpu/test_linear_quant.py makes them)."""
-    if qtype in (T.Q8_0, T.Q4_0, T.Q4_1):
+    if qtype in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):
         return quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
     elems, nbytes = quants.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(n, k // elems, nbytes), dtype=np.uint8)
@@ -59,7 +59,7 @@ def test_dequantize_rows_rejects_bad_input():
     with pytest.raises(InvalidRequest, match="outside"):
         ops.dequantize_rows(w, "Q8_0", torch.tensor([4]))
     with pytest.raises(InvalidRequest, match="unsupported quant type"):
-        ops.dequantize_rows(w, 6)  # Q5_0: no kernels
+        ops.dequantize_rows(w, int(T.IQ4_NL))  # no kernels
     with pytest.raises(InvalidRequest, match="whole"):
         ops.dequantize_rows(w[:, :-1].contiguous(), "Q8_0")
 
@@ -178,7 +178,8 @@ def decode_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor
     return runner.decode([p[-1] for p in prompts], pos, tables, pos + 1, slots)
 
 
-CASES = [("llama", T.Q8_0), ("qwen2", T.Q4_0), ("qwen3", T.Q4_1), ("llama", T.Q4_K)]
+CASES = [("llama", T.Q8_0), ("qwen2", T.Q4_0), ("qwen3", T.Q4_1), ("llama", T.Q4_K), ("qwen2", T.Q5_0),
+         ("llama", T.Q5_1)]
 
 
 @pytest.mark.parametrize("family,qtype", CASES, ids=lambda c: getattr(c, "name", c))
@@ -279,8 +280,8 @@ def test_validate_program_checks_w_type():
     with pytest.raises(InvalidRequest, match="only EMBED, LINEAR and MOE_EXPERTS"):
         _C.validate_program(with_type(norm, int(T.Q8_0)), dims)
     lin = next(i for i, o in enumerate(ops_) if o.opcode == 2)
-    with pytest.raises(InvalidRequest, match="weight type 6"):
-        _C.validate_program(with_type(lin, 6), dims)
+    with pytest.raises(InvalidRequest, match=f"weight type {int(T.IQ4_NL)} .*Q5_1=7.*Q5_1_R8=263"):
+        _C.validate_program(with_type(lin, int(T.IQ4_NL)), dims)  # the message lists the supported types
     with pytest.raises(InvalidRequest, match="not whole Q4_K blocks"):
         _C.validate_program(with_type(lin, int(T.Q4_K)), dims)  # hidden 64 < 256
     with pytest.raises(InvalidRequest, match="run dtype is bf16|run dtype is bfloat16"):
@@ -308,8 +309,9 @@ def test_gguf_quant_types_and_truncation(tmp_path):
     assert isinstance(kept.weights["model.norm.weight"], torch.Tensor)
     floats = load_model(path, dtype="float32", progress=False)
     assert all(isinstance(w, torch.Tensor) for w in floats.weights.values())
-    # Q5_0 (gguf can write it, Kog has no kernel): refused naming tensor, type and the native types.
-    writer = gguf.GGUFWriter(str(tmp_path / "q5.gguf"), "llama")
+    # IQ4_NL (llama.cpp's 4-bit non-linear blocks: fp16 d + 16 bytes of indices, any bytes valid;
+    # Kog has no kernel): refused naming tensor, type and the native types.
+    writer = gguf.GGUFWriter(str(tmp_path / "iq4.gguf"), "llama")
     src = gguf.GGUFReader(str(path))
     for f in src.fields.values():
         if f.name.startswith("GGUF.") or f.name == "general.architecture":
@@ -320,13 +322,16 @@ def test_gguf_quant_types_and_truncation(tmp_path):
     for t in src.tensors:
         data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(
             [int(x) for x in reversed(t.shape)])
-        qt = T.Q5_0 if t.name == "blk.1.ffn_up.weight" else T.F32
-        arr = gguf.quants.quantize(data, qt) if qt != T.F32 else data
-        writer.add_tensor(t.name, arr, raw_dtype=None if qt == T.F32 else qt)
+        if t.name == "blk.1.ffn_up.weight":
+            blocks = np.random.default_rng(0).integers(0, 256, (data.shape[0], data.shape[1] // 32, 18), dtype=np.uint8)
+            blocks[..., :2] = np.full(blocks.shape[:2], 0.01, np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
+            writer.add_tensor(t.name, blocks.reshape(data.shape[0], -1), raw_dtype=T.IQ4_NL)
+        else:
+            writer.add_tensor(t.name, data)
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
-    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight.*Q5_0.*Q4_1"):
-        load_model(tmp_path / "q5.gguf", progress=False)
-    assert load_model(tmp_path / "q5.gguf", dtype="float32", progress=False).weights  # dequantizes fine
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight.*IQ4_NL.*Q5_1"):
+        load_model(tmp_path / "iq4.gguf", progress=False)
+    assert load_model(tmp_path / "iq4.gguf", dtype="float32", progress=False).weights  # dequantizes fine
     data = path.read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[:-100])
     with pytest.raises(ModelLoadError, match="truncated"):

@@ -1,4 +1,5 @@
-"""Row-interleaved (packed) quantized matrices: Q4_0_R8, Q4_1_R8, Q8_0_R8, Q4_K_R8 (kog.quantized.pack_rows).
+"""Row-interleaved (packed) quantized matrices: Q4_0_R8, Q4_1_R8, Q5_0_R8, Q5_1_R8, Q8_0_R8, Q4_K_R8
+(kog.quantized.pack_rows).
 
 The packed form holds a file form's blocks with 8 rows interleaved per 32 columns; every kernel
 that reads blocks (decode GEMV, f32-x tiles, row dequantization) must give what it gives on the
@@ -19,7 +20,7 @@ from kog.loader.gguf_write import quantize_q4_k
 from kog.models import ModelRunner
 from kog.quantized import QuantizedWeight, can_pack, cat_rows, pack_rows, unpack_rows
 
-PACKABLE = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K]
+PACKABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K]
 # Per-element bound of x's rounding relative to amax of its 32-element unit, by x_stages (0: f32 x).
 X_ERR = {0: 0.0, 1: 1 / 254, 2: 1 / 64516}
 

@@ -38,6 +38,29 @@ void row_q4(const uint8_t* row, int64_t nb, float* y) {
   }
 }
 
+// Q5_0 (w = d (q - 16)) and Q5_1 (kMin: w = d q + m).
+template <bool kMin, class Block>
+void row_q5(const uint8_t* row, int64_t nb, float* y) {
+  const Block* b = reinterpret_cast<const Block*>(row);
+  for (int64_t i = 0; i < nb; ++i, y += kQuantBlock) {
+    const float d = half_to_f32(b[i].d);
+    uint32_t qh;
+    __builtin_memcpy(&qh, b[i].qh, 4);
+    for (int l = 0; l < kQuantBlock / 2; ++l) {
+      const int lo = (b[i].qs[l] & 15) | int((qh >> l) & 1) << 4;
+      const int hi = (b[i].qs[l] >> 4) | int((qh >> (l + 16)) & 1) << 4;
+      if constexpr (kMin) {
+        const float m = half_to_f32(reinterpret_cast<const BlockQ5_1&>(b[i]).m);
+        y[l] = d * float(lo) + m;
+        y[l + 16] = d * float(hi) + m;
+      } else {
+        y[l] = d * float(lo - 16);
+        y[l + 16] = d * float(hi - 16);
+      }
+    }
+  }
+}
+
 // Scale and min of sub-block j of a Q4_K/Q5_K super-block (the 6-bit packing of quant.h).
 void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
   if (j < 4) {
@@ -89,6 +112,8 @@ void block_of(QuantType t, int64_t& elems, int64_t& bytes) {
     case QuantType::kQ8_0: elems = kQuantBlock, bytes = sizeof(BlockQ8_0); return;
     case QuantType::kQ4_0: elems = kQuantBlock, bytes = sizeof(BlockQ4_0); return;
     case QuantType::kQ4_1: elems = kQuantBlock, bytes = sizeof(BlockQ4_1); return;
+    case QuantType::kQ5_0: elems = kQuantBlock, bytes = sizeof(BlockQ5_0); return;
+    case QuantType::kQ5_1: elems = kQuantBlock, bytes = sizeof(BlockQ5_1); return;
     case QuantType::kQ4_K: elems = kSuperBlock, bytes = sizeof(BlockQ4_K); return;
     case QuantType::kQ5_K: elems = kSuperBlock, bytes = sizeof(BlockQ5_K); return;
     case QuantType::kQ6_K: elems = kSuperBlock, bytes = sizeof(BlockQ6_K); return;
@@ -103,7 +128,7 @@ const uint8_t* plain_row(QuantType type, const uint8_t* w, int64_t r, int64_t ro
   if (!is_packed(type)) return w + r * row_bytes;
   const QuantType base = packed_base(type);
   // Half fields before the 4-byte chunks, and a block's bytes (quant.h: BlockQ4_1x8, BlockQ4_Kx8).
-  const int hdr = base == QuantType::kQ4_1 || base == QuantType::kQ4_K ? 2 : 1;
+  const int hdr = base == QuantType::kQ4_1 || base == QuantType::kQ5_1 || base == QuantType::kQ4_K ? 2 : 1;
   int64_t elems, block;
   block_of(base, elems, block);
   const int qs_bytes = int(block) - 2 * hdr;
@@ -128,6 +153,8 @@ void dequantize_row(QuantType type, const uint8_t* w, int64_t k, float* y) {
     case QuantType::kQ8_0: row_q8_0(w, nb, y); break;
     case QuantType::kQ4_0: row_q4<false, BlockQ4_0>(w, nb, y); break;
     case QuantType::kQ4_1: row_q4<true, BlockQ4_1>(w, nb, y); break;
+    case QuantType::kQ5_0: row_q5<false, BlockQ5_0>(w, nb, y); break;
+    case QuantType::kQ5_1: row_q5<true, BlockQ5_1>(w, nb, y); break;
     case QuantType::kQ4_K: row_k4<false, BlockQ4_K>(w, nb, y); break;
     case QuantType::kQ5_K: row_k4<true, BlockQ5_K>(w, nb, y); break;
     case QuantType::kQ6_K: row_q6_k(w, nb, y); break;

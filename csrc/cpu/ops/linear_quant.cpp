@@ -195,6 +195,41 @@ KOG_QINLINE void dot_q4_1(const uint8_t* row, int64_t nb, Acc& acc) {
   if (i < nb) acc.template unit<1>(nibbles16(b[i].qs), i, half_to_f32(b[i].d), half_to_f32(b[i].m));
 }
 
+// Q5_0 (w = d (q - 16)) and Q5_1 (kMin: w = d q + m): Q4's nibbles plus the fifth bits of qh.
+template <bool kMin, class Block, class Acc>
+KOG_QINLINE void dot_q5(const uint8_t* row, int64_t nb, Acc& acc) {
+  const Block* b = reinterpret_cast<const Block*>(row);
+  auto q5 = [&](int64_t i) __attribute__((always_inline)) {
+    uint32_t qh;
+    __builtin_memcpy(&qh, b[i].qh, 4);
+    return or_bytes(nibbles16(b[i].qs), fifth_bits(qh));
+  };
+  auto ab = [&](int64_t i, float& a, float& m) __attribute__((always_inline)) {
+    a = half_to_f32(b[i].d);
+    if constexpr (kMin) {
+      m = half_to_f32(b[i].m);
+    } else {
+      m = -16.f * a;
+    }
+  };
+  auto pair = [&](auto slot, int64_t i) __attribute__((always_inline)) {
+    float a0, m0, a1, m1;
+    ab(i, a0, m0), ab(i + 1, a1, m1);
+    acc.template pair<decltype(slot)::value>(q5(i), q5(i + 1), i, a0, a1, m0, m1);
+  };
+  int64_t i = 0;
+  for (; i + 4 <= nb; i += 4) {
+    pair(kSlot0, i);
+    pair(kSlot1, i + 2);
+  }
+  if (i + 2 <= nb) pair(kSlot0, i), i += 2;
+  if (i < nb) {
+    float a, m;
+    ab(i, a, m);
+    acc.template unit<1>(q5(i), i, a, m);
+  }
+}
+
 // Q4_K/Q5_K sub-block scales and mins as floats: a[j] = d * sc[j], b[j] = -dmin * mn[j]. The 6-bit
 // packing (csrc/ops/quant.h) unpacked four sub-blocks at a time in 32-bit words (little endian).
 static_assert(kCols % 2 == 0, "a row's two stages share a column group");
@@ -257,6 +292,8 @@ void dot_row(QuantType type, const uint8_t* w, int64_t k, const QRow* x, float* 
     case QuantType::kQ8_0: dot_q8_0(w, k / kQuantBlock, acc); break;
     case QuantType::kQ4_0: dot_q4_0(w, k / kQuantBlock, acc); break;
     case QuantType::kQ4_1: dot_q4_1(w, k / kQuantBlock, acc); break;
+    case QuantType::kQ5_0: dot_q5<false, BlockQ5_0>(w, k / kQuantBlock, acc); break;
+    case QuantType::kQ5_1: dot_q5<true, BlockQ5_1>(w, k / kQuantBlock, acc); break;
     case QuantType::kQ4_K: dot_k4<false, BlockQ4_K>(w, k / kSuperBlock, acc); break;
     case QuantType::kQ5_K: dot_k4<true, BlockQ5_K>(w, k / kSuperBlock, acc); break;
     case QuantType::kQ6_K: dot_q6_k(w, k / kSuperBlock, acc); break;
@@ -357,6 +394,8 @@ int64_t row_bytes_of(const LinearQuantParams& p) {
     case QuantType::kQ8_0: return p.k / kQuantBlock * int64_t(sizeof(BlockQ8_0));
     case QuantType::kQ4_0: return p.k / kQuantBlock * int64_t(sizeof(BlockQ4_0));
     case QuantType::kQ4_1: return p.k / kQuantBlock * int64_t(sizeof(BlockQ4_1));
+    case QuantType::kQ5_0: return p.k / kQuantBlock * int64_t(sizeof(BlockQ5_0));
+    case QuantType::kQ5_1: return p.k / kQuantBlock * int64_t(sizeof(BlockQ5_1));
     case QuantType::kQ4_K: return p.k / kSuperBlock * int64_t(sizeof(BlockQ4_K));
     case QuantType::kQ5_K: return p.k / kSuperBlock * int64_t(sizeof(BlockQ5_K));
     case QuantType::kQ6_K: return p.k / kSuperBlock * int64_t(sizeof(BlockQ6_K));

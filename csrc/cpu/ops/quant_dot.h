@@ -1,6 +1,6 @@
 // ISA-local integer dot products of quantized weights with per-32 quantized activations, for
-// csrc/cpu/ops/linear_quant.cpp. A "unit" is 32 consecutive elements of a row (one Q8_0/Q4_0/Q4_1
-// block, one K-quant sub-block): its weights arrive unpacked as 32 small integers q (a wvec) with
+// csrc/cpu/ops/linear_quant.cpp. A "unit" is 32 consecutive elements of a row (one Q8_0/Q4_0/Q4_1/
+// Q5_0/Q5_1 block, one K-quant sub-block): its weights arrive unpacked as 32 small integers q (a wvec) with
 // float factors (a, b) such that w = a * q + b, and the activations of unit u are dx[u] * qx.
 // So sum(w * x) = a * dx * sum(q * qx) + b * dx * sum(qx): an integer dot product, one float FMA,
 // and a correction from the activation's block sums (kept apart, added once per row).
@@ -8,7 +8,7 @@
 //   AVX-512:  VNNI dpbusd (u8 x s8, 4 products summed into i32, no i16 saturation); pairs of
 //             units in one 512-bit register, single units in 256-bit (VL).
 //   generic:  plain integer loops.
-// Unsigned q must stay below 128 (maddubs: 2 * 127 * 127 fits i16); signed Q8_0 weights use the
+// Unsigned q must stay below 128 (maddubs: 2 * 127 * 127 fits i16; Q5's q <= 31); signed Q8_0 weights use the
 // abs/sign trick (|w| <= 128, so 2 * 128 * 127 fits too).
 #pragma once
 #include "cpu/vec.h"
@@ -45,6 +45,15 @@ static inline wvec nibbles16(const uint8_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
 }
+// Byte i = 16 where bit i of qh is set, else 0 (Q5_0/Q5_1's fifth bits, in nibbles16's order).
+static inline wvec fifth_bits(uint32_t qh) {
+  const __m256i spread = _mm256_shuffle_epi8(  // byte i = byte i / 8 of qh (each 128-bit lane holds qh)
+      _mm256_set1_epi32(int32_t(qh)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ull));  // byte i: 1 << (i % 8)
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+static inline wvec or_bytes(wvec a, wvec b) { return _mm256_or_si256(a, b); }
 // q + 16 where bit `bit` of the matching byte of h is set (Q5_K's fifth bit).
 static inline wvec add_bit4(wvec q, wvec h, int bit) {
   const __m256i m = _mm256_set1_epi8(char(1 << bit));
@@ -225,6 +234,15 @@ static inline wvec nibbles16(const uint8_t* p) {
 static inline wvec add_bit4(wvec q, wvec h, int bit) {
   for (int i = 0; i < 32; ++i) q.b[i] |= ((h.b[i] >> bit) & 1) << 4;
   return q;
+}
+static inline wvec fifth_bits(uint32_t qh) {
+  wvec v;
+  for (int i = 0; i < 32; ++i) v.b[i] = uint8_t(((qh >> i) & 1) << 4);
+  return v;
+}
+static inline wvec or_bytes(wvec a, const wvec& b) {
+  for (int i = 0; i < 32; ++i) a.b[i] |= b.b[i];
+  return a;
 }
 static inline void q6_units(const uint8_t* ql, const uint8_t* qh, wvec u[4]) {
   for (int l = 0; l < 32; ++l) {

@@ -1,4 +1,5 @@
-// ISA-local GEMV over row-interleaved quantized weights (Q4_0_R8, Q4_1_R8, Q8_0_R8: csrc/ops/quant.h),
+// ISA-local GEMV over row-interleaved quantized weights (Q4_0_R8, Q4_1_R8, Q5_0_R8, Q5_1_R8, Q8_0_R8,
+// Q4_K_R8: csrc/ops/quant.h),
 // for csrc/cpu/ops/linear_quant.cpp. One group = 8 weight rows; per 32-element unit:
 //   a 32-byte chunk of the packed quants holds 4 weights of each of the 8 rows (unpacked Q4: two
 //   such vectors per chunk); x's matching 4 int8 are broadcast to every row, so one maddubs (AVX2)
@@ -80,6 +81,61 @@ KOG_QINLINE void group_q4_r8(const Unit* units, int64_t nb, const QRow* x, __m25
       const __m256i i = _mm256_madd_epi16(s[c], _mm256_set1_epi16(1));
 #endif
       acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, _mm256_broadcast_ss(x[c].d + u)), acc[c]);
+      cor[c] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(x[c].t + u), cor[c]);
+    }
+  }
+  for (int c = 0; c < NC; ++c) out[c] = _mm256_add_ps(acc[c], cor[c]);
+}
+
+// The fifth bits of one Q5 chunk of 8 rows: qh = the unit's qh chunk (row r's 32-bit word in lane
+// r); byte j of lane r = 16 where bit `first` + j of that word is set (first = 4 ch for the low
+// nibbles of qs chunk ch, 16 + 4 ch for the high ones).
+static inline __m256i fifth_bits_r8(__m256i qh, int first) {
+  const int byte = first / 8, shift = first % 8;  // the lane's byte holding bits first .. first + 3
+  const __m256i idx = _mm256_add_epi8(_mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0,
+                                                       4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12),
+                                      _mm256_set1_epi8(char(byte)));
+  const __m256i bit = _mm256_set1_epi32(int32_t(0x08040201u << shift));  // byte j: 1 << (shift + j)
+  const __m256i spread = _mm256_shuffle_epi8(qh, idx);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+// Q5_0_R8 / Q5_1_R8 (kMin): q = nibble + 16 * fifth bit, w = d q + m (Q5_1) or d (q - 16) (Q5_0).
+// Pair sums of q x reach 2 * 31 * 127: a chunk's two maddubs are added in i16, then widened.
+template <int NC, bool kMin, class Unit>
+KOG_QINLINE void group_q5_r8(const Unit* units, int64_t nb, const QRow* x, __m256* out) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  __m256 acc[NC], cor[NC];
+  for (int c = 0; c < NC; ++c) acc[c] = cor[c] = _mm256_setzero_ps();
+  for (int64_t u = 0; u < nb; ++u) {
+    const Unit& b = units[u];
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh));
+    __m256i s[NC];
+    for (int c = 0; c < NC; ++c) s[c] = _mm256_setzero_si256();
+    for (int ch = 0; ch < 4; ++ch) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * ch));
+      const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low4), fifth_bits_r8(qh, 4 * ch));
+      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), fifth_bits_r8(qh, 16 + 4 * ch));
+      for (int c = 0; c < NC; ++c) {
+        const int8_t* xq = x[c].q + 32 * u + 4 * ch;
+#if defined(__AVX512VNNI__)
+        s[c] = _mm256_dpbusd_epi32(s[c], lo, bcast4(xq));
+        s[c] = _mm256_dpbusd_epi32(s[c], hi, bcast4(xq + 16));
+#else
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xq)), _mm256_maddubs_epi16(hi, bcast4(xq + 16)));
+        s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+      }
+    }
+    const __m256 d = halves8(b.d);
+    __m256 m;
+    if constexpr (kMin) {
+      m = halves8(b.m);
+    } else {
+      m = _mm256_mul_ps(d, _mm256_set1_ps(-16.f));
+    }
+    for (int c = 0; c < NC; ++c) {
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[c]), _mm256_mul_ps(d, _mm256_broadcast_ss(x[c].d + u)), acc[c]);
       cor[c] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(x[c].t + u), cor[c]);
     }
   }
@@ -190,6 +246,12 @@ void group_dot_r8(QuantType type, const uint8_t* group, int64_t k, const QRow* x
       break;
     case QuantType::kQ4_1_R8:
       group_q4_r8<NC, true>(reinterpret_cast<const BlockQ4_1x8*>(group), nb, x, v);
+      break;
+    case QuantType::kQ5_0_R8:
+      group_q5_r8<NC, false>(reinterpret_cast<const BlockQ5_0x8*>(group), nb, x, v);
+      break;
+    case QuantType::kQ5_1_R8:
+      group_q5_r8<NC, true>(reinterpret_cast<const BlockQ5_1x8*>(group), nb, x, v);
       break;
     default:  // kQ8_0_R8 (the callers dispatch packed types only)
       group_q8_r8<NC>(reinterpret_cast<const BlockQ8_0x8*>(group), nb, x, v);
@@ -306,6 +368,27 @@ void group_dot_r8(QuantType type, const uint8_t* group, int64_t k, const QRow* x
           for (int ch = 0; ch < 8; ++ch)
             for (int j = 0; j < 4; ++j) s += int32_t(b.qs[32 * ch + 4 * r + j]) * xq[4 * ch + j];
           d = half_to_f32(b.d[r]), m = 0.f;
+        } else if (type == QuantType::kQ5_0_R8 || type == QuantType::kQ5_1_R8) {
+          const bool q5_1 = type == QuantType::kQ5_1_R8;
+          const uint8_t* qs = q5_1 ? reinterpret_cast<const BlockQ5_1x8*>(group)[u].qs
+                                   : reinterpret_cast<const BlockQ5_0x8*>(group)[u].qs;
+          const uint8_t* qh = q5_1 ? reinterpret_cast<const BlockQ5_1x8*>(group)[u].qh
+                                   : reinterpret_cast<const BlockQ5_0x8*>(group)[u].qh;
+          uint32_t h;
+          __builtin_memcpy(&h, qh + 4 * r, 4);
+          for (int ch = 0; ch < 4; ++ch)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t byte = qs[32 * ch + 4 * r + j];
+              const int e = 4 * ch + j;
+              s += int32_t((byte & 15) | ((h >> e) & 1) << 4) * xq[e] +
+                   int32_t((byte >> 4) | ((h >> (e + 16)) & 1) << 4) * xq[16 + e];
+            }
+          if (q5_1) {
+            const BlockQ5_1x8& b = reinterpret_cast<const BlockQ5_1x8*>(group)[u];
+            d = half_to_f32(b.d[r]), m = half_to_f32(b.m[r]);
+          } else {
+            d = half_to_f32(reinterpret_cast<const BlockQ5_0x8*>(group)[u].d[r]), m = -16.f * d;
+          }
         } else {
           const bool q4_1 = type == QuantType::kQ4_1_R8;
           const uint8_t* qs = q4_1 ? reinterpret_cast<const BlockQ4_1x8*>(group)[u].qs

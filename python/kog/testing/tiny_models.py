@@ -206,7 +206,7 @@ def write_gguf_model(path: str | Path, config: ModelConfig, weights: Weights | N
     """Writes a GGUF file the way llama.cpp's converter does (names, q/k row order for llama).
 
     Args:
-        qtype: "F32", "F16", "Q8_0", "Q4_0" or "Q4_1" for the matrices (1-D tensors stay F32, as in
+        qtype: "F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0" or "Q5_1" for the matrices (1-D tensors stay F32, as in
             llama.cpp; the block types are gguf's own encoders).
     """
     import gguf
@@ -216,7 +216,7 @@ def write_gguf_model(path: str | Path, config: ModelConfig, weights: Weights | N
     arch = {"mistral": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(config.architecture, config.architecture)
     writer = gguf.GGUFWriter(str(path), arch)
     metadata = _gguf_metadata(config, arch, tokenizer_metadata or tiny_tokenizer_metadata(default_pre(config)))
-    metadata["general.file_type"] = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_0": 2, "Q4_1": 3}[qtype]
+    metadata["general.file_type"] = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9}[qtype]
     from kog.loader.gguf_write import add_value
 
     for key, value in metadata.items():
