@@ -79,12 +79,15 @@ std::map<std::string, std::tuple<int, int, int>> quant_types() {
   return out;
 }
 
-// name -> (Kog's type id, the file type it packs, rows per group): the row-interleaved forms.
-std::map<std::string, std::tuple<int, int, int>> packed_quant_types() {
-  std::map<std::string, std::tuple<int, int, int>> out;
-  for (kog::QuantType t : kog::kPackedQuantTypes)
+// name -> (Kog's type id, the file type it packs, rows per group, fp16 fields leading / ending a
+// block): the row-interleaved forms and their layout (kog::pack_layout).
+std::map<std::string, std::tuple<int, int, int, int, int>> packed_quant_types() {
+  std::map<std::string, std::tuple<int, int, int, int, int>> out;
+  for (kog::QuantType t : kog::kPackedQuantTypes) {
+    const kog::PackLayout lay = kog::pack_layout(t);
     out[kog::quant_type_info(t).name] = {static_cast<int>(t), static_cast<int>(kog::packed_base(t)),
-                                         kog::kPackRows};
+                                         kog::kPackRows, lay.front, lay.back};
+  }
   return out;
 }
 

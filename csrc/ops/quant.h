@@ -9,7 +9,7 @@
 //   Q4_K  d * sc[j] * q - dmin * mn[j]            j = element / 32, (sc, mn) 6-bit (k_scale_min)
 //   Q5_K  as Q4_K, q = nibble + 16 * (qh bit)    5-bit
 //   Q6_K  d * scales[element / 16] * (q - 32)    q 6-bit (low nibble in ql, 2 high bits in qh)
-// Kog's row-interleaved forms of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K (`_R8`, built once at load, never in a file)
+// Kog's row-interleaved forms of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K (`_R8`, built once at load, never in a file)
 // hold the same blocks with 8 rows' blocks of each 32 columns interleaved: see BlockQ4_1x8.
 #pragma once
 #include <cstdint>
@@ -33,6 +33,8 @@ enum class QuantType : int32_t {
   kQ5_1_R8 = 0x100 | 7,
   kQ8_0_R8 = 0x100 | 8,
   kQ4_K_R8 = 0x100 | 12,
+  kQ5_K_R8 = 0x100 | 13,
+  kQ6_K_R8 = 0x100 | 14,
 };
 
 constexpr int32_t kPackedFlag = 0x100;
@@ -140,6 +142,26 @@ struct BlockQ4_Kx8 {
   uint8_t qs[kPackRows * kSuperBlock / 2];  // 32 chunks
 };
 
+// A Q5_K super-block of 8 rows: BlockQ4_Kx8's fields, with the 32 qh bytes as 8 chunks between
+// the scales and qs: chunk g holds row r's qh[4 g .. 4 g + 3], the fifth bits (bit j: sub-block
+// j) of the elements that qs chunk 8 c + g holds.
+struct BlockQ5_Kx8 {
+  half_bits d[kPackRows];
+  half_bits dmin[kPackRows];
+  uint8_t scales[kPackRows * 12];           // 3 chunks
+  uint8_t qh[kPackRows * kSuperBlock / 8];  // 8 chunks
+  uint8_t qs[kPackRows * kSuperBlock / 2];  // 32 chunks
+};
+// A Q6_K super-block of 8 rows: the chunks first, as in the file (ql: 32 chunks, chunk c = row r's
+// ql[4 c .. 4 c + 3]; qh: 16 chunks; scales: 4 chunks), then d as 8 halves (the file's trailing
+// header).
+struct BlockQ6_Kx8 {
+  uint8_t ql[kPackRows * kSuperBlock / 2];
+  uint8_t qh[kPackRows * kSuperBlock / 4];
+  int8_t scales[kPackRows * kSuperBlock / 16];
+  half_bits d[kPackRows];
+};
+
 static_assert(sizeof(BlockQ8_0) == 34, "ggml block_q8_0");
 static_assert(sizeof(BlockQ5_0) == 22, "ggml block_q5_0");
 static_assert(sizeof(BlockQ5_1) == 24, "ggml block_q5_1");
@@ -154,6 +176,28 @@ static_assert(sizeof(BlockQ5_0x8) == kPackRows * sizeof(BlockQ5_0), "packed Q5_0
 static_assert(sizeof(BlockQ5_1x8) == kPackRows * sizeof(BlockQ5_1), "packed Q5_1: the rows' bytes");
 static_assert(sizeof(BlockQ8_0x8) == kPackRows * sizeof(BlockQ8_0), "packed Q8_0: the rows' bytes");
 static_assert(sizeof(BlockQ4_Kx8) == kPackRows * sizeof(BlockQ4_K), "packed Q4_K: the rows' bytes");
+static_assert(sizeof(BlockQ5_Kx8) == kPackRows * sizeof(BlockQ5_K), "packed Q5_K: the rows' bytes");
+static_assert(sizeof(BlockQ6_Kx8) == kPackRows * sizeof(BlockQ6_K), "packed Q6_K: the rows' bytes");
+
+// How a packed type interleaves its base's blocks: `front` fp16 fields lead the block, `back` ones
+// end it (Q6_K's d), every other byte is in 4-byte chunks. In the packed unit: each front field
+// as 8 halves (row r at index r), the chunks (chunk c = 4 bytes of each row in turn), then each
+// back field as 8 halves. Mirrored in kog/quantized.py (_PACK_LAYOUT; checked by its tests).
+// static: each translation unit (each CPU ISA build among them) keeps its own copy.
+struct PackLayout {
+  int front;
+  int back;
+};
+static constexpr PackLayout pack_layout(QuantType packed) {
+  switch (packed_base(packed)) {
+    case QuantType::kQ4_1:
+    case QuantType::kQ5_1:
+    case QuantType::kQ4_K:
+    case QuantType::kQ5_K: return {2, 0};
+    case QuantType::kQ6_K: return {0, 1};
+    default: return {1, 0};  // Q4_0, Q5_0, Q8_0: d
+  }
+}
 
 struct QuantTypeInfo {
   const char* name;
@@ -180,6 +224,8 @@ constexpr QuantTypeInfo quant_type_info(QuantType t) {
     case QuantType::kQ5_1_R8: return {"Q5_1_R8", kQuantBlock, int32_t(sizeof(BlockQ5_1))};
     case QuantType::kQ8_0_R8: return {"Q8_0_R8", kQuantBlock, int32_t(sizeof(BlockQ8_0))};
     case QuantType::kQ4_K_R8: return {"Q4_K_R8", kSuperBlock, int32_t(sizeof(BlockQ4_K))};
+    case QuantType::kQ5_K_R8: return {"Q5_K_R8", kSuperBlock, int32_t(sizeof(BlockQ5_K))};
+    case QuantType::kQ6_K_R8: return {"Q6_K_R8", kSuperBlock, int32_t(sizeof(BlockQ6_K))};
   }
   return {nullptr, 0, 0};
 }
@@ -187,6 +233,7 @@ constexpr QuantTypeInfo quant_type_info(QuantType t) {
 constexpr QuantType kQuantTypes[] = {QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ5_0, QuantType::kQ5_1,
                                      QuantType::kQ8_0, QuantType::kQ4_K, QuantType::kQ5_K, QuantType::kQ6_K};
 constexpr QuantType kPackedQuantTypes[] = {QuantType::kQ4_0_R8, QuantType::kQ4_1_R8, QuantType::kQ5_0_R8,
-                                           QuantType::kQ5_1_R8, QuantType::kQ8_0_R8, QuantType::kQ4_K_R8};
+                                           QuantType::kQ5_1_R8, QuantType::kQ8_0_R8, QuantType::kQ4_K_R8,
+                                           QuantType::kQ5_K_R8, QuantType::kQ6_K_R8};
 
 }  // namespace kog

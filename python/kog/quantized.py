@@ -6,7 +6,7 @@ row operations (concatenating q/k/v, llama's q/k row un-permutation, taking one 
 act on whole byte rows. The decode executor dots them as stored (kog._C linear_quant kernels);
 the prefill interpreter dequantizes tiles of rows at a time (`dequantize`).
 
-On the CPU the runner packs Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K matrices once at load into Kog's row-interleaved
+On the CPU the runner packs Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K matrices once at load into Kog's row-interleaved
 forms (`pack_rows`: Q4_1 -> Q4_1_R8, same bytes, csrc/ops/quant.h), which the decode GEMV reads
 8 rows per instruction; every kernel that takes the file form takes the packed one too. A packed
 matrix's byte rows are no longer its rows: `dequantize` gathers them, and row surgery
@@ -89,9 +89,15 @@ class QuantizedWeight:
         return dequantize_rows(self.data, self.qtype, rows)
 
 
-# Header fields (fp16 each) and quant bytes of one block of the types pack_rows interleaves.
-# Q5: 4 qh + 16 qs bytes; Q4_K: 12 scale + 128 quant bytes.
-_PACK_LAYOUT = {"Q4_0": (1, 16), "Q4_1": (2, 16), "Q5_0": (1, 20), "Q5_1": (2, 20), "Q8_0": (1, 32), "Q4_K": (2, 140)}
+def _layout(packed_id: int) -> tuple[int, int, int, int]:
+    """(fp16 fields leading a block, bytes of its 4-byte chunks, fp16 fields ending it, block bytes)
+    of the file type a packed type interleaves: csrc/ops/quant.h's PackLayout, from kog._C."""
+    from kog.ops import PACKED_QUANT_TYPES, QUANT_TYPES, quant_file_type
+
+    _, _, _, front, back = next(v for v in PACKED_QUANT_TYPES.values() if v[0] == packed_id)
+    base = quant_file_type(packed_id)
+    block = next(v[2] for v in QUANT_TYPES.values() if v[0] == base)
+    return front, block - 2 * (front + back), back, block
 
 
 def _packed_id(base: int) -> int | None:
@@ -101,27 +107,34 @@ def _packed_id(base: int) -> int | None:
 
 
 def can_pack(w: QuantizedWeight, rows: int | None = None) -> bool:
-    """Whether pack_rows applies: a file type with a packed form (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K), and whole groups of 8 rows
+    """Whether pack_rows applies: a file type with a packed form (ops.PACKED_QUANT_TYPES), and whole groups of 8 rows
     (of every sub-matrix of `rows` rows, e.g. one expert of a stack, when given)."""
     n = w.shape[0] if rows is None else rows
     return not w.packed and _packed_id(w.qtype) is not None and n > 0 and w.shape[0] % n == 0 and n % 8 == 0
 
 
 def pack_rows(w: QuantizedWeight) -> QuantizedWeight:
-    """The same matrix in its row-interleaved form (csrc/ops/quant.h, BlockQ4_1x8): group g = rows
-    8g..8g+7, unit u = their blocks u with each header field as 8 halves, then the quants in
-    32-byte chunks of 4 bytes per row. Same bytes; InvalidRequest where can_pack is false."""
+    """The same matrix in its row-interleaved form (csrc/ops/quant.h, PackLayout): group g = rows
+    8g..8g+7, unit u = their blocks u with each leading fp16 field as 8 halves, then the other
+    bytes in 32-byte chunks of 4 bytes per row, then each ending fp16 field (Q6_K's d) as 8 halves.
+    Same bytes; InvalidRequest where can_pack is false."""
+    from kog.ops import PACKED_QUANT_TYPES
+
     if not can_pack(w):
         raise InvalidRequest(f"pack_rows: a {w.type_name} matrix of {w.shape[0]} rows has no packed form "
-                             f"(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K in whole groups of 8 rows)")
-    hdr, qs = _PACK_LAYOUT[w.type_name]
+                             f"({', '.join(t[:-3] for t in PACKED_QUANT_TYPES)} in whole groups of 8 rows)")
+    packed = _packed_id(w.qtype)
+    front, body, back, block = _layout(packed)
     n, row_bytes = w.data.shape
-    block = 2 * hdr + qs
     b = w.data.view(n // 8, 8, row_bytes // block, block).transpose(1, 2)  # [G, nb, 8 rows, block]
-    heads = b[..., :2 * hdr].reshape(*b.shape[:3], hdr, 2).transpose(2, 3)  # [G, nb, hdr, 8, 2]
-    quants = b[..., 2 * hdr:].reshape(*b.shape[:3], qs // 4, 4).transpose(2, 3)  # [G, nb, chunk, 8, 4]
-    unit = torch.cat([heads.reshape(*b.shape[:2], -1), quants.reshape(*b.shape[:2], -1)], dim=2)
-    return QuantizedWeight(unit.reshape(n, row_bytes).contiguous(), _packed_id(w.qtype), w.cols)
+
+    def halves(part):  # [G, nb, 8, 2 h] -> [G, nb, h * 8 * 2]: each field as 8 halves
+        return part.reshape(*b.shape[:3], -1, 2).transpose(2, 3).reshape(*b.shape[:2], -1)
+
+    chunks = b[..., 2 * front:2 * front + body].reshape(*b.shape[:3], body // 4, 4).transpose(2, 3)  # [G, nb, chunk, 8, 4]
+    unit = torch.cat([halves(b[..., :2 * front]), chunks.reshape(*b.shape[:2], -1), halves(b[..., 2 * front + body:])],
+                     dim=2)
+    return QuantizedWeight(unit.reshape(n, row_bytes).contiguous(), packed, w.cols)
 
 
 def unpack_rows(w: QuantizedWeight) -> QuantizedWeight:
@@ -130,13 +143,17 @@ def unpack_rows(w: QuantizedWeight) -> QuantizedWeight:
 
     if not w.packed:
         return w
-    hdr, qs = _PACK_LAYOUT[w.file_type_name]
+    front, body, back, block = _layout(w.qtype)
     n, row_bytes = w.data.shape
-    block = 2 * hdr + qs
     u = w.data.view(n // 8, row_bytes // block, 8 * block)  # [G, nb, unit]
-    heads = u[..., :16 * hdr].reshape(*u.shape[:2], hdr, 8, 2).transpose(2, 3)  # [G, nb, 8, hdr, 2]
-    quants = u[..., 16 * hdr:].reshape(*u.shape[:2], qs // 4, 8, 4).transpose(2, 3)  # [G, nb, 8, chunk, 4]
-    blocks = torch.cat([heads.reshape(*u.shape[:2], 8, -1), quants.reshape(*u.shape[:2], 8, -1)], dim=3)
+
+    def rows_of(part, fields):  # [G, nb, fields * 8 * 2] -> [G, nb, 8, fields * 2]
+        return part.reshape(*u.shape[:2], fields, 8, 2).transpose(2, 3).reshape(*u.shape[:2], 8, -1)
+
+    f, c = 16 * front, 8 * body
+    chunks = u[..., f:f + c].reshape(*u.shape[:2], body // 4, 8, 4).transpose(2, 3)  # [G, nb, 8, chunk, 4]
+    blocks = torch.cat([rows_of(u[..., :f], front), chunks.reshape(*u.shape[:2], 8, -1), rows_of(u[..., f + c:], back)],
+                       dim=3)
     return QuantizedWeight(blocks.transpose(1, 2).reshape(n, row_bytes).contiguous(), quant_file_type(w.qtype), w.cols)
 
 

@@ -44,6 +44,32 @@ def test_q4_k_blocks_decode_to_the_values_within_a_4_bit_error():
         quantize_q4_k(np.zeros((2, 576), np.float32))
 
 
+def test_test_encoders_of_q5_k_and_q6_k_decode_to_the_values():
+    """kog.testing.kquants (the tests' Q5_K / Q6_K blocks) against gguf's decoder: within a step
+    of the format (Q5_K: its affine 5-bit step per 32; Q6_K: d sc per 16 plus the fp16/int8
+    rounding of the scales), and tighter than Q4_K / Q5_K respectively in RMS."""
+    from kog.testing.kquants import quantize_q5_k, quantize_q6_k
+
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((6, 512)) * rng.uniform(0.01, 3, (6, 1))).astype(np.float32)
+    x[2, :256] += 4.0
+    q5 = quantize_q5_k(x)
+    q6 = quantize_q6_k(x)
+    assert q5.shape == (6, 2 * 176) and q6.shape == (6, 2 * 210)
+    y5, y6 = gguf.quants.dequantize(q5, Q.Q5_K), gguf.quants.dequantize(q6, Q.Q6_K)
+    y4 = gguf.quants.dequantize(quantize_q4_k(x), Q.Q4_K)
+    for r in range(6):
+        step5 = (x[r].reshape(-1, 32).max(-1) - np.minimum(x[r].reshape(-1, 32).min(-1), 0)) / 31
+        assert np.all(np.abs(y5[r] - x[r]).reshape(-1, 32) <= step5[:, None] * 1.6 + 1e-6), r
+        step6 = np.abs(x[r]).reshape(-1, 16).max(-1) / 31  # half a step, plus the int8 scale's rounding
+        assert np.all(np.abs(y6[r] - x[r]).reshape(-1, 16) <= step6[:, None] * 0.75 + 1e-6), r
+        assert rms(y5[r], x[r]) < rms(y4[r], x[r]) and rms(y6[r], x[r]) < rms(y5[r], x[r]), r
+    for enc, t in ((quantize_q5_k, Q.Q5_K), (quantize_q6_k, Q.Q6_K)):
+        assert not gguf.quants.dequantize(enc(np.zeros((1, 256), np.float32)), t).any()
+        with pytest.raises(ValueError, match="multiple of 256"):
+            enc(np.zeros((1, 576), np.float32))
+
+
 @pytest.mark.parametrize("outtype,matrix_type,tol", [("f16", "F16", 1e-3), ("bf16", "BF16", 1e-2),
                                                      ("q8_0", "Q8_0", 2e-2), ("q4_k", "Q4_K", 0.25)])
 def test_requantized_tiny_gguf_keeps_metadata_and_weights(tmp_path, outtype, matrix_type, tol):

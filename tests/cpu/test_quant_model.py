@@ -15,6 +15,7 @@ from kog.engine import EngineConfig, LLMEngine
 from kog.errors import InvalidRequest, ModelLoadError
 from kog.loader import LoadedModel, load_model
 from kog.loader.gguf_write import quantize_q4_k
+from kog.testing.kquants import quantize_q5_k, quantize_q6_k
 from kog.models import ModelRunner
 from kog.models.decode import lower_program, model_dims
 from kog.program import interpreter as interp
@@ -23,6 +24,7 @@ from kog.sampling_params import SamplingParams
 from kog.testing.tiny_models import random_weights, tiny_config, tiny_tokenizer, write_gguf_model
 
 ALL_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+ENCODERS = {T.Q4_K: quantize_q4_k, T.Q5_K: quantize_q5_k, T.Q6_K: quantize_q6_k}  # gguf cannot encode these
 
 
 def random_blocks(rng: np.random.Generator, qtype: T, n: int, k: int) -> np.ndarray:
@@ -144,7 +146,7 @@ def quantize_model(weights: dict, qtype: T) -> dict:
             out[name] = w
             continue
         a = w.float().numpy()
-        blocks = quantize_q4_k(a) if qtype == T.Q4_K else quants.quantize(a, qtype)
+        blocks = ENCODERS[qtype](a) if qtype in ENCODERS else quants.quantize(a, qtype)
         out[name] = QuantizedWeight(torch.from_numpy(np.ascontiguousarray(blocks)), int(qtype), w.shape[1])
     return out
 
@@ -179,7 +181,7 @@ def decode_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor
 
 
 CASES = [("llama", T.Q8_0), ("qwen2", T.Q4_0), ("qwen3", T.Q4_1), ("llama", T.Q4_K), ("qwen2", T.Q5_0),
-         ("llama", T.Q5_1)]
+         ("llama", T.Q5_1), ("qwen3", T.Q5_K), ("llama", T.Q6_K)]
 
 
 @pytest.mark.parametrize("family,qtype", CASES, ids=lambda c: getattr(c, "name", c))

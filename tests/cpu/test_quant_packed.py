@@ -1,5 +1,5 @@
-"""Row-interleaved (packed) quantized matrices: Q4_0_R8, Q4_1_R8, Q5_0_R8, Q5_1_R8, Q8_0_R8, Q4_K_R8
-(kog.quantized.pack_rows).
+"""Row-interleaved (packed) quantized matrices: Q4_0_R8, Q4_1_R8, Q5_0_R8, Q5_1_R8, Q8_0_R8, Q4_K_R8,
+Q5_K_R8, Q6_K_R8 (kog.quantized.pack_rows).
 
 The packed form holds a file form's blocks with 8 rows interleaved per 32 columns; every kernel
 that reads blocks (decode GEMV, f32-x tiles, row dequantization) must give what it gives on the
@@ -12,29 +12,31 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from test_quant_model import decode_logits, models
+from test_quant_model import ENCODERS, decode_logits, models
 
 from kog import _C, ops
 from kog.errors import InvalidRequest
-from kog.loader.gguf_write import quantize_q4_k
 from kog.models import ModelRunner
 from kog.quantized import QuantizedWeight, can_pack, cat_rows, pack_rows, unpack_rows
 
-PACKABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K]
+PACKABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 # Per-element bound of x's rounding relative to amax of its 32-element unit, by x_stages (0: f32 x).
 X_ERR = {0: 0.0, 1: 1 / 254, 2: 1 / 64516}
 
 
+K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)  # rows of whole 256-element super-blocks
+
+
 def matrix(qtype: T, n: int, k: int, seed: int = 0) -> QuantizedWeight:
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    blocks = quantize_q4_k(w) if qtype == T.Q4_K else quants.quantize(w, qtype)
+    blocks = ENCODERS[qtype](w) if qtype in ENCODERS else quants.quantize(w, qtype)
     return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(blocks)), int(qtype), k)
 
 
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
 def test_pack_keeps_bytes_and_rows(cpu_isa, qtype):
     for n, k in [(8, 32), (24, 96), (64, 576)]:
-        k = k * 8 if qtype == T.Q4_K else k  # whole 256-element super-blocks
+        k = k * 8 if qtype in K_QUANTS else k  # whole 256-element super-blocks
         w = matrix(qtype, n, k, seed=n)
         p = pack_rows(w)
         assert p.packed and p.file_type_name == qtype.name and p.type_name == qtype.name + "_R8"
@@ -53,7 +55,7 @@ def test_packed_linear_within_the_rounding_bound(cpu_isa, qtype, stages):
     """x @ W^T on the packed form vs the exact f64 product of the dequantized weights: within
     sum_i |W_ri| amax(unit of i) * X_ERR[stages] (+ f32 rounding), like the file form; and the
     two forms agree to that bound."""
-    n, k = 40, 512 if qtype == T.Q4_K else 544
+    n, k = 40, 512 if qtype in K_QUANTS else 544
     w = matrix(qtype, n, k, seed=int(qtype))
     p = pack_rows(w)
     wf = w.dequantize().double()
@@ -78,7 +80,8 @@ def test_packed_linear_reads_strided_rows_of_x():
 def test_what_cannot_be_packed_is_refused():
     odd = matrix(T.Q8_0, 12, 64)
     assert not can_pack(odd)
-    assert not can_pack(QuantizedWeight(torch.zeros(8, 210, dtype=torch.uint8), int(T.Q6_K), 256))  # no packed form
+    # every type with kernels has a packed form
+    assert {v[1] for v in ops.PACKED_QUANT_TYPES.values()} == {v[0] for v in ops.QUANT_TYPES.values()}
     with pytest.raises(InvalidRequest, match="no packed form"):
         pack_rows(odd)
     p = pack_rows(matrix(T.Q4_1, 16, 64))

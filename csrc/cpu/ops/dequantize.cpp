@@ -126,20 +126,24 @@ void block_of(QuantType t, int64_t& elems, int64_t& bytes) {
 
 const uint8_t* plain_row(QuantType type, const uint8_t* w, int64_t r, int64_t row_bytes, uint8_t* buf) {
   if (!is_packed(type)) return w + r * row_bytes;
-  const QuantType base = packed_base(type);
-  // Half fields before the 4-byte chunks, and a block's bytes (quant.h: BlockQ4_1x8, BlockQ4_Kx8).
-  const int hdr = base == QuantType::kQ4_1 || base == QuantType::kQ5_1 || base == QuantType::kQ4_K ? 2 : 1;
+  // The half fields around the 4-byte chunks, and a block's bytes (quant.h: PackLayout).
+  const PackLayout lay = pack_layout(type);
   int64_t elems, block;
-  block_of(base, elems, block);
-  const int qs_bytes = int(block) - 2 * hdr;
+  block_of(type, elems, block);
+  const int chunks = (int(block) - 2 * (lay.front + lay.back)) / 4;
   const int64_t nb = row_bytes / block, lane = r % kPackRows;
   const uint8_t* group = w + (r - lane) * row_bytes;
   for (int64_t u = 0; u < nb; ++u) {
     const uint8_t* unit = group + u * kPackRows * block;
     uint8_t* out = buf + u * block;
-    for (int h = 0; h < hdr; ++h) __builtin_memcpy(out + 2 * h, unit + 2 * kPackRows * h + 2 * lane, 2);
-    for (int c = 0; c < qs_bytes / 4; ++c)
-      __builtin_memcpy(out + 2 * hdr + 4 * c, unit + 2 * kPackRows * hdr + 4 * kPackRows * c + 4 * lane, 4);
+    for (int h = 0; h < lay.front; ++h) __builtin_memcpy(out + 2 * h, unit + 2 * kPackRows * h + 2 * lane, 2);
+    const uint8_t* in_chunks = unit + 2 * kPackRows * lay.front;
+    uint8_t* out_chunks = out + 2 * lay.front;
+    for (int c = 0; c < chunks; ++c)
+      __builtin_memcpy(out_chunks + 4 * c, in_chunks + 4 * kPackRows * c + 4 * lane, 4);
+    const uint8_t* in_back = in_chunks + 4 * kPackRows * chunks;
+    for (int h = 0; h < lay.back; ++h)
+      __builtin_memcpy(out_chunks + 4 * chunks + 2 * h, in_back + 2 * kPackRows * h + 2 * lane, 2);
   }
   return buf;
 }

@@ -1,5 +1,5 @@
 // ISA-local GEMV over row-interleaved quantized weights (Q4_0_R8, Q4_1_R8, Q5_0_R8, Q5_1_R8, Q8_0_R8,
-// Q4_K_R8: csrc/ops/quant.h),
+// Q4_K_R8, Q5_K_R8, Q6_K_R8: csrc/ops/quant.h),
 // for csrc/cpu/ops/linear_quant.cpp. One group = 8 weight rows; per 32-element unit:
 //   a 32-byte chunk of the packed quants holds 4 weights of each of the 8 rows (unpacked Q4: two
 //   such vectors per chunk); x's matching 4 int8 are broadcast to every row, so one maddubs (AVX2)
@@ -170,16 +170,18 @@ KOG_QINLINE void group_q8_r8(const BlockQ8_0x8* units, int64_t nb, const QRow* x
   for (int c = 0; c < NC; ++c) out[c] = acc[c];
 }
 
-// Q4_K_R8: per super-block, the 8 rows' 6-bit scales and mins decoded as vectors of 8 rows
-// (k_scale_min on the three 32-bit words, one per scale chunk), then per sub-block j the nibbles
-// as in group_q4_r8: w = a_j q - m_j, a_j = d sc_j, m_j = dmin mn_j.
-template <int NC>
-KOG_QINLINE void group_q4k_r8(const BlockQ4_Kx8* blocks, int64_t nb, const QRow* x, __m256* out) {
+// Q4_K_R8 and Q5_K_R8 (kHigh): per super-block, the 8 rows' 6-bit scales and mins decoded as
+// vectors of 8 rows (k_scale_min on the three 32-bit words, one per scale chunk), then per
+// sub-block j the nibbles as in group_q4_r8 (Q5_K: plus 16 where bit j of the element's qh byte is
+// set, qh chunk g beside qs chunk 8 c + g): w = a_j q - m_j, a_j = d sc_j, m_j = dmin mn_j.
+// Q5_K's pair sums reach 2 * 31 * 127, so its maddubs are widened to i32 at every step.
+template <int NC, bool kHigh, class Block>
+KOG_QINLINE void group_qk_r8(const Block* blocks, int64_t nb, const QRow* x, __m256* out) {
   const __m256i low4 = _mm256_set1_epi8(15), low6 = _mm256_set1_epi8(63), low2 = _mm256_set1_epi8(3);
   __m256 acc[NC], cor[NC];
   for (int c = 0; c < NC; ++c) acc[c] = cor[c] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
-    const BlockQ4_Kx8& b = blocks[i];
+    const Block& b = blocks[i];
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.scales));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.scales + 32));
     const __m256i w2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.scales + 64));
@@ -199,15 +201,28 @@ KOG_QINLINE void group_q4k_r8(const BlockQ4_Kx8* blocks, int64_t nb, const QRow*
       for (int c = 0; c < NC; ++c) s0[c] = s1[c] = _mm256_setzero_si256();
       for (int g = 0; g < 8; ++g) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 256 * ch + 32 * g));
-        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if constexpr (kHigh) {
+          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * g));
+          const __m256i b0 = _mm256_set1_epi8(char(1 << (2 * ch))), b1 = _mm256_set1_epi8(char(1 << (2 * ch + 1)));
+          const __m256i sixteen = _mm256_set1_epi8(16);
+          lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b0), b0), sixteen));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b1), b1), sixteen));
+        }
         for (int c = 0; c < NC; ++c) {
           const int8_t* xq = x[c].q + 32 * u + 4 * g;
 #if defined(__AVX512VNNI__)
           s0[c] = _mm256_dpbusd_epi32(s0[c], lo, bcast4(xq));
           s1[c] = _mm256_dpbusd_epi32(s1[c], hi, bcast4(xq + 32));
 #else
-          s0[c] = _mm256_add_epi16(s0[c], _mm256_maddubs_epi16(lo, bcast4(xq)));
-          s1[c] = _mm256_add_epi16(s1[c], _mm256_maddubs_epi16(hi, bcast4(xq + 32)));
+          if constexpr (kHigh) {
+            const __m256i one = _mm256_set1_epi16(1);
+            s0[c] = _mm256_add_epi32(s0[c], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast4(xq)), one));
+            s1[c] = _mm256_add_epi32(s1[c], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast4(xq + 32)), one));
+          } else {
+            s0[c] = _mm256_add_epi16(s0[c], _mm256_maddubs_epi16(lo, bcast4(xq)));
+            s1[c] = _mm256_add_epi16(s1[c], _mm256_maddubs_epi16(hi, bcast4(xq + 32)));
+          }
 #endif
         }
       }
@@ -220,12 +235,67 @@ KOG_QINLINE void group_q4k_r8(const BlockQ4_Kx8* blocks, int64_t nb, const QRow*
 #if defined(__AVX512VNNI__)
         const __m256i i0 = s0[c], i1 = s1[c];
 #else
-        const __m256i i0 = _mm256_madd_epi16(s0[c], _mm256_set1_epi16(1)), i1 = _mm256_madd_epi16(s1[c], _mm256_set1_epi16(1));
+        __m256i i0 = s0[c], i1 = s1[c];
+        if constexpr (!kHigh) {
+          i0 = _mm256_madd_epi16(i0, _mm256_set1_epi16(1));
+          i1 = _mm256_madd_epi16(i1, _mm256_set1_epi16(1));
+        }
 #endif
         acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(a0, _mm256_broadcast_ss(x[c].d + u)), acc[c]);
         acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(a1, _mm256_broadcast_ss(x[c].d + u + 1)), acc[c]);
         cor[c] = _mm256_fnmadd_ps(m0, _mm256_broadcast_ss(x[c].t + u), cor[c]);
         cor[c] = _mm256_fnmadd_ps(m1, _mm256_broadcast_ss(x[c].t + u + 1), cor[c]);
+      }
+    }
+  }
+  for (int c = 0; c < NC; ++c) out[c] = _mm256_add_ps(acc[c], cor[c]);
+}
+
+// Q6_K_R8: per super-block the 8 rows' d and int8 scales as vectors of 8 rows; per 32-element unit
+// (half h, part t) and 4-element group g: 6-bit q from ql chunk 16 h + 8 (t % 2) + g (nibble
+// t / 2) and qh chunk 8 h + g (bits 2 t, 2 t + 1); w = d sc (q - 32), the scale per 16 elements
+// (g < 4: the unit's first). The -32 goes into the correction with x's half sums.
+template <int NC>
+KOG_QINLINE void group_q6k_r8(const BlockQ6_Kx8* blocks, int64_t nb, const QRow* x, __m256* out) {
+  const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
+  __m256 acc[NC], cor[NC];
+  for (int c = 0; c < NC; ++c) acc[c] = cor[c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const BlockQ6_Kx8& b = blocks[i];
+    const __m256 d = halves8(b.d);
+    auto scale = [&](int j) __attribute__((always_inline)) {  // d * scales[j] of the 8 rows
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.scales + 32 * (j / 4)));
+      return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 24 - 8 * (j % 4)), 24)));
+    };
+    for (int h = 0; h < 2; ++h) {
+      for (int t = 0; t < 4; ++t) {
+        const int64_t u = 8 * i + 4 * h + t;
+        __m256i s[2][NC];
+        for (int c = 0; c < NC; ++c) s[0][c] = s[1][c] = _mm256_setzero_si256();
+        for (int g = 0; g < 8; ++g) {
+          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 32 * (16 * h + 8 * (t % 2) + g)));
+          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * (8 * h + g)));
+          const __m256i lo = t < 2 ? _mm256_and_si256(a, low4) : _mm256_and_si256(_mm256_srli_epi16(a, 4), low4);
+          // 16-bit shifts are safe: each byte is masked to its own 2 bits before moving up by 4.
+          const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * t), low2), 4));
+          for (int c = 0; c < NC; ++c) {
+            const __m256i xb = bcast4(x[c].q + 32 * u + 4 * g);
+#if defined(__AVX512VNNI__)
+            s[g / 4][c] = _mm256_dpbusd_epi32(s[g / 4][c], q, xb);
+#else  // q <= 63: a pair sum <= 2 * 63 * 127 fits i16, then widened
+            s[g / 4][c] = _mm256_add_epi32(s[g / 4][c], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xb), _mm256_set1_epi16(1)));
+#endif
+          }
+        }
+        const __m256 a0 = scale(8 * h + 2 * t), a1 = scale(8 * h + 2 * t + 1);
+        const __m256 m0 = _mm256_mul_ps(a0, _mm256_set1_ps(32.f)), m1 = _mm256_mul_ps(a1, _mm256_set1_ps(32.f));
+        for (int c = 0; c < NC; ++c) {
+          const __m256 dx = _mm256_broadcast_ss(x[c].d + u);
+          acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[0][c]), _mm256_mul_ps(a0, dx), acc[c]);
+          acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[1][c]), _mm256_mul_ps(a1, dx), acc[c]);
+          cor[c] = _mm256_fnmadd_ps(m0, _mm256_broadcast_ss(x[c].s + 2 * u), cor[c]);
+          cor[c] = _mm256_fnmadd_ps(m1, _mm256_broadcast_ss(x[c].s + 2 * u + 1), cor[c]);
+        }
       }
     }
   }
@@ -239,7 +309,13 @@ void group_dot_r8(QuantType type, const uint8_t* group, int64_t k, const QRow* x
   const int64_t nb = k / kQuantBlock;
   switch (type) {
     case QuantType::kQ4_K_R8:
-      group_q4k_r8<NC>(reinterpret_cast<const BlockQ4_Kx8*>(group), k / kSuperBlock, x, v);
+      group_qk_r8<NC, false>(reinterpret_cast<const BlockQ4_Kx8*>(group), k / kSuperBlock, x, v);
+      break;
+    case QuantType::kQ5_K_R8:
+      group_qk_r8<NC, true>(reinterpret_cast<const BlockQ5_Kx8*>(group), k / kSuperBlock, x, v);
+      break;
+    case QuantType::kQ6_K_R8:
+      group_q6k_r8<NC>(reinterpret_cast<const BlockQ6_Kx8*>(group), k / kSuperBlock, x, v);
       break;
     case QuantType::kQ4_0_R8:
       group_q4_r8<NC, false>(reinterpret_cast<const BlockQ4_0x8*>(group), nb, x, v);
@@ -332,11 +408,43 @@ template <int NC>
 void group_dot_r8(QuantType type, const uint8_t* group, int64_t k, const QRow* x, float* out) {
   const int64_t nb = k / kQuantBlock;
   for (int c = 0; c < NC * kPackRows; ++c) out[c] = 0.f;
-  if (type == QuantType::kQ4_K_R8) {
-    const BlockQ4_Kx8* blocks = reinterpret_cast<const BlockQ4_Kx8*>(group);
+  if (type == QuantType::kQ6_K_R8) {
+    const BlockQ6_Kx8* blocks = reinterpret_cast<const BlockQ6_Kx8*>(group);
     for (int64_t i = 0; i < k / kSuperBlock; ++i)
       for (int r = 0; r < kPackRows; ++r) {
-        const BlockQ4_Kx8& b = blocks[i];
+        const BlockQ6_Kx8& b = blocks[i];
+        const float d = half_to_f32(b.d[r]);
+        for (int h = 0; h < 2; ++h)
+          for (int t = 0; t < 4; ++t) {
+            const int64_t u = 8 * i + 4 * h + t;
+            for (int part = 0; part < 2; ++part) {  // elements 16 part .. 16 part + 15 of the unit
+              const int j = 8 * h + 2 * t + part;
+              const float a = d * float(b.scales[32 * (j / 4) + 4 * r + j % 4]);
+              for (int c = 0; c < NC; ++c) {
+                int32_t acc = 0;
+                for (int g = 4 * part; g < 4 * part + 4; ++g)
+                  for (int e = 0; e < 4; ++e) {
+                    const uint8_t lo = b.ql[32 * (16 * h + 8 * (t % 2) + g) + 4 * r + e];
+                    const uint8_t hi = b.qh[32 * (8 * h + g) + 4 * r + e];
+                    const int q = ((lo >> (4 * (t / 2))) & 15) | ((hi >> (2 * t)) & 3) << 4;
+                    acc += int32_t(q) * x[c].q[32 * u + 4 * g + e];
+                  }
+                out[c * kPackRows + r] += a * x[c].d[u] * float(acc) - 32.f * a * x[c].s[2 * u + part];
+              }
+            }
+          }
+      }
+    return;
+  }
+  if (type == QuantType::kQ4_K_R8 || type == QuantType::kQ5_K_R8) {
+    // Q5_K_R8 is Q4_K_R8's layout with the 8 qh chunks between the scales and qs.
+    const bool q5 = type == QuantType::kQ5_K_R8;
+    const int64_t block = q5 ? int64_t(sizeof(BlockQ5_Kx8)) : int64_t(sizeof(BlockQ4_Kx8));
+    for (int64_t i = 0; i < k / kSuperBlock; ++i)
+      for (int r = 0; r < kPackRows; ++r) {
+        const BlockQ4_Kx8& b = *reinterpret_cast<const BlockQ4_Kx8*>(group + i * block);  // d, dmin, scales
+        const uint8_t* qh = q5 ? reinterpret_cast<const BlockQ5_Kx8*>(group + i * block)->qh : nullptr;
+        const uint8_t* qs = q5 ? reinterpret_cast<const BlockQ5_Kx8*>(group + i * block)->qs : b.qs;
         uint8_t sc[12];
         for (int s = 0; s < 3; ++s)
           for (int j = 0; j < 4; ++j) sc[4 * s + j] = b.scales[32 * s + 4 * r + j];
@@ -348,8 +456,9 @@ void group_dot_r8(QuantType type, const uint8_t* group, int64_t k, const QRow* x
             int32_t acc = 0;
             for (int g = 0; g < 8; ++g)
               for (int j = 0; j < 4; ++j) {
-                const uint8_t byte = b.qs[256 * (sb / 2) + 32 * g + 4 * r + j];
-                acc += int32_t((byte >> (4 * (sb % 2))) & 15) * x[c].q[32 * u + 4 * g + j];
+                const uint8_t byte = qs[256 * (sb / 2) + 32 * g + 4 * r + j];
+                const int fifth = q5 ? ((qh[32 * g + 4 * r + j] >> sb) & 1) << 4 : 0;
+                acc += int32_t(((byte >> (4 * (sb % 2))) & 15) | fifth) * x[c].q[32 * u + 4 * g + j];
               }
             out[c * kPackRows + r] += a * x[c].d[u] * float(acc) - m * x[c].t[u];
           }
