@@ -216,15 +216,20 @@ def test_gate_and_up_of_different_types_run_as_one_q8_0_stack(tmp_path):
     assert got_ids == want_ids
 
 
-def test_expert_stack_of_a_type_without_kernels_is_a_load_error_naming_it(tmp_path):
-    # IQ4_NL has no native kernel: kept quantized it is refused by name, as a dense matrix would
-    # be; dtype="float32" dequantizes it.
+def test_expert_stack_of_a_type_without_kernels_is_kept_as_q8_0(tmp_path):
+    # IQ4_NL has no native kernel: its stack is re-encoded as Q8_0 (the finest type with kernels)
+    # and the model gives the tokens of the file dequantized.
     config, src = q8_0_moe_file(tmp_path)
     path = retyped(src, tmp_path / "iq4.gguf", {"blk.0.ffn_down_exps.weight": T.IQ4_NL})
-    with pytest.raises(kog.ModelLoadError, match=r"'blk\.0\.ffn_down_exps\.weight' has type IQ4_NL"):
-        load_model(path)
+    kept = load_model(path)
+    stack = kept.weights["model.layers.0.mlp.experts.down_proj"]
+    assert isinstance(stack, QuantizedWeight) and stack.type_name == "Q8_0"
     floats = load_model(path, dtype="float32")
     assert floats.weights["model.layers.0.mlp.experts.down_proj"].shape == (4, 64, 32)
+    got_ids, got = greedy(kept, list(range(5, 45)), N_TOKENS)
+    want_ids, want = greedy(floats, list(range(5, 45)), N_TOKENS)
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+    assert got_ids == want_ids
 
 
 @pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1], ids=lambda t: t.name)

@@ -3,6 +3,7 @@ two-stage int8 GEMV, Op.w_type validation, the executor's quantized LINEAR/EMBED
 kog.ops, and tiny quantized models (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1) against the same weights in fp32."""
 
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -298,9 +299,9 @@ def test_validate_program_checks_w_type():
         _C.expand_gpu_program(ops_, dims)
 
 
-def test_gguf_quant_types_and_truncation(tmp_path):
-    """dtype None keeps Q8_0 blocks; dtype float32 dequantizes; a type without kernels is refused
-    by name; a truncated file is a ModelLoadError."""
+def test_gguf_quant_types_and_truncation(tmp_path, caplog):
+    """dtype None keeps Q8_0 blocks; dtype float32 dequantizes; a type without kernels is kept as
+    Q8_0 (one warning naming it and the bytes); a truncated file is a ModelLoadError."""
     import gguf
 
     config = tiny_config("llama")
@@ -312,7 +313,7 @@ def test_gguf_quant_types_and_truncation(tmp_path):
     floats = load_model(path, dtype="float32", progress=False)
     assert all(isinstance(w, torch.Tensor) for w in floats.weights.values())
     # IQ4_NL (llama.cpp's 4-bit non-linear blocks: fp16 d + 16 bytes of indices, any bytes valid;
-    # Kog has no kernel): refused naming tensor, type and the native types.
+    # Kog has no kernel): re-encoded as Q8_0, within Q8_0's rounding of the values gguf decodes.
     writer = gguf.GGUFWriter(str(tmp_path / "iq4.gguf"), "llama")
     src = gguf.GGUFReader(str(path))
     for f in src.fields.values():
@@ -331,9 +332,16 @@ def test_gguf_quant_types_and_truncation(tmp_path):
         else:
             writer.add_tensor(t.name, data)
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
-    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight.*IQ4_NL.*Q5_1"):
-        load_model(tmp_path / "iq4.gguf", progress=False)
-    assert load_model(tmp_path / "iq4.gguf", dtype="float32", progress=False).weights  # dequantizes fine
+    with caplog.at_level(logging.WARNING, logger="kog"):
+        iq4 = load_model(tmp_path / "iq4.gguf", progress=False)
+    assert "1 tensors of type IQ4_NL have no native kernels: re-encoded as Q8_0" in caplog.text
+    up = iq4.weights["model.layers.1.mlp.up_proj.weight"]
+    assert isinstance(up, QuantizedWeight) and up.type_name == "Q8_0"
+    want = load_model(tmp_path / "iq4.gguf", dtype="float32", progress=False).weights["model.layers.1.mlp.up_proj.weight"]
+    amax = want.abs().view(want.shape[0], -1, 32).amax(-1).repeat_interleave(32, -1)
+    assert bool(((up.dequantize() - want).abs() <= amax * (1 / 254 + 1 / 2048) + 1e-7).all())
+    logits = decode_logits(ModelRunner(iq4, num_kv_blocks=64, block_size=4), [[3, 5, 7, 9]])  # and it runs
+    assert logits.shape == (1, config.vocab_size) and bool(logits.isfinite().all())
     data = path.read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[:-100])
     with pytest.raises(ModelLoadError, match="truncated"):

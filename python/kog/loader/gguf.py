@@ -11,6 +11,7 @@ Three things differ from an HF folder and are undone here:
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -26,6 +27,8 @@ from kog.errors import ModelLoadError
 from kog.loader.gguf_file import GGUFFile, TensorInfo
 from kog.quantized import QuantizedWeight, quantize_q8_0
 from kog.loader.weights import Weights, check_shape, expected_shapes, progress_bar, select_names
+
+log = logging.getLogger("kog")
 
 # GGUF `general.architecture` -> Kog family. Mistral GGUFs are written with the llama architecture.
 # A llama GGUF with llama.expert_count > 0 is Mixtral.
@@ -175,9 +178,9 @@ class GGUFCheckpoint:
         like the float ones); float tensors (norms, biases, F16 matrices) in the run dtype.
 
         Raises:
-            ModelLoadError: naming the file and tensor that is missing, misshapen, of an
-                unsupported quantization (with keep_quantized: any type without Kog kernels,
-                listing those that have), or unknown.
+            ModelLoadError: naming the file and tensor that is missing, misshapen, of a
+                quantization gguf cannot decode, or unknown. With keep_quantized, a block type
+                without Kog kernels is re-encoded as Q8_0 (one warning logged, with the bytes).
         """
         by_hf: dict[str, list[str]] = {}  # HF name -> its GGUF tensors (two for gate_up_proj)
         for name in self.tensors:
@@ -202,6 +205,8 @@ class GGUFCheckpoint:
                 if len(by_hf[name]) == 2:  # one of gate / up: [E, Ie, hidden]
                     want = (want[0], want[1] // 2, want[2])
                 check_shape(name, info.torch_shape, {name: want}, f"{self.path} (GGUF tensor {info.name})")
+        if keep_quantized:
+            self._log_reencoded([self.tensors[g] for name in names for g in by_hf[name]])
         weights: Weights = {}
         # NOTE: numpy releases the GIL inside dequantization, so threads use every core.
         with progress_bar(len(names), f"loading {self.path.name}", progress) as bar, \
@@ -212,6 +217,21 @@ class GGUFCheckpoint:
                 weights[futures[future]] = future.result()
                 bar.update()
         return {name: weights[name] for name in names}
+
+    def _log_reencoded(self, infos: list[TensorInfo]) -> None:
+        """One warning for the quantized tensors of types without kernels (kept as Q8_0 instead)."""
+        from kog.ops import QUANT_TYPES
+
+        native = {v[0] for v in QUANT_TYPES.values()}
+        odd = [i for i in infos if i.qtype not in _FLOAT_TYPES and int(i.qtype) not in native]
+        if not odd:
+            return
+        types = sorted({i.qtype.name for i in odd})
+        file_mb = sum(i.nbytes for i in odd) / 1e6
+        q8_mb = sum(int(np.prod(i.torch_shape)) // 32 * 34 for i in odd) / 1e6
+        log.warning("%s: %d tensors of type %s have no native kernels: re-encoded as Q8_0 at load "
+                    "(%.1f MB in the file -> %.1f MB; dtype='float32' dequantizes instead)",
+                    self.path.name, len(odd), "/".join(types), file_mb, q8_mb)
 
     def _load_parts(self, name: str, gguf_names: list[str], config: ModelConfig, dtype: torch.dtype,
                     keep_quantized: bool) -> torch.Tensor | QuantizedWeight:
@@ -246,15 +266,21 @@ class GGUFCheckpoint:
         [E, rows, cols] tensor as E rows block rows."""
         from kog.ops import QUANT_TYPES
 
-        supported = {v[0] for v in QUANT_TYPES.values()}
-        if int(info.qtype) not in supported or len(info.torch_shape) != (3 if stacked else 2):
-            what = f"type {info.qtype.name}" if int(info.qtype) not in supported else f"{len(info.torch_shape)}-D shape"
-            raise ModelLoadError(f"{self.path}: tensor {info.name!r} has {what}, which Kog cannot keep quantized "
-                                 f"(native types: {', '.join(sorted(QUANT_TYPES))}, as 2-D matrices or "
-                                 f"stacked experts); "
-                                 f"load it with dtype='float32' to dequantize")
         *lead, cols = info.torch_shape
         rows = int(np.prod(lead))
+        if len(info.torch_shape) != (3 if stacked else 2):
+            raise ModelLoadError(f"{self.path}: tensor {info.name!r} has a {len(info.torch_shape)}-D shape, which "
+                                 f"Kog cannot keep quantized (2-D matrices or stacked experts); load it with "
+                                 f"dtype='float32' to dequantize")
+        if int(info.qtype) not in {v[0] for v in QUANT_TYPES.values()}:
+            # No native kernels (IQ*, Q2_K, Q3_K, ...): re-encoded as Q8_0, the finest type that has
+            # them (load_weights logs which tensors and what it costs).
+            if cols % 32:
+                raise ModelLoadError(f"{self.path}: tensor {info.name!r} has type {info.qtype.name}, which Kog "
+                                     f"has no kernels for, and {cols} columns, not whole Q8_0 blocks of 32 to "
+                                     f"re-encode it in (native types: {', '.join(sorted(QUANT_TYPES))}); load it "
+                                     f"with dtype='float32' to dequantize")
+            return quantize_q8_0(self._dequantize(info, info.torch_shape).reshape(rows, cols))
         raw = self.file.data(info).reshape(rows, -1)  # uint8 [rows, row_bytes]
         return QuantizedWeight(torch.from_numpy(raw.copy()), int(info.qtype), int(cols))
 
