@@ -14,7 +14,7 @@ import torch
 import kog
 from kog.cli import main
 from kog.loader import GGUFCheckpoint, resolve_model
-from kog.loader.gguf_write import hf_to_gguf, quantize_q4_k, requantize_gguf
+from kog.loader.gguf_write import hf_to_gguf, quantize_q4_k, quantize_q5_k, quantize_q6_k, requantize_gguf
 from kog.testing.tiny_models import random_weights, tiny_config, write_gguf_model
 
 Q = gguf.GGMLQuantizationType
@@ -44,12 +44,10 @@ def test_q4_k_blocks_decode_to_the_values_within_a_4_bit_error():
         quantize_q4_k(np.zeros((2, 576), np.float32))
 
 
-def test_test_encoders_of_q5_k_and_q6_k_decode_to_the_values():
-    """kog.testing.kquants (the tests' Q5_K / Q6_K blocks) against gguf's decoder: within a step
-    of the format (Q5_K: its affine 5-bit step per 32; Q6_K: d sc per 16 plus the fp16/int8
-    rounding of the scales), and tighter than Q4_K / Q5_K respectively in RMS."""
-    from kog.testing.kquants import quantize_q5_k, quantize_q6_k
-
+def test_q5_k_and_q6_k_blocks_decode_to_the_values():
+    """quantize_q5_k / quantize_q6_k against gguf's decoder: within a step of the format (Q5_K:
+    its affine 5-bit step per 32; Q6_K: d sc per 16 plus the fp16/int8 rounding of the scales),
+    and closer than Q4_K / Q5_K respectively in RMS."""
     rng = np.random.default_rng(1)
     x = (rng.standard_normal((6, 512)) * rng.uniform(0.01, 3, (6, 1))).astype(np.float32)
     x[2, :256] += 4.0

@@ -15,8 +15,7 @@ from kog import _C, ops
 from kog.engine import EngineConfig, LLMEngine
 from kog.errors import InvalidRequest, ModelLoadError
 from kog.loader import LoadedModel, load_model
-from kog.loader.gguf_write import quantize_q4_k
-from kog.testing.kquants import quantize_q5_k, quantize_q6_k
+from kog.loader.gguf_write import quantize_q4_k, quantize_q5_k, quantize_q6_k
 from kog.models import ModelRunner
 from kog.models.decode import lower_program, model_dims
 from kog.program import interpreter as interp

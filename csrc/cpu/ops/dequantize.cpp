@@ -19,43 +19,25 @@ void row_q8_0(const uint8_t* row, int64_t nb, float* y) {
   }
 }
 
-template <bool kMin, class Block>
+// Q4_0 (w = d (q - 8)), Q4_1 (kMin: w = d q + m), and with kFifth Q5_0 (w = d (q - 16)) / Q5_1
+// (w = d q + m), q = nibble + 16 * bit i of qh for element i.
+template <bool kMin, bool kFifth, class Block>
 void row_q4(const uint8_t* row, int64_t nb, float* y) {
   const Block* b = reinterpret_cast<const Block*>(row);
+  constexpr int kOffset = kFifth ? 16 : 8;
   for (int64_t i = 0; i < nb; ++i, y += kQuantBlock) {
     const float d = half_to_f32(b[i].d);
+    uint32_t qh = 0;
+    if constexpr (kFifth) __builtin_memcpy(&qh, b[i].qh, 4);
     for (int l = 0; l < kQuantBlock / 2; ++l) {
-      const int lo = b[i].qs[l] & 15, hi = b[i].qs[l] >> 4;
+      const int lo = (b[i].qs[l] & 15) | int((qh >> l) & 1) << 4, hi = (b[i].qs[l] >> 4) | int((qh >> (l + 16)) & 1) << 4;
       if constexpr (kMin) {
-        const float m = half_to_f32(reinterpret_cast<const BlockQ4_1&>(b[i]).m);
+        const float m = half_to_f32(b[i].m);
         y[l] = d * float(lo) + m;
         y[l + 16] = d * float(hi) + m;
       } else {
-        y[l] = d * float(lo - 8);
-        y[l + 16] = d * float(hi - 8);
-      }
-    }
-  }
-}
-
-// Q5_0 (w = d (q - 16)) and Q5_1 (kMin: w = d q + m).
-template <bool kMin, class Block>
-void row_q5(const uint8_t* row, int64_t nb, float* y) {
-  const Block* b = reinterpret_cast<const Block*>(row);
-  for (int64_t i = 0; i < nb; ++i, y += kQuantBlock) {
-    const float d = half_to_f32(b[i].d);
-    uint32_t qh;
-    __builtin_memcpy(&qh, b[i].qh, 4);
-    for (int l = 0; l < kQuantBlock / 2; ++l) {
-      const int lo = (b[i].qs[l] & 15) | int((qh >> l) & 1) << 4;
-      const int hi = (b[i].qs[l] >> 4) | int((qh >> (l + 16)) & 1) << 4;
-      if constexpr (kMin) {
-        const float m = half_to_f32(reinterpret_cast<const BlockQ5_1&>(b[i]).m);
-        y[l] = d * float(lo) + m;
-        y[l + 16] = d * float(hi) + m;
-      } else {
-        y[l] = d * float(lo - 16);
-        y[l + 16] = d * float(hi - 16);
+        y[l] = d * float(lo - kOffset);
+        y[l + 16] = d * float(hi - kOffset);
       }
     }
   }
@@ -155,10 +137,10 @@ void dequantize_row(QuantType type, const uint8_t* w, int64_t k, float* y) {
   switch (type) {
     default: break;  // packed types: plain_row first
     case QuantType::kQ8_0: row_q8_0(w, nb, y); break;
-    case QuantType::kQ4_0: row_q4<false, BlockQ4_0>(w, nb, y); break;
-    case QuantType::kQ4_1: row_q4<true, BlockQ4_1>(w, nb, y); break;
-    case QuantType::kQ5_0: row_q5<false, BlockQ5_0>(w, nb, y); break;
-    case QuantType::kQ5_1: row_q5<true, BlockQ5_1>(w, nb, y); break;
+    case QuantType::kQ4_0: row_q4<false, false, BlockQ4_0>(w, nb, y); break;
+    case QuantType::kQ4_1: row_q4<true, false, BlockQ4_1>(w, nb, y); break;
+    case QuantType::kQ5_0: row_q4<false, true, BlockQ5_0>(w, nb, y); break;
+    case QuantType::kQ5_1: row_q4<true, true, BlockQ5_1>(w, nb, y); break;
     case QuantType::kQ4_K: row_k4<false, BlockQ4_K>(w, nb, y); break;
     case QuantType::kQ5_K: row_k4<true, BlockQ5_K>(w, nb, y); break;
     case QuantType::kQ6_K: row_q6_k(w, nb, y); break;

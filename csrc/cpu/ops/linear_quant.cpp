@@ -141,93 +141,65 @@ bool uses_x16(const LinearQuantParams& p) { return p.type == QuantType::kQ8_0_R8
 
 // ---- one weight row per format: unpack each unit, hand it to the accumulator --------------------
 
-// Blocks of one unit: two pairs per step, one per accumulator slot.
+// The blocks of a row two at a time, pairs alternating between the accumulator slots (two FMA
+// chains in flight), then a last single block: pair(slot, i) takes blocks i, i + 1; single(i) one.
+template <class Pair, class Single>
+KOG_QINLINE void block_pairs(int64_t nb, Pair pair, Single single) {
+  int64_t i = 0;
+  for (; i + 4 <= nb; i += 4) {
+    pair(kSlot0, i);
+    pair(kSlot1, i + 2);
+  }
+  if (i + 2 <= nb) pair(kSlot0, i), i += 2;
+  if (i < nb) single(i);
+}
+
 template <class Acc>
 KOG_QINLINE void dot_q8_0(const uint8_t* row, int64_t nb, Acc& acc) {
   const BlockQ8_0* b = reinterpret_cast<const BlockQ8_0*>(row);
-  auto pair = [&](auto slot, int64_t i) __attribute__((always_inline)) {
-    acc.template pair_s8<decltype(slot)::value>(load32(b[i].qs), load32(b[i + 1].qs), i, half_to_f32(b[i].d),
-                                                half_to_f32(b[i + 1].d));
-  };
-  int64_t i = 0;
-  for (; i + 4 <= nb; i += 4) {
-    pair(kSlot0, i);
-    pair(kSlot1, i + 2);
-  }
-  if (i + 2 <= nb) pair(kSlot0, i), i += 2;
-  if (i < nb) acc.template unit_s8<1>(load32(b[i].qs), i, half_to_f32(b[i].d));
+  block_pairs(
+      nb,
+      [&](auto slot, int64_t i) __attribute__((always_inline)) {
+        acc.template pair_s8<decltype(slot)::value>(load32(b[i].qs), load32(b[i + 1].qs), i, half_to_f32(b[i].d),
+                                                    half_to_f32(b[i + 1].d));
+      },
+      [&](int64_t i) __attribute__((always_inline)) { acc.template unit_s8<1>(load32(b[i].qs), i, half_to_f32(b[i].d)); });
 }
 
-template <class Acc>
-KOG_QINLINE void dot_q4_0(const uint8_t* row, int64_t nb, Acc& acc) {
-  const BlockQ4_0* b = reinterpret_cast<const BlockQ4_0*>(row);
-  auto pair = [&](auto slot, int64_t i) __attribute__((always_inline)) {
-    const float d0 = half_to_f32(b[i].d), d1 = half_to_f32(b[i + 1].d);
-    acc.template pair<decltype(slot)::value>(nibbles16(b[i].qs), nibbles16(b[i + 1].qs), i, d0, d1, -8.f * d0,
-                                             -8.f * d1);
-  };
-  int64_t i = 0;
-  for (; i + 4 <= nb; i += 4) {
-    pair(kSlot0, i);
-    pair(kSlot1, i + 2);
-  }
-  if (i + 2 <= nb) pair(kSlot0, i), i += 2;
-  if (i < nb) {
-    const float d = half_to_f32(b[i].d);
-    acc.template unit<1>(nibbles16(b[i].qs), i, d, -8.f * d);
-  }
-}
-
-template <class Acc>
-KOG_QINLINE void dot_q4_1(const uint8_t* row, int64_t nb, Acc& acc) {
-  const BlockQ4_1* b = reinterpret_cast<const BlockQ4_1*>(row);
-  auto pair = [&](auto slot, int64_t i) __attribute__((always_inline)) {
-    acc.template pair<decltype(slot)::value>(nibbles16(b[i].qs), nibbles16(b[i + 1].qs), i, half_to_f32(b[i].d),
-                                             half_to_f32(b[i + 1].d), half_to_f32(b[i].m),
-                                             half_to_f32(b[i + 1].m));
-  };
-  int64_t i = 0;
-  for (; i + 4 <= nb; i += 4) {
-    pair(kSlot0, i);
-    pair(kSlot1, i + 2);
-  }
-  if (i + 2 <= nb) pair(kSlot0, i), i += 2;
-  if (i < nb) acc.template unit<1>(nibbles16(b[i].qs), i, half_to_f32(b[i].d), half_to_f32(b[i].m));
-}
-
-// Q5_0 (w = d (q - 16)) and Q5_1 (kMin: w = d q + m): Q4's nibbles plus the fifth bits of qh.
-template <bool kMin, class Block, class Acc>
-KOG_QINLINE void dot_q5(const uint8_t* row, int64_t nb, Acc& acc) {
+// Q4_0 (w = d (q - 8)), Q4_1 (kMin: w = d q + m), and with kFifth Q5_0 (w = d (q - 16)) / Q5_1:
+// Q4's nibbles plus the fifth bits of qh.
+template <bool kMin, bool kFifth, class Block, class Acc>
+KOG_QINLINE void dot_q4(const uint8_t* row, int64_t nb, Acc& acc) {
   const Block* b = reinterpret_cast<const Block*>(row);
-  auto q5 = [&](int64_t i) __attribute__((always_inline)) {
-    uint32_t qh;
-    __builtin_memcpy(&qh, b[i].qh, 4);
-    return or_bytes(nibbles16(b[i].qs), fifth_bits(qh));
+  auto q = [&](int64_t i) __attribute__((always_inline)) {
+    if constexpr (kFifth) {
+      uint32_t qh;
+      __builtin_memcpy(&qh, b[i].qh, 4);
+      return or_bytes(nibbles16(b[i].qs), fifth_bits(qh));
+    } else {
+      return nibbles16(b[i].qs);
+    }
   };
-  auto ab = [&](int64_t i, float& a, float& m) __attribute__((always_inline)) {
+  auto scale = [&](int64_t i, float& a, float& m) __attribute__((always_inline)) {
     a = half_to_f32(b[i].d);
     if constexpr (kMin) {
       m = half_to_f32(b[i].m);
     } else {
-      m = -16.f * a;
+      m = (kFifth ? -16.f : -8.f) * a;
     }
   };
-  auto pair = [&](auto slot, int64_t i) __attribute__((always_inline)) {
-    float a0, m0, a1, m1;
-    ab(i, a0, m0), ab(i + 1, a1, m1);
-    acc.template pair<decltype(slot)::value>(q5(i), q5(i + 1), i, a0, a1, m0, m1);
-  };
-  int64_t i = 0;
-  for (; i + 4 <= nb; i += 4) {
-    pair(kSlot0, i);
-    pair(kSlot1, i + 2);
-  }
-  if (i + 2 <= nb) pair(kSlot0, i), i += 2;
-  if (i < nb) {
-    float a, m;
-    ab(i, a, m);
-    acc.template unit<1>(q5(i), i, a, m);
-  }
+  block_pairs(
+      nb,
+      [&](auto slot, int64_t i) __attribute__((always_inline)) {
+        float a0, m0, a1, m1;
+        scale(i, a0, m0), scale(i + 1, a1, m1);
+        acc.template pair<decltype(slot)::value>(q(i), q(i + 1), i, a0, a1, m0, m1);
+      },
+      [&](int64_t i) __attribute__((always_inline)) {
+        float a, m;
+        scale(i, a, m);
+        acc.template unit<1>(q(i), i, a, m);
+      });
 }
 
 // Q4_K/Q5_K sub-block scales and mins as floats: a[j] = d * sc[j], b[j] = -dmin * mn[j]. The 6-bit
@@ -290,10 +262,10 @@ void dot_row(QuantType type, const uint8_t* w, int64_t k, const QRow* x, float* 
   QuantAcc<NC> acc(x);
   switch (type) {
     case QuantType::kQ8_0: dot_q8_0(w, k / kQuantBlock, acc); break;
-    case QuantType::kQ4_0: dot_q4_0(w, k / kQuantBlock, acc); break;
-    case QuantType::kQ4_1: dot_q4_1(w, k / kQuantBlock, acc); break;
-    case QuantType::kQ5_0: dot_q5<false, BlockQ5_0>(w, k / kQuantBlock, acc); break;
-    case QuantType::kQ5_1: dot_q5<true, BlockQ5_1>(w, k / kQuantBlock, acc); break;
+    case QuantType::kQ4_0: dot_q4<false, false, BlockQ4_0>(w, k / kQuantBlock, acc); break;
+    case QuantType::kQ4_1: dot_q4<true, false, BlockQ4_1>(w, k / kQuantBlock, acc); break;
+    case QuantType::kQ5_0: dot_q4<false, true, BlockQ5_0>(w, k / kQuantBlock, acc); break;
+    case QuantType::kQ5_1: dot_q4<true, true, BlockQ5_1>(w, k / kQuantBlock, acc); break;
     case QuantType::kQ4_K: dot_k4<false, BlockQ4_K>(w, k / kSuperBlock, acc); break;
     case QuantType::kQ5_K: dot_k4<true, BlockQ5_K>(w, k / kSuperBlock, acc); break;
     case QuantType::kQ6_K: dot_q6_k(w, k / kSuperBlock, acc); break;

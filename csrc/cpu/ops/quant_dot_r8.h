@@ -43,50 +43,6 @@ static inline __m256 halves8(const half_bits* h) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
 }
 
-// Q4_0_R8 / Q4_1_R8 (kMin): unsigned nibbles q, w = d q + m (Q4_1) or d (q - 8) (Q4_0).
-template <int NC, bool kMin, class Unit>
-KOG_QINLINE void group_q4_r8(const Unit* units, int64_t nb, const QRow* x, __m256* out) {
-  const __m256i low4 = _mm256_set1_epi8(15);
-  __m256 acc[NC], cor[NC];
-  for (int c = 0; c < NC; ++c) acc[c] = cor[c] = _mm256_setzero_ps();
-  for (int64_t u = 0; u < nb; ++u) {
-    const Unit& b = units[u];
-    __m256i s[NC];
-    for (int c = 0; c < NC; ++c) s[c] = _mm256_setzero_si256();
-    for (int ch = 0; ch < 4; ++ch) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * ch));
-      const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      for (int c = 0; c < NC; ++c) {
-        const int8_t* xq = x[c].q + 32 * u + 4 * ch;
-#if defined(__AVX512VNNI__)
-        s[c] = _mm256_dpbusd_epi32(s[c], lo, bcast4(xq));
-        s[c] = _mm256_dpbusd_epi32(s[c], hi, bcast4(xq + 16));
-#else
-        s[c] = _mm256_add_epi16(s[c], _mm256_maddubs_epi16(lo, bcast4(xq)));
-        s[c] = _mm256_add_epi16(s[c], _mm256_maddubs_epi16(hi, bcast4(xq + 16)));
-#endif
-      }
-    }
-    const __m256 d = halves8(b.d);
-    __m256 m;
-    if constexpr (kMin) {
-      m = halves8(b.m);
-    } else {
-      m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
-    }
-    for (int c = 0; c < NC; ++c) {
-#if defined(__AVX512VNNI__)
-      const __m256i i = s[c];
-#else
-      const __m256i i = _mm256_madd_epi16(s[c], _mm256_set1_epi16(1));
-#endif
-      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, _mm256_broadcast_ss(x[c].d + u)), acc[c]);
-      cor[c] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(x[c].t + u), cor[c]);
-    }
-  }
-  for (int c = 0; c < NC; ++c) out[c] = _mm256_add_ps(acc[c], cor[c]);
-}
-
 // The fifth bits of one Q5 chunk of 8 rows: qh = the unit's qh chunk (row r's 32-bit word in lane
 // r); byte j of lane r = 16 where bit `first` + j of that word is set (first = 4 ch for the low
 // nibbles of qs chunk ch, 16 + 4 ch for the high ones).
@@ -100,22 +56,28 @@ static inline __m256i fifth_bits_r8(__m256i qh, int first) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
 }
 
-// Q5_0_R8 / Q5_1_R8 (kMin): q = nibble + 16 * fifth bit, w = d q + m (Q5_1) or d (q - 16) (Q5_0).
-// Pair sums of q x reach 2 * 31 * 127: a chunk's two maddubs are added in i16, then widened.
-template <int NC, bool kMin, class Unit>
-KOG_QINLINE void group_q5_r8(const Unit* units, int64_t nb, const QRow* x, __m256* out) {
+// Q4_0_R8 / Q4_1_R8 (kMin) and Q5_0_R8 / Q5_1_R8 (kFifth: q = nibble + 16 * the fifth bit from the
+// unit's qh chunk): w = d q + m (Q4_1, Q5_1) or d (q - 8) / d (q - 16) (Q4_0, Q5_0). Q4's maddubs
+// pair sums (<= 2 * 15 * 127) add up in i16 over the unit; Q5's (<= 2 * 31 * 127) are widened to
+// i32 at every chunk.
+template <int NC, bool kMin, bool kFifth, class Unit>
+KOG_QINLINE void group_q4_r8(const Unit* units, int64_t nb, const QRow* x, __m256* out) {
   const __m256i low4 = _mm256_set1_epi8(15);
   __m256 acc[NC], cor[NC];
   for (int c = 0; c < NC; ++c) acc[c] = cor[c] = _mm256_setzero_ps();
   for (int64_t u = 0; u < nb; ++u) {
     const Unit& b = units[u];
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh));
+    __m256i qh = _mm256_setzero_si256();
+    if constexpr (kFifth) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh));
     __m256i s[NC];
     for (int c = 0; c < NC; ++c) s[c] = _mm256_setzero_si256();
     for (int ch = 0; ch < 4; ++ch) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * ch));
-      const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low4), fifth_bits_r8(qh, 4 * ch));
-      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), fifth_bits_r8(qh, 16 + 4 * ch));
+      __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      if constexpr (kFifth) {
+        lo = _mm256_or_si256(lo, fifth_bits_r8(qh, 4 * ch));
+        hi = _mm256_or_si256(hi, fifth_bits_r8(qh, 16 + 4 * ch));
+      }
       for (int c = 0; c < NC; ++c) {
         const int8_t* xq = x[c].q + 32 * u + 4 * ch;
 #if defined(__AVX512VNNI__)
@@ -123,7 +85,11 @@ KOG_QINLINE void group_q5_r8(const Unit* units, int64_t nb, const QRow* x, __m25
         s[c] = _mm256_dpbusd_epi32(s[c], hi, bcast4(xq + 16));
 #else
         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xq)), _mm256_maddubs_epi16(hi, bcast4(xq + 16)));
-        s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+        if constexpr (kFifth) {
+          s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+        } else {
+          s[c] = _mm256_add_epi16(s[c], p);
+        }
 #endif
       }
     }
@@ -132,10 +98,15 @@ KOG_QINLINE void group_q5_r8(const Unit* units, int64_t nb, const QRow* x, __m25
     if constexpr (kMin) {
       m = halves8(b.m);
     } else {
-      m = _mm256_mul_ps(d, _mm256_set1_ps(-16.f));
+      m = _mm256_mul_ps(d, _mm256_set1_ps(kFifth ? -16.f : -8.f));
     }
     for (int c = 0; c < NC; ++c) {
-      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[c]), _mm256_mul_ps(d, _mm256_broadcast_ss(x[c].d + u)), acc[c]);
+#if defined(__AVX512VNNI__)
+      const __m256i i = s[c];
+#else
+      const __m256i i = kFifth ? s[c] : _mm256_madd_epi16(s[c], _mm256_set1_epi16(1));
+#endif
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, _mm256_broadcast_ss(x[c].d + u)), acc[c]);
       cor[c] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(x[c].t + u), cor[c]);
     }
   }
@@ -318,16 +289,16 @@ void group_dot_r8(QuantType type, const uint8_t* group, int64_t k, const QRow* x
       group_q6k_r8<NC>(reinterpret_cast<const BlockQ6_Kx8*>(group), k / kSuperBlock, x, v);
       break;
     case QuantType::kQ4_0_R8:
-      group_q4_r8<NC, false>(reinterpret_cast<const BlockQ4_0x8*>(group), nb, x, v);
+      group_q4_r8<NC, false, false>(reinterpret_cast<const BlockQ4_0x8*>(group), nb, x, v);
       break;
     case QuantType::kQ4_1_R8:
-      group_q4_r8<NC, true>(reinterpret_cast<const BlockQ4_1x8*>(group), nb, x, v);
+      group_q4_r8<NC, true, false>(reinterpret_cast<const BlockQ4_1x8*>(group), nb, x, v);
       break;
     case QuantType::kQ5_0_R8:
-      group_q5_r8<NC, false>(reinterpret_cast<const BlockQ5_0x8*>(group), nb, x, v);
+      group_q4_r8<NC, false, true>(reinterpret_cast<const BlockQ5_0x8*>(group), nb, x, v);
       break;
     case QuantType::kQ5_1_R8:
-      group_q5_r8<NC, true>(reinterpret_cast<const BlockQ5_1x8*>(group), nb, x, v);
+      group_q4_r8<NC, true, true>(reinterpret_cast<const BlockQ5_1x8*>(group), nb, x, v);
       break;
     default:  // kQ8_0_R8 (the callers dispatch packed types only)
       group_q8_r8<NC>(reinterpret_cast<const BlockQ8_0x8*>(group), nb, x, v);

@@ -9,7 +9,8 @@ dequantized to f32, then written as llama.cpp's quantizer would: 2-D weight matr
 target type, everything else (norms, RoPE factors) as F32. Q4_K needs rows that are a multiple
 of its 256-element super-block; a matrix whose rows are not (SmolLM2's hidden size is 576) is
 written as Q8_0, and the result lists every such fallback. F16, BF16 and Q8_0 use gguf-py's
-quantizers; gguf-py decodes Q4_K but cannot encode it, so `quantize_q4_k` is ours.
+quantizers; gguf-py decodes Q4_K, Q5_K and Q6_K but cannot encode them, so `quantize_q4_k` (and,
+for tests and future out types, `quantize_q5_k`, `quantize_q6_k`) are ours.
 """
 
 from __future__ import annotations
@@ -316,24 +317,18 @@ def _encode(values: np.ndarray, qtype: Q) -> np.ndarray:
     return gguf.quants.quantize(values, qtype)
 
 
-def quantize_q4_k(x: np.ndarray) -> np.ndarray:
-    """Q4_K blocks of x [..., k] f32 (k a multiple of 256): uint8 [..., k / 256 * 144].
-
-    A super-block of 256 is 8 sub-blocks of 32, each x ~ d * sc_j * q - dmin * m_j with q in
-    [0, 15]: per sub-block the affine fit of its min (<= 0) and max, then sc_j and m_j rounded
-    to 6 bits against the super-block's fp16 d = max scale / 63 and dmin = max min / 63, then q
-    rounded against those. Layout (llama.cpp's block_q4_K): d, dmin (fp16), 12 bytes of 6-bit
-    scales and mins (sub-blocks 0-3 in the low 6 bits of bytes 0-7; 4-7 split over the nibbles
-    of bytes 8-11 and the top 2 bits of bytes 0-7), 128 bytes of nibbles (per 64 values, the
-    first 32 in the low nibbles, the next 32 in the high ones). Simpler than llama.cpp's
-    iterative search of each sub-block's scale (make_qkx2_quants): a somewhat larger error.
-    """
+def _k_affine(x: np.ndarray, name: str, qmax: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's fit of x [..., k] (k a multiple of 256): per 32-value sub-block x ~ d sc_j q
+    - dmin m_j with q in [0, qmax], from the affine fit of its min (<= 0) and max, sc_j and m_j
+    rounded to 6 bits against the super-block's fp16 d = max scale / 63 and dmin = max min / 63,
+    then q rounded against those. Returns the fp16 d, dmin as bytes [n, 4], the 12 bytes of 6-bit
+    scales and mins [n, 12] (sub-blocks 0-3 in the low 6 bits of bytes 0-7; 4-7 split over the
+    nibbles of bytes 8-11 and the top 2 bits of bytes 0-7), and q [n, 8, 32] uint8."""
     if x.shape[-1] % gguf.QK_K:
-        raise ValueError(f"Q4_K needs rows of a multiple of {gguf.QK_K} values, got {x.shape[-1]}")
-    lead = x.shape[:-1]
+        raise ValueError(f"{name} needs rows of a multiple of {gguf.QK_K} values, got {x.shape[-1]}")
     sub = x.reshape(-1, 8, 32).astype(np.float32)
     lo = np.minimum(sub.min(-1), 0.0)
-    scale = (sub.max(-1) - lo) / 15.0  # [n, 8]
+    scale = (sub.max(-1) - lo) / float(qmax)  # [n, 8]
     mins = -lo
     d = (scale.max(-1) / 63.0).astype(np.float16)
     dmin = (mins.max(-1) / 63.0).astype(np.float16)
@@ -343,12 +338,65 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
         m = np.where(dminf > 0, np.rint(mins / dminf), 0).clip(0, 63).astype(np.uint8)
         step = (df * sc)[..., None]
         q = np.where(step > 0, np.rint((sub + (dminf * m)[..., None]) / step), 0)
-    q = q.clip(0, 15).astype(np.uint8)
     scales = np.empty((sub.shape[0], 12), np.uint8)
     scales[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
     scales[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
     scales[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
-    pairs = q.reshape(-1, 4, 2, 32)  # per 64 values: sub-blocks 2c (low nibbles) and 2c + 1 (high)
-    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
-    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=1)
-    return blocks.reshape(*lead, -1)
+    halves = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2)], axis=1)
+    return halves, scales, q.clip(0, qmax).astype(np.uint8)
+
+
+def _nibbles(q: np.ndarray) -> np.ndarray:
+    """The low 4 bits of q [n, 8, 32] as Q4_K / Q5_K's qs [n, 128]: per 64 values, sub-block 2c in
+    the low nibbles, 2c + 1 in the high ones."""
+    pairs = (q & 15).reshape(-1, 4, 2, 32)
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """Q4_K blocks of x [..., k] f32 (k a multiple of 256): uint8 [..., k / 256 * 144].
+
+    `_k_affine` with q in [0, 15]; layout (llama.cpp's block_q4_K): d, dmin (fp16), 12 bytes of
+    scales and mins, 128 bytes of nibbles. Simpler than llama.cpp's iterative search of each
+    sub-block's scale (make_qkx2_quants): a somewhat larger error.
+    """
+    halves, scales, q = _k_affine(x, "Q4_K", 15)
+    return np.concatenate([halves, scales, _nibbles(q)], axis=1).reshape(*x.shape[:-1], -1)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """Q5_K blocks of x [..., k] f32 (k a multiple of 256): uint8 [..., k / 256 * 176]: as
+    quantize_q4_k with q in [0, 31], the fifth bit of value 32 j + l as bit j of qh[l] (32 bytes
+    between the scales and the nibbles)."""
+    halves, scales, q = _k_affine(x, "Q5_K", 31)
+    qh = np.zeros((q.shape[0], 32), np.uint8)
+    for j in range(8):
+        qh |= ((q[:, j] >> 4) & 1) << j
+    return np.concatenate([halves, scales, qh, _nibbles(q)], axis=1).reshape(*x.shape[:-1], -1)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """Q6_K blocks of x [..., k] f32 (k a multiple of 256): uint8 [..., k / 256 * 210].
+
+    Per 16-value group j an int8 scale sc_j against the super-block's fp16 d (|x| <= 31 d sc_j),
+    q = rint(x / (d sc_j)) + 32 in [0, 63]. Value 128 h + 32 t + l: low 4 bits in nibble t // 2 of
+    ql[64 h + 32 (t % 2) + l], high 2 bits in bits 2 t, 2 t + 1 of qh[32 h + l]; then the scales, d
+    (llama.cpp's block_q6_K)."""
+    if x.shape[-1] % gguf.QK_K:
+        raise ValueError(f"Q6_K needs rows of a multiple of {gguf.QK_K} values, got {x.shape[-1]}")
+    groups = x.reshape(-1, 16, 16).astype(np.float32)
+    scale = np.abs(groups).max(-1) / 31.0  # [n, 16]: q - 32 in [-31, 31]
+    d = (scale.max(-1) / 127.0).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(df > 0, np.rint(scale / df), 0).clip(-128, 127).astype(np.int8)
+        step = (df * sc.astype(np.float32))[..., None]
+        q = np.where(step != 0, np.rint(groups / step), 0) + 32
+    q = q.clip(0, 63).astype(np.uint8).reshape(-1, 2, 4, 32)  # [n, h, t, l]
+    ql = np.zeros((q.shape[0], 2, 2, 32), np.uint8)  # [n, h, t % 2, l]
+    qh = np.zeros((q.shape[0], 2, 32), np.uint8)
+    for t in range(4):
+        ql[:, :, t % 2] |= (q[:, :, t] & 15) << (4 * (t // 2))
+        qh |= (q[:, :, t] >> 4) << (2 * t)
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)],
+                          axis=1).reshape(*x.shape[:-1], -1)
