@@ -341,6 +341,26 @@ def test_gguf_quant_types_and_truncation(tmp_path, caplog):
     assert bool(((up.dequantize() - want).abs() <= amax * (1 / 254 + 1 / 2048) + 1e-7).all())
     logits = decode_logits(ModelRunner(iq4, num_kv_blocks=64, block_size=4), [[3, 5, 7, 9]])  # and it runs
     assert logits.shape == (1, config.vocab_size) and bool(logits.isfinite().all())
+    # Q8_1 (llama.cpp's activation blocks, which gguf does not decode): refused naming the tensor,
+    # its type and what Kog runs, with either dtype.
+    for t in src.tensors:  # the same file with blk.1.ffn_up.weight in Q8_1 this time
+        if t.name == "blk.1.ffn_up.weight":
+            rows, cols = int(t.shape[1]), int(t.shape[0])
+            q81 = np.zeros((rows, cols // 32 * 40), np.uint8)  # d, s (f32) + 32 int8
+    writer = gguf.GGUFWriter(str(tmp_path / "q81.gguf"), "llama")
+    for f in src.fields.values():
+        if not (f.name.startswith("GGUF.") or f.name == "general.architecture"):
+            add_value(writer, f.name, f.contents())
+    for t in src.tensors:
+        if t.name == "blk.1.ffn_up.weight":
+            writer.add_tensor(t.name, q81, raw_dtype=T.Q8_1)
+        else:
+            writer.add_tensor(t.name, gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(
+                [int(x) for x in reversed(t.shape)]))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    for dtype in (None, "float32"):
+        with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight.*unsupported type Q8_1.*Q4_0.*Q6_K"):
+            load_model(tmp_path / "q81.gguf", dtype=dtype, progress=False)
     data = path.read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[:-100])
     with pytest.raises(ModelLoadError, match="truncated"):

@@ -317,7 +317,11 @@ class GGUFCheckpoint:
                 array = gguf.quants.dequantize(raw.reshape(rows, -1), qtype)
             return torch.from_numpy(array).reshape(shape)
         except NotImplementedError:
-            raise ModelLoadError(f"{self.path}: tensor {info.name!r} uses unsupported type {qtype.name}") from None
+            from kog.ops import QUANT_TYPES
+
+            raise ModelLoadError(f"{self.path}: tensor {info.name!r} uses unsupported type {qtype.name}: Kog runs "
+                                 f"F32, F16, BF16 and {', '.join(sorted(QUANT_TYPES))} natively, and other block "
+                                 f"types that gguf decodes (IQ*, Q2_K, Q3_K, ...) as Q8_0") from None
         except (ValueError, RuntimeError) as e:
             raise ModelLoadError(f"{self.path}: tensor {info.name!r} is corrupt: {e}") from None
 
