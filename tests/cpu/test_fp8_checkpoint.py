@@ -157,8 +157,8 @@ Q = "model.layers.1.self_attn.q_proj"
 
 
 def test_bad_fp8_checkpoints_name_the_tensor(tmp_path):
-    with pytest.raises(kog.ModelLoadError, match="quant_method 'awq' is not supported"):
-        load_model(bad(tmp_path / "a", lambda t: None, {"quant_method": "awq"}), progress=False)
+    with pytest.raises(kog.ModelLoadError, match="quant_method 'bitsandbytes' is not supported"):
+        load_model(bad(tmp_path / "a", lambda t: None, {"quant_method": "bitsandbytes"}), progress=False)
     with pytest.raises(kog.ModelLoadError, match=f"FP8 weight '{Q}.weight' has no scale tensor '{Q}.weight_scale_inv'"):
         load_model(bad(tmp_path / "b", lambda t: t.pop(Q + ".weight_scale_inv")), progress=False)
     with pytest.raises(kog.ModelLoadError, match=f"tensor '{Q}.weight_scale_inv' has shape \\[3, 2\\]"):

@@ -20,6 +20,7 @@ from kog.config import ModelConfig
 from kog.errors import ModelLoadError
 from kog.loader.chat_template import CHATML_MARKERS, ChatTemplate, TemplateError, hermes_tool_template
 from kog.loader.fp8_checkpoint import quantize_linears, read_fp8_checkpoint
+from kog.loader.int4_checkpoint import read_int4_checkpoint
 from kog.loader.gguf import GGUFCheckpoint
 from kog.loader.hub import DEFAULT_MODEL, cache_dir, resolve_model
 from kog.loader.safetensors import load_safetensors
@@ -90,10 +91,12 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
         file_bytes = sum(t.nbytes for t in ckpt.tensors.values())
     else:
         config = ModelConfig.from_hf_file(path)
-        dt = run_dtype(dtype, config)
+        # A GPTQ / AWQ folder with dtype None/"auto" keeps its 4-bit linears as GGUF blocks, f32 activations.
+        keep_int4 = dtype in (None, "auto") and read_int4_checkpoint(path) is not None
+        dt = torch.float32 if keep_int4 else run_dtype(dtype, config)
         fp8_checkpoint = read_fp8_checkpoint(path) is not None
         if shard is None:
-            weights = load_safetensors(path, config, dt, progress, fp8_format)
+            weights = load_safetensors(path, config, dt, progress, fp8_format, keep_int4=keep_int4)
         else:
             from kog.parallel.shard import replicate_kv_heads, shard_index
 

@@ -72,8 +72,10 @@ def read_fp8_checkpoint(folder: str | Path) -> Fp8Checkpoint | None:
             raise ModelLoadError(f"{path}: compressed-tensors format {qc.get('format')!r} is not supported "
                                  "(float-quantized FP8 only)")
         return Fp8Checkpoint("compressed-tensors")
+    if method in ("gptq", "awq"):  # 4-bit: kog.loader.int4_checkpoint
+        return None
     raise ModelLoadError(f"{path}: quantization_config quant_method {method!r} is not supported "
-                         "(supported: fp8, compressed-tensors float-quantized)")
+                         "(supported: fp8, compressed-tensors float-quantized, 4-bit gptq and awq)")
 
 
 def per_channel_scale(name: str, weight: torch.Tensor, scale: torch.Tensor, form: Fp8Checkpoint) -> torch.Tensor | None:

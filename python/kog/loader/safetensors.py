@@ -19,6 +19,8 @@ from safetensors import safe_open
 from kog.config import ModelConfig
 from kog.errors import ModelLoadError
 from kog.loader.fp8_checkpoint import fp8_matrix, read_fp8_checkpoint
+from kog.loader.int4_checkpoint import SUFFIXES as INT4_SUFFIXES
+from kog.loader.int4_checkpoint import int4_matrix, read_int4_checkpoint
 from kog.loader.moe import combine, source_shape
 from kog.loader.weights import Weights, check_shape, expected_shapes, progress_bar, select_names, stored_sources
 
@@ -55,6 +57,7 @@ def load_safetensors(
     folder: str | Path, config: ModelConfig, dtype: torch.dtype, progress: bool | None = None,
     fp8_format: str | None = None,
     part: Callable[[str, int], tuple | None] | None = None,
+    keep_int4: bool = False,
 ) -> Weights:
     """Loads and validates every weight of an HF folder.
 
@@ -68,6 +71,9 @@ def load_safetensors(
         part: (name, ndim) -> the index of the part of a tensor to keep, or None for all of it
             (a tensor-parallel rank's share: kog.parallel.shard.shard_index); a tensor stored as
             itself is read only in that part, one stacked from parts (experts) whole first.
+        keep_int4: for a GPTQ / AWQ checkpoint (kog.loader.int4_checkpoint), keep its 4-bit
+            linears as GGUF blocks (QuantizedWeight, `dtype` must be float32); False: dequantize
+            them to `dtype`.
     Returns:
         {HF tensor name: tensor or Fp8Weight}, without `lm_head.weight` when embeddings are tied.
     Raises:
@@ -77,6 +83,11 @@ def load_safetensors(
     fp8 = read_fp8_checkpoint(folder)
     scales = {n: p for n, p in files.items() if fp8 is not None and fp8.is_scale(n)}
     files = {n: p for n, p in files.items() if n not in scales}
+    int4 = read_int4_checkpoint(folder)
+    int4_parts = {n: p for n, p in files.items() if int4 is not None and n.endswith(INT4_SUFFIXES)}
+    files = {n: p for n, p in files.items() if n not in int4_parts}
+    int4_names = {n[: -len(".qweight")] + ".weight" for n in int4_parts if n.endswith(".qweight")}
+    files |= {n: int4_parts[n[: -len(".weight")] + ".qweight"] for n in int4_names}  # stand-ins for the checks
     sources = stored_sources(files, config)
     names = select_names(files, config, source=str(folder), sources=sources)
     expected = expected_shapes(config)
@@ -106,6 +117,20 @@ def load_safetensors(
 
         for name in names:
             index = part(name, len(expected[name])) if part is not None else None
+            if name in int4_names:
+                if index is not None or sources[name] != [name]:
+                    raise ModelLoadError(f"{folder}: tensor {name!r}: 4-bit {int4.method.upper()} linears are "
+                                         "not supported with tensor parallelism or as MoE experts")
+                base = name[: -len(".weight")]
+                stored = {}
+                for suffix in INT4_SUFFIXES:
+                    if base + suffix in int4_parts:
+                        with _open(int4_parts[base + suffix]) as f:
+                            stored[base + suffix] = f.get_tensor(base + suffix)
+                n, k = expected[name]
+                weights[name] = int4_matrix(name, stored, int4, n, k, dtype, keep_int4)
+                bar.update()
+                continue
             stored_whole = sources[name] == [name]
             w = read(name, name, index) if stored_whole else combine(name, sources[name],
                                                                      [read(name, n) for n in sources[name]])
