@@ -205,9 +205,10 @@ struct QuantTypeInfo {
   int32_t bytes;  // bytes per block
 };
 
-// Host-side only (CPU kernel sources keep their own ISA-local copies; cmake/KogCpuIsa.cmake).
-// A nullptr name: a type this build does not support.
-constexpr QuantTypeInfo quant_type_info(QuantType t) {
+// A nullptr name: a type this build does not support. static: each translation unit (each CPU
+// ISA build among them) keeps its own copy, so no AVX-512 build of it can be linked into the
+// generic path (cmake/KogCpuIsa.cmake).
+static constexpr QuantTypeInfo quant_type_info(QuantType t) {
   switch (t) {
     case QuantType::kQ4_0: return {"Q4_0", kQuantBlock, int32_t(sizeof(BlockQ4_0))};
     case QuantType::kQ4_1: return {"Q4_1", kQuantBlock, int32_t(sizeof(BlockQ4_1))};

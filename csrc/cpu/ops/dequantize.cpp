@@ -87,22 +87,6 @@ void row_q6_k(const uint8_t* row, int64_t nb, float* y) {
   }
 }
 
-// (elements, bytes) of one block. NOTE: not quant_type_info: an inline function shared by the
-// ISA builds could be linked from the AVX-512 one into the generic path (cmake/KogCpuIsa.cmake).
-void block_of(QuantType t, int64_t& elems, int64_t& bytes) {
-  switch (packed_base(t)) {
-    case QuantType::kQ8_0: elems = kQuantBlock, bytes = sizeof(BlockQ8_0); return;
-    case QuantType::kQ4_0: elems = kQuantBlock, bytes = sizeof(BlockQ4_0); return;
-    case QuantType::kQ4_1: elems = kQuantBlock, bytes = sizeof(BlockQ4_1); return;
-    case QuantType::kQ5_0: elems = kQuantBlock, bytes = sizeof(BlockQ5_0); return;
-    case QuantType::kQ5_1: elems = kQuantBlock, bytes = sizeof(BlockQ5_1); return;
-    case QuantType::kQ4_K: elems = kSuperBlock, bytes = sizeof(BlockQ4_K); return;
-    case QuantType::kQ5_K: elems = kSuperBlock, bytes = sizeof(BlockQ5_K); return;
-    case QuantType::kQ6_K: elems = kSuperBlock, bytes = sizeof(BlockQ6_K); return;
-    default: break;
-  }
-  elems = 1, bytes = 0;
-}
 
 }  // namespace
 
@@ -110,8 +94,7 @@ const uint8_t* plain_row(QuantType type, const uint8_t* w, int64_t r, int64_t ro
   if (!is_packed(type)) return w + r * row_bytes;
   // The half fields around the 4-byte chunks, and a block's bytes (quant.h: PackLayout).
   const PackLayout lay = pack_layout(type);
-  int64_t elems, block;
-  block_of(type, elems, block);
+  const int64_t block = quant_type_info(type).bytes;
   const int chunks = (int(block) - 2 * (lay.front + lay.back)) / 4;
   const int64_t nb = row_bytes / block, lane = r % kPackRows;
   const uint8_t* group = w + (r - lane) * row_bytes;
@@ -131,9 +114,7 @@ const uint8_t* plain_row(QuantType type, const uint8_t* w, int64_t r, int64_t ro
 }
 
 void dequantize_row(QuantType type, const uint8_t* w, int64_t k, float* y) {
-  int64_t elems, bytes;
-  block_of(type, elems, bytes);
-  const int64_t nb = k / elems;
+  const int64_t nb = k / quant_type_info(type).elems;
   switch (type) {
     default: break;  // packed types: plain_row first
     case QuantType::kQ8_0: row_q8_0(w, nb, y); break;
@@ -148,9 +129,8 @@ void dequantize_row(QuantType type, const uint8_t* w, int64_t k, float* y) {
 }
 
 void dequantize_rows(const DequantizeRowsParams& p) {
-  int64_t elems, bytes;
-  block_of(p.type, elems, bytes);
-  const int64_t row_bytes = p.k / elems * bytes;
+  const QuantTypeInfo info = quant_type_info(p.type);
+  const int64_t row_bytes = p.k / info.elems * info.bytes;
   for_each_row(p.n_ids, p.n_ids * p.k >= kParallelMinElems, [&](int64_t r) {
     thread_local std::vector<uint8_t> buf;
     buf.resize(size_t(row_bytes));

@@ -360,20 +360,11 @@ void rows_of(const LinearQuantParams& p, const QX& qx, int64_t row_bytes, int64_
   quant_groups(p, qx, row_bytes, row_begin, row_end);
 }
 
-// Bytes of one weight row (the binding has checked k against the block size).
+// Bytes of one weight row (the binding has checked k against the block size; a packed type's rows
+// have its file type's bytes).
 int64_t row_bytes_of(const LinearQuantParams& p) {
-  switch (packed_base(p.type)) {  // a packed type's rows have its file type's bytes
-    case QuantType::kQ8_0: return p.k / kQuantBlock * int64_t(sizeof(BlockQ8_0));
-    case QuantType::kQ4_0: return p.k / kQuantBlock * int64_t(sizeof(BlockQ4_0));
-    case QuantType::kQ4_1: return p.k / kQuantBlock * int64_t(sizeof(BlockQ4_1));
-    case QuantType::kQ5_0: return p.k / kQuantBlock * int64_t(sizeof(BlockQ5_0));
-    case QuantType::kQ5_1: return p.k / kQuantBlock * int64_t(sizeof(BlockQ5_1));
-    case QuantType::kQ4_K: return p.k / kSuperBlock * int64_t(sizeof(BlockQ4_K));
-    case QuantType::kQ5_K: return p.k / kSuperBlock * int64_t(sizeof(BlockQ5_K));
-    case QuantType::kQ6_K: return p.k / kSuperBlock * int64_t(sizeof(BlockQ6_K));
-    default: break;
-  }
-  return 0;
+  const QuantTypeInfo info = quant_type_info(p.type);
+  return p.k / info.elems * info.bytes;
 }
 
 }  // namespace
