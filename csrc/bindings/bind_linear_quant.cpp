@@ -12,6 +12,7 @@
 #include "common/errors.h"
 #include "cpu/kernels.h"
 #include "ops/linear_quant.h"
+#include "schedule/program.h"
 
 namespace py = pybind11;
 
@@ -21,9 +22,8 @@ void linear_quant(uintptr_t out, uintptr_t x, uintptr_t weight, int64_t weight_b
                   int64_t k, int64_t x_stride, int64_t out_stride, int x_dtype, int type, int x_stages) {
   const kog::QuantType qt = static_cast<kog::QuantType>(type);
   const kog::QuantTypeInfo info = kog::quant_type_info(qt);
-  KOG_CHECK(info.name != nullptr, "linear_quant: unsupported quant type ", type,
-            " (supported: Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, and the packed Q4_0_R8=258, "
-            "Q4_1_R8=259, Q8_0_R8=264)");
+  KOG_CHECK(info.name != nullptr, "linear_quant: unsupported quant type ", type, " (supported: ",
+            kog::schedule::quant_type_list(), ")");
   KOG_CHECK(!kog::is_packed(qt) || n % kog::kPackRows == 0, "linear_quant: a ", info.name, " weight has ",
             kog::kPackRows, "-row groups, got n=", n);
   KOG_CHECK(m >= 0 && n > 0 && k > 0, "linear_quant: bad shape m=", m, " n=", n, " k=", k);

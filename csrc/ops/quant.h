@@ -4,13 +4,14 @@
 //   Q8_0  d * q                     q int8
 //   Q4_0  d * (q - 8)               q 4-bit: byte i low nibble = element i, high nibble = i + 16
 //   Q4_1  d * q + m                 nibbles as Q4_0
-//   Q5_0  d * (q - 16)              q 5-bit: nibbles as Q4_0, bit i of the 32-bit qh = element i's fifth bit
+//   Q5_0  d * (q - 16)              q 5-bit: nibbles as Q4_0, bit i of the 32-bit qh = its fifth bit
 //   Q5_1  d * q + m                 q as Q5_0
 //   Q4_K  d * sc[j] * q - dmin * mn[j]            j = element / 32, (sc, mn) 6-bit (k_scale_min)
 //   Q5_K  as Q4_K, q = nibble + 16 * (qh bit)    5-bit
 //   Q6_K  d * scales[element / 16] * (q - 32)    q 6-bit (low nibble in ql, 2 high bits in qh)
-// Kog's row-interleaved forms of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K (`_R8`, built once at load, never in a file)
-// hold the same blocks with 8 rows' blocks of each 32 columns interleaved: see BlockQ4_1x8.
+// Kog's row-interleaved forms of every type above (`_R8`, built once at load, never in a file)
+// hold the same blocks with 8 rows' blocks of each 32 columns interleaved: see BlockQ4_1x8 and
+// PackLayout.
 #pragma once
 #include <cstdint>
 
@@ -182,7 +183,7 @@ static_assert(sizeof(BlockQ6_Kx8) == kPackRows * sizeof(BlockQ6_K), "packed Q6_K
 // How a packed type interleaves its base's blocks: `front` fp16 fields lead the block, `back` ones
 // end it (Q6_K's d), every other byte is in 4-byte chunks. In the packed unit: each front field
 // as 8 halves (row r at index r), the chunks (chunk c = 4 bytes of each row in turn), then each
-// back field as 8 halves. Mirrored in kog/quantized.py (_PACK_LAYOUT; checked by its tests).
+// back field as 8 halves. kog.quantized packs and unpacks by it (through _C.packed_quant_types).
 // static: each translation unit (each CPU ISA build among them) keeps its own copy.
 struct PackLayout {
   int front;

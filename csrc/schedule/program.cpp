@@ -51,14 +51,8 @@ void check_moe(const Op& o, size_t i, const ModelDims& d) {
 // packed (row-interleaved) type.
 void check_quant_type(int32_t type, const char* which, int64_t k, int64_t rows, size_t i, const ModelDims& d) {
   const QuantTypeInfo info = quant_type_info(QuantType(type));
-  if (info.name == nullptr) {
-    std::string known;
-    for (QuantType t : kQuantTypes) known += std::string(", ") + quant_type_info(t).name + "=" + std::to_string(int(t));
-    for (QuantType t : kPackedQuantTypes)
-      known += std::string(", ") + quant_type_info(t).name + "=" + std::to_string(int(t));
-    KOG_CHECK(false, "program: op ", i, " has ", which, " type ", type, " (supported: the run dtype, FP8=-2", known,
-              ")");
-  }
+  KOG_CHECK(info.name != nullptr, "program: op ", i, " has ", which, " type ", type,
+            " (supported: the run dtype, FP8=-2, ", quant_type_list(), ")");
   KOG_CHECK(d.dtype == DType::kF32, "program: op ", i, " reads a ", info.name, " weight but the run dtype is ",
             dtype_name(d.dtype), " (quantized weights run with f32 activations)");
   KOG_CHECK(k % info.elems == 0, "program: op ", i, " has rows of ", k, " elements, not whole ", info.name,
@@ -215,6 +209,16 @@ void validate_program(const std::vector<Op>& ops, const ModelDims& d) {
   KOG_CHECK(!ops.empty(), "program: no ops");
   for (size_t i = 0; i < ops.size(); ++i) check_op(ops[i], i, d);
   KOG_CHECK(Opcode(ops.back().op) == Opcode::kSample, "program: the last op must be SAMPLE");
+}
+
+std::string quant_type_list() {
+  std::string out;
+  auto add = [&out](QuantType t) {
+    out += (out.empty() ? "" : ", ") + std::string(quant_type_info(t).name) + "=" + std::to_string(int(t));
+  };
+  for (QuantType t : kQuantTypes) add(t);
+  for (QuantType t : kPackedQuantTypes) add(t);
+  return out;
 }
 
 }  // namespace kog::schedule

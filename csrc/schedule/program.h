@@ -13,6 +13,7 @@
 // computes (kog/program/schedule.py derives deps from reads and writes: RAW, WAW and WAR).
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "common/dtype.h"
@@ -180,5 +181,9 @@ void validate_dims(const ModelDims& d);
 // Checks every op (opcode, layer, buffers, weights, deps in [0, i) and ascending) and that the
 // last op is SAMPLE. Throws kog::Error(kInvalidArgument) naming the first bad op.
 void validate_program(const std::vector<Op>& ops, const ModelDims& d);
+
+// "Q4_0=2, Q4_1=3, ..., Q6_K_R8=270": the block types (file forms, then packed) this build has
+// kernels for, as error messages list them.
+std::string quant_type_list();
 
 }  // namespace kog::schedule

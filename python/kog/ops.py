@@ -323,9 +323,8 @@ def linear_fp8(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
 
 # GGUF block formats with native CPU kernels: name -> (ggml type id, elements, bytes per block).
 QUANT_TYPES: dict[str, tuple[int, int, int]] = dict(_C.quant_types())
-# Kog's row-interleaved forms of some of them (kog.quantized.pack_rows; csrc/ops/quant.h):
-# name -> (Kog's type id, the ggml type it packs, rows per group). Never in a file.
-# name -> (type id, the file type it packs, rows per group, fp16 fields leading / ending a block)
+# Kog's row-interleaved forms of them (kog.quantized.pack_rows; csrc/ops/quant.h), never in a file:
+# name -> (Kog's type id, the ggml type it packs, rows per group, fp16 fields leading / ending a block).
 PACKED_QUANT_TYPES: dict[str, tuple[int, int, int, int, int]] = dict(_C.packed_quant_types())
 _QUANT_BY_ID = {v[0]: (name, v[1], v[2]) for name, v in QUANT_TYPES.items()}
 _QUANT_BY_ID.update({v[0]: (name, *QUANT_TYPES[_QUANT_BY_ID[v[1]][0]][1:]) for name, v in PACKED_QUANT_TYPES.items()})

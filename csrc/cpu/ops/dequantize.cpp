@@ -30,7 +30,8 @@ void row_q4(const uint8_t* row, int64_t nb, float* y) {
     uint32_t qh = 0;
     if constexpr (kFifth) __builtin_memcpy(&qh, b[i].qh, 4);
     for (int l = 0; l < kQuantBlock / 2; ++l) {
-      const int lo = (b[i].qs[l] & 15) | int((qh >> l) & 1) << 4, hi = (b[i].qs[l] >> 4) | int((qh >> (l + 16)) & 1) << 4;
+      const int lo = (b[i].qs[l] & 15) | int((qh >> l) & 1) << 4;
+      const int hi = (b[i].qs[l] >> 4) | int((qh >> (l + 16)) & 1) << 4;
       if constexpr (kMin) {
         const float m = half_to_f32(b[i].m);
         y[l] = d * float(lo) + m;

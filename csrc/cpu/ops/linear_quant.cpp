@@ -367,10 +367,6 @@ int64_t row_bytes_of(const LinearQuantParams& p) {
   return p.k / info.elems * info.bytes;
 }
 
-}  // namespace
-
-namespace {
-
 template <class QX>
 void all_rows(const LinearQuantParams& p, const QX& qx, int64_t row_bytes) {
   constexpr int64_t kChunk = 16;  // rows per parallel work item (whole groups of a packed type)

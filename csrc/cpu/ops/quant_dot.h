@@ -1,15 +1,16 @@
 // ISA-local integer dot products of quantized weights with per-32 quantized activations, for
-// csrc/cpu/ops/linear_quant.cpp. A "unit" is 32 consecutive elements of a row (one Q8_0/Q4_0/Q4_1/
-// Q5_0/Q5_1 block, one K-quant sub-block): its weights arrive unpacked as 32 small integers q (a wvec) with
-// float factors (a, b) such that w = a * q + b, and the activations of unit u are dx[u] * qx.
+// csrc/cpu/ops/linear_quant.cpp. A "unit" is 32 consecutive elements of a row (one Q8_0/Q4_0/
+// Q4_1/Q5_0/Q5_1 block, one K-quant sub-block): its weights arrive unpacked as 32 small integers q
+// (a wvec) with float factors (a, b) such that w = a * q + b, and the activations of unit u are
+// dx[u] * qx.
 // So sum(w * x) = a * dx * sum(q * qx) + b * dx * sum(qx): an integer dot product, one float FMA,
 // and a correction from the activation's block sums (kept apart, added once per row).
 //   AVX2:     maddubs (u8 x s8 -> pairs of i16) then madd with ones (-> i32), 256-bit.
 //   AVX-512:  VNNI dpbusd (u8 x s8, 4 products summed into i32, no i16 saturation); pairs of
 //             units in one 512-bit register, single units in 256-bit (VL).
 //   generic:  plain integer loops.
-// Unsigned q must stay below 128 (maddubs: 2 * 127 * 127 fits i16; Q5's q <= 31); signed Q8_0 weights use the
-// abs/sign trick (|w| <= 128, so 2 * 128 * 127 fits too).
+// Unsigned q must stay below 128 (maddubs: 2 * 127 * 127 fits i16; Q5's q <= 31, Q6_K's <= 63);
+// signed Q8_0 weights use the abs/sign trick (|w| <= 128, so 2 * 128 * 127 fits too).
 #pragma once
 #include "cpu/vec.h"
 

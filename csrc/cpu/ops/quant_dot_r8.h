@@ -173,12 +173,9 @@ KOG_QINLINE void group_qk_r8(const Block* blocks, int64_t nb, const QRow* x, __m
       for (int g = 0; g < 8; ++g) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 256 * ch + 32 * g));
         __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        if constexpr (kHigh) {
+        if constexpr (kHigh) {  // byte for byte, qh chunk g holds the fifth bits of qs chunk 8 ch + g
           const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * g));
-          const __m256i b0 = _mm256_set1_epi8(char(1 << (2 * ch))), b1 = _mm256_set1_epi8(char(1 << (2 * ch + 1)));
-          const __m256i sixteen = _mm256_set1_epi8(16);
-          lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b0), b0), sixteen));
-          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b1), b1), sixteen));
+          lo = add_bit4(lo, h, 2 * ch), hi = add_bit4(hi, h, 2 * ch + 1);
         }
         for (int c = 0; c < NC; ++c) {
           const int8_t* xq = x[c].q + 32 * u + 4 * g;
@@ -375,6 +372,27 @@ static inline int k_scale6(const uint8_t* q, int j, bool mn) {
   return mn ? (q[j + 4] >> 4) | ((q[j] >> 6) << 4) : (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
 }
 
+// Row r of one Q4_0/Q4_1 (kMin) or Q5_0/Q5_1 (kFifth) unit against x's unit xq: s = sum(q x),
+// w = d q + m.
+template <bool kMin, bool kFifth, class Unit>
+static inline void unit_q4_r8(const Unit& b, int r, const int8_t* xq, int32_t& s, float& d, float& m) {
+  uint32_t h = 0;
+  if constexpr (kFifth) __builtin_memcpy(&h, b.qh + 4 * r, 4);
+  for (int ch = 0; ch < 4; ++ch)
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t byte = b.qs[32 * ch + 4 * r + j];
+      const int e = 4 * ch + j;
+      s += int32_t((byte & 15) | ((h >> e) & 1) << 4) * xq[e] +
+           int32_t((byte >> 4) | ((h >> (e + 16)) & 1) << 4) * xq[16 + e];
+    }
+  d = half_to_f32(b.d[r]);
+  if constexpr (kMin) {
+    m = half_to_f32(b.m[r]);
+  } else {
+    m = (kFifth ? -16.f : -8.f) * d;
+  }
+}
+
 template <int NC>
 void group_dot_r8(QuantType type, const uint8_t* group, int64_t k, const QRow* x, float* out) {
   const int64_t nb = k / kQuantBlock;
@@ -448,41 +466,20 @@ void group_dot_r8(QuantType type, const uint8_t* group, int64_t k, const QRow* x
           for (int ch = 0; ch < 8; ++ch)
             for (int j = 0; j < 4; ++j) s += int32_t(b.qs[32 * ch + 4 * r + j]) * xq[4 * ch + j];
           d = half_to_f32(b.d[r]), m = 0.f;
-        } else if (type == QuantType::kQ5_0_R8 || type == QuantType::kQ5_1_R8) {
-          const bool q5_1 = type == QuantType::kQ5_1_R8;
-          const uint8_t* qs = q5_1 ? reinterpret_cast<const BlockQ5_1x8*>(group)[u].qs
-                                   : reinterpret_cast<const BlockQ5_0x8*>(group)[u].qs;
-          const uint8_t* qh = q5_1 ? reinterpret_cast<const BlockQ5_1x8*>(group)[u].qh
-                                   : reinterpret_cast<const BlockQ5_0x8*>(group)[u].qh;
-          uint32_t h;
-          __builtin_memcpy(&h, qh + 4 * r, 4);
-          for (int ch = 0; ch < 4; ++ch)
-            for (int j = 0; j < 4; ++j) {
-              const uint8_t byte = qs[32 * ch + 4 * r + j];
-              const int e = 4 * ch + j;
-              s += int32_t((byte & 15) | ((h >> e) & 1) << 4) * xq[e] +
-                   int32_t((byte >> 4) | ((h >> (e + 16)) & 1) << 4) * xq[16 + e];
-            }
-          if (q5_1) {
-            const BlockQ5_1x8& b = reinterpret_cast<const BlockQ5_1x8*>(group)[u];
-            d = half_to_f32(b.d[r]), m = half_to_f32(b.m[r]);
-          } else {
-            d = half_to_f32(reinterpret_cast<const BlockQ5_0x8*>(group)[u].d[r]), m = -16.f * d;
-          }
         } else {
-          const bool q4_1 = type == QuantType::kQ4_1_R8;
-          const uint8_t* qs = q4_1 ? reinterpret_cast<const BlockQ4_1x8*>(group)[u].qs
-                                   : reinterpret_cast<const BlockQ4_0x8*>(group)[u].qs;
-          for (int ch = 0; ch < 4; ++ch)
-            for (int j = 0; j < 4; ++j) {
-              const uint8_t byte = qs[32 * ch + 4 * r + j];
-              s += int32_t(byte & 15) * xq[4 * ch + j] + int32_t(byte >> 4) * xq[16 + 4 * ch + j];
-            }
-          if (q4_1) {
-            const BlockQ4_1x8& b = reinterpret_cast<const BlockQ4_1x8*>(group)[u];
-            d = half_to_f32(b.d[r]), m = half_to_f32(b.m[r]);
-          } else {
-            d = half_to_f32(reinterpret_cast<const BlockQ4_0x8*>(group)[u].d[r]), m = -8.f * d;
+          switch (type) {
+            case QuantType::kQ4_0_R8:
+              unit_q4_r8<false, false>(reinterpret_cast<const BlockQ4_0x8*>(group)[u], r, xq, s, d, m);
+              break;
+            case QuantType::kQ4_1_R8:
+              unit_q4_r8<true, false>(reinterpret_cast<const BlockQ4_1x8*>(group)[u], r, xq, s, d, m);
+              break;
+            case QuantType::kQ5_0_R8:
+              unit_q4_r8<false, true>(reinterpret_cast<const BlockQ5_0x8*>(group)[u], r, xq, s, d, m);
+              break;
+            default:  // kQ5_1_R8
+              unit_q4_r8<true, true>(reinterpret_cast<const BlockQ5_1x8*>(group)[u], r, xq, s, d, m);
+              break;
           }
         }
         out[c * kPackRows + r] += d * x[c].d[u] * float(s) + m * x[c].t[u];

@@ -228,7 +228,8 @@ class GGUFCheckpoint:
             return
         types = sorted({i.qtype.name for i in odd})
         file_mb = sum(i.nbytes for i in odd) / 1e6
-        q8_mb = sum(int(np.prod(i.torch_shape)) // 32 * 34 for i in odd) / 1e6
+        _, q8_elems, q8_bytes = QUANT_TYPES["Q8_0"]
+        q8_mb = sum(int(np.prod(i.torch_shape)) // q8_elems * q8_bytes for i in odd) / 1e6
         log.warning("%s: %d tensors of type %s have no native kernels: re-encoded as Q8_0 at load "
                     "(%.1f MB in the file -> %.1f MB; dtype='float32' dequantizes instead)",
                     self.path.name, len(odd), "/".join(types), file_mb, q8_mb)

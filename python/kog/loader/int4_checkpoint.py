@@ -46,6 +46,10 @@ class Int4Checkpoint:
     group_size: int  # columns per group; -1 in the file: one group of all k columns
     zero_offset: int  # added to a stored zero (GPTQ v1 stores z - 1)
 
+    def group_of(self, k: int) -> int:
+        """Columns per group of a linear with k columns."""
+        return k if self.group_size == -1 else self.group_size
+
 
 def read_int4_checkpoint(folder: str | Path) -> Int4Checkpoint | None:
     """The folder's GPTQ / AWQ form; None without one (or for another quant_method).
@@ -100,7 +104,7 @@ def unpack(name: str, parts: dict[str, torch.Tensor], form: Int4Checkpoint, n: i
     for suffix in (".qweight", ".qzeros", ".scales"):
         if base + suffix not in parts:
             raise ModelLoadError(f"{form.method.upper()} linear {base!r} has no {base + suffix!r}")
-    group = k if form.group_size == -1 else form.group_size
+    group = form.group_of(k)
     groups = -(-k // group)
     qweight, qzeros, scales = parts[base + ".qweight"], parts[base + ".qzeros"], parts[base + ".scales"]
     if form.method == "gptq":
@@ -140,7 +144,7 @@ def int4_matrix(name: str, parts: dict[str, torch.Tensor], form: Int4Checkpoint,
     q, z, s, g_idx = unpack(name, parts, form, n, k)
     if not keep:
         return dequantize(q, z, s, g_idx).to(dtype)
-    group = k if form.group_size == -1 else form.group_size
+    group = form.group_of(k)
     if k % 32 or group % 32 or not torch.equal(g_idx, torch.arange(k) // group):
         log.warning("%s: 4-bit groups that are not whole 32-column blocks in column order: re-encoded as Q8_0", name)
         return quantize_q8_0(dequantize(q, z, s, g_idx))

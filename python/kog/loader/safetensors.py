@@ -95,11 +95,14 @@ def load_safetensors(
     with progress_bar(len(names), f"loading {Path(folder).name}", progress) as bar, ExitStack() as stack:
         opened: dict[Path, Any] = {}
 
-        def read(canonical: str, name: str, index: tuple | None = None) -> torch.Tensor:
-            path = files[name]
+        def handle(path: Path):  # each file opened once for the whole load
             if path not in opened:
                 opened[path] = stack.enter_context(_open(path))
-            f = opened[path]
+            return opened[path]
+
+        def read(canonical: str, name: str, index: tuple | None = None) -> torch.Tensor:
+            path = files[name]
+            f = handle(path)
             want = {name: source_shape(canonical, name, config, expected)}
             check_shape(name, f.get_slice(name).get_shape(), want, str(path))
             try:
@@ -122,11 +125,8 @@ def load_safetensors(
                     raise ModelLoadError(f"{folder}: tensor {name!r}: 4-bit {int4.method.upper()} linears are "
                                          "not supported with tensor parallelism or as MoE experts")
                 base = name[: -len(".weight")]
-                stored = {}
-                for suffix in INT4_SUFFIXES:
-                    if base + suffix in int4_parts:
-                        with _open(int4_parts[base + suffix]) as f:
-                            stored[base + suffix] = f.get_tensor(base + suffix)
+                stored = {base + suffix: handle(int4_parts[base + suffix]).get_tensor(base + suffix)
+                          for suffix in INT4_SUFFIXES if base + suffix in int4_parts}
                 n, k = expected[name]
                 weights[name] = int4_matrix(name, stored, int4, n, k, dtype, keep_int4)
                 bar.update()

@@ -104,7 +104,7 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
 
 
 def pack_quantized(config: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The CPU's form of prepared weights: every Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K matrix row-interleaved
+    """The CPU's form of prepared weights: every quantized matrix row-interleaved
     (kog.quantized.pack_rows: same bytes, 2-4x faster decode GEMVs, PERFORMANCE.md issue 17), where
     its rows (an expert stack's rows per expert) come in whole groups of 8; the rest as given.
     A tensor under two names (a tied head) is packed once. KOG_PACK_QUANT=0 keeps the file forms

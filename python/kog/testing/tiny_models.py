@@ -206,8 +206,8 @@ def write_gguf_model(path: str | Path, config: ModelConfig, weights: Weights | N
     """Writes a GGUF file the way llama.cpp's converter does (names, q/k row order for llama).
 
     Args:
-        qtype: "F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0" or "Q5_1" for the matrices (1-D tensors stay F32, as in
-            llama.cpp; the block types are gguf's own encoders).
+        qtype: "F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0" or "Q5_1" for the matrices (1-D tensors
+            stay F32, as in llama.cpp; the block types are gguf's own encoders).
     """
     import gguf
 
