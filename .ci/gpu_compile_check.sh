@@ -131,13 +131,14 @@ for arch in gfx90a gfx940; do
   table 8 <<<"$usage"
   # VGPR spills go to scratch memory: a failure. SGPR spills go to VGPR lanes (SCRATCH stays 0):
   # reported, not fatal (the persistent kernel's many uniform params spill there; see docs/GPU.md).
-  # NOTE: the FP8 instantiations of the persistent kernel (persistent_decode_kernel<T, true>)
-  # spill 10-18 VGPRs into AGPRs on gfx90a (SCRATCH stays 0, checked below): listed, not fatal,
-  # until their register pressure is cut (docs/GPU.md, FP8 weights). Every other kernel: fatal.
+  # NOTE: the quantized-weight instantiation of the persistent kernel (persistent_decode_kernel<
+  # bf16, true>: the FP8 and 4-bit GEMVs) spills VGPRs into AGPRs on gfx90a / gfx940 (SCRATCH
+  # stays 0, checked below): listed, not fatal, until its register pressure is cut (docs/GPU.md,
+  # Resources). Every other kernel: fatal.
   fp8_decode="persistent_decode_kernelI[^ ]*Lb1E"
   ! grep -vE "$fp8_decode" <<<"$usage" | grep -qv "VSPILL:0 " || fail "$arch: a kernel spills vector registers"
   grep -E "$fp8_decode" <<<"$usage" | grep -v "VSPILL:0 " | table 8 |
-    sed "s/^/note: $arch FP8 decode kernel spills VGPRs (into AGPRs: no scratch): /" || true
+    sed "s/^/note: $arch quantized-weight decode kernel spills VGPRs (into AGPRs: no scratch): /" || true
   ! grep -qv "SCRATCH:0 " <<<"$usage" || fail "$arch: a kernel uses scratch memory"
   grep -v "SSPILL:0 " <<<"$usage" | table 8 | sed "s/^/note: $arch SGPR spills to VGPR lanes: /" || true
   ! grep -qv "WAVE:64 " <<<"$usage" || fail "$arch: a kernel is not wave64"

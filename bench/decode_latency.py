@@ -13,6 +13,10 @@ With --out, each row is appended to DIR/decode_latency.jsonl as soon as it is me
 short keeps what it measured), and the table goes to DIR/decode_latency.txt at the end.
 Swap: 1 GiB of KV blocks out to pinned host memory and back in through Kog's block-copy
 kernel, in GB/s beside a plain pinned host<->device copy of the same bytes.
+Quantized weights (--formats, the first model only): "kog kernel" rows again with every linear
+matrix FP8 (per-channel scales, kog.fp8), 4-bit groups (an f16 scale and min per 32: Q4_0 / Q4_1
+/ GPTQ / AWQ, kog.int4) or Q4_K (super-block headers), random codes drawn on the device; "% copy
+bw" counts those formats' bytes (codes + scales), the embedding / tied head staying bf16.
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kog import _C
 from kog.config import ModelConfig
+from kog.fp8 import gpu_format, quantize
+from kog.int4 import Int4Weight
 from kog.kvcache import KVCacheStorage, KVLayout
 from kog.models.gpu_decode import GpuDecoder
 from kog.ops import rope_inv_freq
@@ -67,6 +74,35 @@ def random_weights(c: ModelConfig, dev) -> dict[str, torch.Tensor]:
         w[p + "mlp.gate_up_proj.weight"] = r(2 * c.intermediate_size, c.hidden_size)
         w[p + "mlp.down_proj.weight"] = r(c.hidden_size, c.intermediate_size)
     return w
+
+
+def random_int4(w: torch.Tensor, kind: int, g: torch.Generator) -> Int4Weight:
+    """A 4-bit matrix of w's shape with random codes and scales about w's (bandwidth, not values)."""
+    n, k = w.shape
+    dev = w.device
+    codes = torch.randint(0, 256, (n, k // 2), generator=g, device=dev, dtype=torch.uint8)
+    if kind == _C.WEIGHT_Q4_GROUPS:  # (scale, min) f16 pairs: w = 0.004 q - 0.03
+        pairs = torch.tensor([0.004, -0.03], dtype=torch.float16, device=dev).repeat(n, k // 32)
+        return Int4Weight(codes, pairs.view(torch.uint8).reshape(n, -1).contiguous(), kind, k)
+    head = torch.randint(0, 64, (n, k // 256, 16), generator=g, device=dev, dtype=torch.uint8)  # 6-bit fields
+    head[..., :4] = torch.tensor([1e-4, 5e-4], dtype=torch.float16, device=dev).view(torch.uint8)  # d, dmin
+    return Int4Weight(codes, head.reshape(n, -1).contiguous(), kind, k)
+
+
+def quantized_weights(w: dict[str, torch.Tensor], fmt: str) -> dict:
+    """w with every linear matrix (qkv, o, gate_up, down) in `fmt` ("fp8", "q4", "q4_k")."""
+    g = torch.Generator(device=next(iter(w.values())).device).manual_seed(1)
+    out = dict(w)
+    for name, t in w.items():
+        if not name.endswith(("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")):
+            continue
+        if fmt == "fp8":
+            out[name] = quantize(t, gpu_format())
+        elif fmt == "q4" or t.shape[1] % 256:
+            out[name] = random_int4(t, _C.WEIGHT_Q4_GROUPS, g)
+        else:
+            out[name] = random_int4(t, _C.WEIGHT_Q4_K, g)
+    return out
 
 
 def timed_us(fn, iters: int) -> list[float]:
@@ -133,20 +169,22 @@ class TorchDecode:
         return self.token
 
 
-def bench_model(name: str, ctxs: list[int], iters: int, copy_bw: float, dev, emit) -> list[dict]:
+def bench_model(name: str, ctxs: list[int], iters: int, copy_bw: float, dev, emit,
+                formats: tuple[str, ...] = ()) -> list[dict]:
     """Rows for one model; emit(row) is called as each is measured."""
     c = config_for(name)
     w = random_weights(c, dev)
     weight_bytes = sum(t.numel() * 2 for k, t in w.items())
+    quant = {f: quantized_weights(w, f) for f in formats}
     rows = []
     for ctx in ctxs:
         loop = 32
         kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * ctx
         per_token = weight_bytes + kv_bytes
 
-        def row(engine: str, us: float) -> None:
+        def row(engine: str, us: float, nbytes: int = per_token) -> None:
             rows.append(dict(model=name, ctx=ctx, engine=engine, us_per_token=us, tok_s=1e6 / us,
-                             bw_fraction=per_token / us / 1e3 / copy_bw))
+                             bw_fraction=nbytes / us / 1e3 / copy_bw))
             emit(rows[-1])
 
         # The baselines first: a run whose kernel hangs or dies still brings them back.
@@ -172,7 +210,14 @@ def bench_model(name: str, ctxs: list[int], iters: int, copy_bw: float, dev, emi
         row("kog kernel", statistics.median(timed_us(lambda: dec.launch(staged), iters)))
         l32 = statistics.median(timed_us(lambda: dec.decode([1], [ctx - loop + 1], table, n_steps=loop), max(3, iters // 8)))
         row("kog loop32", l32 / loop)
-        del dec, kv, staged
+        del dec, staged
+        for fmt, qw in quant.items():
+            qdec = GpuDecoder(c, qw, kv, BS, rope_inv_freq(c.head_dim, c.rope_theta, None))
+            qstaged = qdec.stage([1], [ctx], table)
+            nbytes = sum(t.nbytes if not isinstance(t, torch.Tensor) else t.numel() * 2 for t in qw.values()) + kv_bytes
+            row(f"kog kernel {fmt}", statistics.median(timed_us(lambda: qdec.launch(qstaged), iters)), nbytes)
+            del qdec, qstaged
+        del kv
         torch.cuda.empty_cache()
     return rows
 
@@ -208,6 +253,8 @@ def main() -> None:
     ap.add_argument("--models", default="llama-1b,llama-1b:1,llama-1b:8,llama-2.3b")
     ap.add_argument("--ctx", default="1024,4096")
     ap.add_argument("--no-swap", action="store_true", help="skip the KV swap rows")
+    ap.add_argument("--formats", default="fp8,q4,q4_k",
+                    help="quantized-weight rows for the first model (comma list of fp8, q4, q4_k; '' for none)")
     args = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
     jsonl = None
@@ -225,15 +272,17 @@ def main() -> None:
     print(head, ROW_HEADER, sep="\n", flush=True)
     emit(dict(device=torch.cuda.get_device_name(dev), copy_gbs=copy_bw))
     rows = []
-    for name in args.models.split(","):
-        rows += bench_model(name, [int(x) for x in args.ctx.split(",")], args.iters, copy_bw, dev, emit)
+    formats = tuple(f for f in args.formats.split(",") if f)
+    for i, name in enumerate(args.models.split(",")):
+        rows += bench_model(name, [int(x) for x in args.ctx.split(",")], args.iters, copy_bw, dev, emit,
+                            formats if i == 0 else ())
     swap = [] if args.no_swap else bench_swap(dev)
     for s in swap:
         emit(s)
     lines = [head, ROW_HEADER + f"{'x graph':>9}"]
     for r in rows:
         graph = next((x for x in rows if x["model"] == r["model"] and x["ctx"] == r["ctx"]
-                      and x["engine"] == "torch cuda-graph"), None)
+                      and x["engine"] == "torch cuda-graph"), None)  # the bf16 baseline
         lines.append(row_line(r) + (f"{graph['us_per_token'] / r['us_per_token']:>9.2f}" if graph else ""))
     if swap:
         lines.append(f"{'swap':<20}{'kog GB/s':>10}{'plain pinned GB/s':>19}")

@@ -158,7 +158,7 @@ grep -q $'^build\tok' "$LOGS/steps.tsv" && compgen -G "$stage/kog/_C*.so" >/dev/
 
 # ---- tests and benches -------------------------------------------------------------------------
 decode_tests=(tests/gpu/test_persistent_decode_gpu.py tests/gpu/test_runner_gpu.py tests/gpu/test_decode_loop_gpu.py
-  tests/gpu/test_fp8_gpu.py)
+  tests/gpu/test_fp8_gpu.py tests/gpu/test_int4_gpu.py)
 if ((built)); then
   ((dry)) || export KOG_REQUIRE_GPU=1  # tests/gpu errors out instead of skipping when it cannot run
   step gpu_ops 75 pytest_step gpu_ops tests/gpu --ignore=tests/gpu/test_greedy_1b_gpu.py \
@@ -175,7 +175,7 @@ if ((built)); then
     step prefill_attention 25 "$PY" bench/gpu_prefill_attention.py --iters 10
   fi
   step cpu_tests 45 pytest_step cpu_tests -x -m "not slow" tests/cpu/test_info.py tests/cpu/test_gpu_program.py \
-    tests/cpu/test_fp8.py tests/cpu/test_decode_executor.py tests/cpu/test_ops.py tests/cpu/test_kvcache.py
+    tests/cpu/test_fp8.py tests/cpu/test_int4.py tests/cpu/test_decode_executor.py tests/cpu/test_ops.py tests/cpu/test_kvcache.py
   sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
   if [[ $backend == cuda && -n $sanitizer ]]; then
     # Subsets that touch every kernel on its vector and scalar paths (each launch is slow under

@@ -59,6 +59,26 @@ void linear_fp8(uintptr_t out, uintptr_t x, uintptr_t weight, uintptr_t scale, u
 #endif
 }
 
+// The GPU GEMV over 4-bit weights (uint8 [n, k / 2] codes, groups the format's scales; w_type
+// WEIGHT_Q4_GROUPS or WEIGHT_Q4_K: kog.int4).
+void linear_q4(uintptr_t out, uintptr_t x, uintptr_t weight, uintptr_t groups, int32_t w_type, uintptr_t bias,
+               int64_t m, int64_t n, int64_t k, int64_t x_stride, int64_t out_stride, int dtype, uintptr_t stream) {
+  KOG_CHECK(m >= 0 && n > 0 && k > 0, "linear_q4: bad shape m=", m, " n=", n, " k=", k);
+  KOG_CHECK(dtype >= 0 && dtype <= 2, "linear_q4: dtype code ", dtype, " is not a float type");
+  KOG_CHECK(m == 0 || (out && x && weight && groups), "linear_q4: null tensor");
+  if (m == 0) return;
+#ifdef KOG_WITH_GPU
+  kog::LinearParams p{reinterpret_cast<void*>(out), reinterpret_cast<const void*>(x),
+                      reinterpret_cast<const void*>(weight), reinterpret_cast<const void*>(bias),
+                      m, n, k, x_stride, out_stride, static_cast<kog::DType>(dtype)};
+  kog::gpu::linear_q4(p, reinterpret_cast<const void*>(groups), w_type, reinterpret_cast<void*>(stream));
+#else
+  (void)out_stride, (void)x_stride, (void)bias, (void)stream, (void)w_type;
+  kog::throw_error(kog::ErrorKind::kBackend, "linear_q4: this kog build has no GPU backend (the CPU runs GGUF "
+                   "blocks with its own kernels)");
+#endif
+}
+
 // Test hook for cpu::RowQueue: n_threads threads split n_chunks chunks for each of n_epochs
 // epochs (a barrier between epochs, as in the executor). Thread `slow` (if >= 0), after its
 // first chunk of an epoch, holds until the others have taken more chunks than their own slices
@@ -122,6 +142,9 @@ void bind_linear(py::module_& m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("linear_fp8", &linear_fp8, arg("out"), arg("x"), arg("weight"), arg("scale"), arg("bias"), arg("m"),
         arg("n"), arg("k"), arg("x_stride"), arg("out_stride"), arg("dtype"), arg("stream") = 0,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("linear_q4", &linear_q4, arg("out"), arg("x"), arg("weight"), arg("groups"), arg("w_type"), arg("bias"),
+        arg("m"), arg("n"), arg("k"), arg("x_stride"), arg("out_stride"), arg("dtype"), arg("stream") = 0,
         py::call_guard<py::gil_scoped_release>());
   m.def("_row_queue_claims", &row_queue_claims, arg("n_threads"), arg("n_chunks"), arg("n_epochs"),
         arg("slow") = -1, py::call_guard<py::gil_scoped_release>());

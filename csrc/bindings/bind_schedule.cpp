@@ -42,7 +42,7 @@ Op make_op(int op, int layer, int in, int residual, int out, uintptr_t w0, uintp
             kog::schedule::kMaxDeps, ")");
   Op o{op, layer, in, residual, out, int32_t(deps.size()), reinterpret_cast<const void*>(w0),
        reinterpret_cast<const void*>(w1), {}, reinterpret_cast<const void*>(w2), w_type, w1_type, lanes, slot, window,
-       vocab_slice, reinterpret_cast<const int32_t*>(expert_ranks), reinterpret_cast<const float*>(w_scale)};
+       vocab_slice, reinterpret_cast<const int32_t*>(expert_ranks), reinterpret_cast<const void*>(w_scale)};
   for (size_t k = 0; k < deps.size(); ++k) o.deps[k] = deps[k];
   return o;
 }
@@ -110,7 +110,7 @@ void bind_schedule(py::module_& m) {
       .def_readonly("window", &Op::window)
       .def_readonly("vocab_slice", &Op::vocab_slice)
       .def_property_readonly("w_scale", [](const Op& o) { return reinterpret_cast<uintptr_t>(o.w_scale); },
-                             "An FP8 weight's [rows] f32 row scales (w_type WEIGHT_FP8), else 0.")
+                             "A GPU weight format's scales (w_type WEIGHT_FP8: [rows] f32; WEIGHT_Q4_GROUPS: [rows, k / 32] f16 pairs; WEIGHT_Q4_K: [rows, k / 256] 16-byte headers), else 0.")
       .def("__repr__", [](const Op& o) {
         std::string deps;
         for (int k = 0; k < o.n_deps; ++k) deps += (k ? ", " : "") + std::to_string(o.deps[k]);
@@ -124,6 +124,8 @@ void bind_schedule(py::module_& m) {
   m.attr("PROGRAM_MAX_DEPS") = kog::schedule::kMaxDeps;
   m.attr("WEIGHT_RUN_DTYPE") = kog::schedule::kWeightRunDtype;
   m.attr("WEIGHT_FP8") = kog::schedule::kWeightFp8;
+  m.attr("WEIGHT_Q4_GROUPS") = kog::schedule::kWeightQ4Groups;
+  m.attr("WEIGHT_Q4_K") = kog::schedule::kWeightQ4K;
 
   py::dict ops;
   ops["EMBED"] = int(Opcode::kEmbed);

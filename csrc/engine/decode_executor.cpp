@@ -20,9 +20,9 @@ DecodeExecutor::DecodeExecutor(const ModelDims& dims, const KVCacheDesc& kv,
             " != 2 x len(inv_freq) ", inv_freq_.size());
   KOG_CHECK(kv_.base != nullptr && kv_.num_blocks > 0 && kv_.block_size > 0, "decode executor: bad KV cache");
   schedule::validate_program(program_, d_);
-  for (size_t i = 0; i < program_.size(); ++i)  // kog.fp8: the CPU runs FP8 models dequantized at load
-    KOG_CHECK(program_[i].w_type != schedule::kWeightFp8, "decode executor: op ", i,
-              " reads an FP8 weight, which only the GPU kernel runs");
+  for (size_t i = 0; i < program_.size(); ++i)  // kog.fp8 / kog.int4: the CPU reads GGUF blocks or dequantized values
+    KOG_CHECK(!schedule::is_gpu_weight_format(program_[i].w_type), "decode executor: op ", i,
+              " reads a weight in a GPU format (FP8 or 4-bit groups), which only the GPU kernel runs");
   elem_ = dtype_size(d_.dtype);
   qkv_width_ = width(Buffer::kQkv);
   layer_stride_ = kv_.num_blocks * 2 * d_.n_kv_heads * kv_.block_size * d_.head_dim;

@@ -40,6 +40,10 @@ void linear(const LinearParams& p, void* stream);
 // The same over FP8 e4m3 weights (schedule::kWeightFp8, the target's encoding): p.weight is
 // [n, k] bytes, scale [n] f32, out[b, r] = scale[r] * (x[b] . e4m3(w[r])) + bias[r]; k % 16 == 0.
 void linear_fp8(const LinearParams& p, const float* scale, void* stream);
+// The same over 4-bit weights (schedule::kWeightQ4Groups or kWeightQ4K, `w_type`): p.weight is
+// [n, k / 2] bytes of codes, groups the format's scales (gpu/decode/int4.cuh); k % 32 == 0
+// (Q4_K: k % 256 == 0, headers 16-byte aligned).
+void linear_q4(const LinearParams& p, const void* groups, int32_t w_type, void* stream);
 void kv_append(const KVAppendParams& p, void* stream);
 // Paged attention, decode (p.query_start_loc null) or causal prefill. partials: device scratch
 // of gpu_attention_partials_floats (ops/attention.h) floats (none when the launch takes the flash

@@ -136,12 +136,14 @@ std::vector<int32_t> rmsnorm_prologue_fusions(std::vector<Op>& ops) {
 
 std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDims& dims) {
   validate_program(ops_in, dims);
-  // NOTE: the persistent kernel's GEMV streams run-dtype and FP8 weights (kWeightFp8); it has
-  // no GEMV or embedding over ggml blocks yet (issue 17, a later item).
+  // NOTE: the persistent kernel's GEMV streams run-dtype weights and the GPU formats (FP8, 4-bit
+  // groups, Q4_K: kog.int4 converts GGUF Q4_0 / Q4_1 / Q4_K blocks); it has no GEMV or embedding
+  // over other ggml blocks.
   for (size_t i = 0; i < ops_in.size(); ++i)
-    KOG_CHECK(ops_in[i].w_type == kWeightRunDtype || ops_in[i].w_type == kWeightFp8, "GPU decode program: op ", i,
-              " reads a quantized weight (ggml type ", ops_in[i].w_type,
-              "), which the GPU kernel does not run yet; load the model with dtype=\"bfloat16\" or quantization=\"fp8\"");
+    KOG_CHECK(ops_in[i].w_type == kWeightRunDtype || is_gpu_weight_format(ops_in[i].w_type), "GPU decode program: op ",
+              i, " reads a quantized weight (ggml type ", ops_in[i].w_type,
+              ") in a layout the GPU kernel does not read; convert Q4_0 / Q4_1 / Q4_K matrices with "
+              "kog.int4.to_gpu_weights, or load the model with dtype=\"bfloat16\" or quantization=\"fp8\"");
   // NOTE: nor the mixture-of-experts ops (issue 18's first slice is CPU only): an MoE model
   // decodes on the CPU executor.
   for (size_t i = 0; i < ops_in.size(); ++i) {

@@ -52,7 +52,7 @@ void check_moe(const Op& o, size_t i, const ModelDims& d) {
 void check_quant_type(int32_t type, const char* which, int64_t k, int64_t rows, size_t i, const ModelDims& d) {
   const QuantTypeInfo info = quant_type_info(QuantType(type));
   KOG_CHECK(info.name != nullptr, "program: op ", i, " has ", which, " type ", type,
-            " (supported: the run dtype, FP8=-2, ", quant_type_list(), ")");
+            " (supported: the run dtype, FP8=-2, 4-bit groups=-3, Q4_K for the GPU=-4, ", quant_type_list(), ")");
   KOG_CHECK(d.dtype == DType::kF32, "program: op ", i, " reads a ", info.name, " weight but the run dtype is ",
             dtype_name(d.dtype), " (quantized weights run with f32 activations)");
   KOG_CHECK(k % info.elems == 0, "program: op ", i, " has rows of ", k, " elements, not whole ", info.name,
@@ -110,15 +110,21 @@ void check_weight_type(const Op& o, size_t i, const ModelDims& d) {
   KOG_CHECK(o.w1_type == kWeightRunDtype || op == Opcode::kMoeExperts, "program: op ", i, " (opcode ", o.op,
             ") has w1 type ", o.w1_type, ": only MOE_EXPERTS' down weight may be quantized");
   if (o.w1_type != kWeightRunDtype) check_quant_type(o.w1_type, "w1", d.expert_intermediate, d.hidden, i, d);
-  KOG_CHECK((o.w_scale != nullptr) == (o.w_type == kWeightFp8), "program: op ", i,
-            o.w_scale != nullptr ? " has a weight scale but its weight is not FP8"
-                                 : " reads an FP8 weight without its row scales (w_scale)");
+  KOG_CHECK((o.w_scale != nullptr) == is_gpu_weight_format(o.w_type), "program: op ", i,
+            o.w_scale != nullptr ? " has weight scales but its weight is not in a GPU format (FP8, 4-bit)"
+                                 : " reads an FP8 or 4-bit weight without its scales (w_scale)");
   if (o.w_type == kWeightRunDtype) return;
-  if (o.w_type == kWeightFp8) {  // one 16-byte GEMV vector is 16 elements
-    KOG_CHECK(op == Opcode::kLinear && o.lanes == 1, "program: op ", i, " (opcode ", o.op,
-              ") cannot read an FP8 weight: only a (non-lane) LINEAR takes one");
-    KOG_CHECK(buffer_width(d, o.in) % 16 == 0, "program: op ", i, " has FP8 rows of ", buffer_width(d, o.in),
-              " elements, not a multiple of 16");
+  if (is_gpu_weight_format(o.w_type)) {
+    // One 16-byte GEMV vector: 16 FP8 elements, or one 32-element 4-bit group; Q4_K headers
+    // cover super-blocks of 256.
+    const char* name = o.w_type == kWeightFp8 ? "FP8" : o.w_type == kWeightQ4K ? "Q4_K" : "4-bit";
+    const int64_t unit = o.w_type == kWeightFp8 ? 16 : o.w_type == kWeightQ4K ? 256 : 32;
+    KOG_CHECK(op == Opcode::kLinear && o.lanes == 1, "program: op ", i, " (opcode ", o.op, ") cannot read an ", name,
+              " weight: only a (non-lane) LINEAR takes one");
+    KOG_CHECK(buffer_width(d, o.in) % unit == 0, "program: op ", i, " has ", name, " rows of ", buffer_width(d, o.in),
+              " elements, not a multiple of ", unit);
+    KOG_CHECK(o.w_type == kWeightFp8 || d.dtype == DType::kBF16, "program: op ", i, " reads a ", name,
+              " weight but the run dtype is ", dtype_name(d.dtype), " (4-bit GPU weights run with bfloat16 activations)");
     return;
   }
   KOG_CHECK(op == Opcode::kEmbed || op == Opcode::kLinear || op == Opcode::kMoeExperts, "program: op ", i,

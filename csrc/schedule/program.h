@@ -78,6 +78,26 @@ constexpr int32_t kWeightRunDtype = -1;
 // loader encodes for the device (kog.fp8). Not a ggml id (those are >= 0). The CPU executor
 // refuses it: an FP8 model is dequantized to the run dtype at load there.
 constexpr int32_t kWeightFp8 = -2;
+// Op::w_type of a LINEAR weight stored as 4-bit codes q in [0, 15] with an affine (scale, min) per
+// group of 32 consecutive elements of a row: w[r, c] = scale[r, g] * q[r, c] + min[r, g], g = c / 32.
+// w0: uint8 [rows, k / 2], each 16 bytes one group, byte j holding elements j (low nibble) and
+// j + 16 (high): the Q4_0 / Q4_1 block order. Op::w_scale: [rows, k / 32] pairs (f16 scale, f16
+// min), 4 bytes a group. Q4_0 (min = -8 scale), Q4_1 and GPTQ / AWQ (min = -scale * zero, via
+// Q4_1) become this at load for the GPU (kog.int4). The GPU decode kernel's format only; bf16
+// runs. Not a ggml id.
+constexpr int32_t kWeightQ4Groups = -3;
+// Op::w_type of a LINEAR weight from GGUF Q4_K: w0 the same nibble layout as kWeightQ4Groups
+// (super-block sub-blocks repacked to 16-byte groups of 32), Op::w_scale [rows, k / 256] the
+// super-blocks' 16-byte headers as the file holds them (f16 d, f16 dmin, 12 bytes of 6-bit scales
+// and mins): group j of a super-block is scale d * sc_j, min -dmin * m_j, exactly the format's
+// values. The GPU decode kernel's format only; bf16 runs.
+constexpr int32_t kWeightQ4K = -4;
+
+// Whether w_type is one of the GPU kernel's quantized LINEAR formats (FP8, the 4-bit ones):
+// stored in the GPU layout with their scales in Op::w_scale; the CPU executor refuses them.
+KOG_HOST_DEVICE constexpr bool is_gpu_weight_format(int32_t w_type) {
+  return w_type == kWeightFp8 || w_type == kWeightQ4Groups || w_type == kWeightQ4K;
+}
 
 // Most ops one op may wait for. schedule.py's Llama-family ops have at most 4.
 constexpr int kMaxDeps = 8;
@@ -100,7 +120,8 @@ struct Op {
   // GPU expanded program only (null in a program): a GEMV's RMSNorm prologue weight [width(in)]:
   // x = rmsnorm(in) * w2 (expand_gpu_program).
   const void* w2 = nullptr;
-  // Storage of w0: kWeightRunDtype, kWeightFp8 (LINEAR only, with w_scale), or a QuantType (EMBED,
+  // Storage of w0: kWeightRunDtype, a GPU format (is_gpu_weight_format: LINEAR only, with
+  // w_scale), or a QuantType (EMBED,
   // LINEAR and MOE_EXPERTS only, run dtype
   // f32: the quant GEMV writes f32; MOE_EXPERTS' stacked blocks are [(n_experts + shared_slots)
   // 2 expert_intermediate, hidden / elems * bytes]). w2, w_type and w1_type come last, with
@@ -125,8 +146,9 @@ struct Op {
   // (expert parallelism): a rank computes only the pairs routed to its experts, and the LANE_SUM
   // after the block adds the ranks' partial outputs. On one rank every expert must be its own.
   const int32_t* expert_ranks = nullptr;
-  // w_type kWeightFp8 only (else null): [rows of w0] f32 scale of each weight row.
-  const float* w_scale = nullptr;
+  // A GPU weight format's scales (else null): kWeightFp8 [rows] f32 per row; kWeightQ4Groups
+  // [rows, k / 32] (f16, f16) per group; kWeightQ4K [rows, k / 256] 16-byte super-block headers.
+  const void* w_scale = nullptr;
 };
 
 // Elements per batch row of buffer b (TOKENS: one int32 id; LOGITS: vocab in the run dtype).

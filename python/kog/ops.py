@@ -321,6 +321,33 @@ def linear_fp8(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
     return out
 
 
+def linear_q4(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.dequantize().T (+ bias)``: the GPU decode kernel's 4-bit GEMV (kog.int4;
+    codes decoded in registers through each group's scale and min).
+
+    Args:
+        x: [..., k] float32/float16/bfloat16 on the GPU.
+        weight: kog.int4.Int4Weight [n, k] on the same GPU.
+        bias: [n] in x's dtype, or None.
+        out: optional [..., n] output.
+    Raises:
+        InvalidRequest: bad shapes or dtypes, or a CPU tensor.
+        BackendError: a build without a GPU backend.
+    """
+    code = _float_code("x", x)
+    if weight.device != x.device:
+        raise InvalidRequest("linear_q4: weight codes and groups must be on x's device")
+    n, k = weight.shape
+    m, x_stride, out, out_stride = _linear_operands(x, bias, out, n, k)
+    device, stream = _device_and_stream(x)
+    if device < 0:
+        raise InvalidRequest("linear_q4 runs on the GPU only (the CPU runs GGUF blocks with its own kernels)")
+    _C.linear_q4(out.data_ptr(), x.data_ptr(), weight.codes.data_ptr(), weight.groups.data_ptr(), weight.kind,
+                 bias.data_ptr() if bias is not None else 0, m, n, k, x_stride, out_stride, code, stream)
+    return out
+
+
 # GGUF block formats with native CPU kernels: name -> (ggml type id, elements, bytes per block).
 QUANT_TYPES: dict[str, tuple[int, int, int]] = dict(_C.quant_types())
 # Kog's row-interleaved forms of them (kog.quantized.pack_rows; csrc/ops/quant.h), never in a file:

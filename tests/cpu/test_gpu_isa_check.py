@@ -30,6 +30,7 @@ def amd(name, loads):
 
 GEMV = "_ZN3kog3gpu13linear_kernelI13__nv_bfloat16EEvNS_12LinearParamsEl"
 GEMV_FP8 = "_ZN3kog3gpu17linear_fp8_kernelI13__nv_bfloat16EEvNS_12LinearParamsEPKfl"
+GEMV_Q4 = "_ZN3kog3gpu16linear_q4_kernelI13__nv_bfloat16NS0_6decode10Int4GroupsEEEvNS_12LinearParamsEPKvl"
 ATTN = "_ZN3kog3gpu24attention_partial_kernelI13__nv_bfloat16EEvNS_20PagedAttentionParamsEPfi"
 ATTN_F32 = "_ZN3kog3gpu24attention_partial_kernelIfEEvNS_20PagedAttentionParamsEPfi"
 PERSISTENT = "_ZN3kog3gpu6decode24persistent_decode_kernelI13__nv_bfloat16EEvNS1_22PersistentDecodeParamsE"
@@ -37,16 +38,17 @@ STAGE_COPY = "LDGSTS.E.BYPASS.128"
 WORD = {"sass": "LDG.E", "amdgcn": "global_load_dword"}  # a 4-byte load: block table, lengths
 
 
-def module(make, dialect, wide, narrow, gemv=None, attn=None, persistent=None, fp8=None):
-    """A module as the CI sees it: the GEMV, its FP8 twin, the bf16 attention, the fp32 attention
+def module(make, dialect, wide, narrow, gemv=None, attn=None, persistent=None, fp8=None, q4=None):
+    """A module as the CI sees it: the GEMV, its FP8 and 4-bit twins, the bf16 attention, the fp32 attention
     (whose 4-byte K/V loads are not told apart from its table loads) and the persistent kernel
     (its weight staging copies on NVIDIA)."""
     gemv = [wide] * 4 + [narrow] * 3 if gemv is None else gemv
     fp8 = [wide] * 4 + [narrow] * 2 + [WORD[dialect]] * 2 if fp8 is None else fp8  # bias and scale per path
+    q4 = [wide] * 4 + [narrow] * 2 + [WORD[dialect]] * 7 if q4 is None else q4  # bias, a group pair per vector
     attn = [wide] * 3 + [WORD[dialect]] * 2 if attn is None else attn
     if persistent is None:
         persistent = [STAGE_COPY] * 16 + [narrow] if dialect == "sass" else [narrow]
-    return "\n".join([make(GEMV, gemv), make(GEMV_FP8, fp8), make(ATTN, attn), make(ATTN_F32, [WORD[dialect]] * 9),
+    return "\n".join([make(GEMV, gemv), make(GEMV_FP8, fp8), make(GEMV_Q4, q4), make(ATTN, attn), make(ATTN_F32, [WORD[dialect]] * 9),
                       make(PERSISTENT, persistent)])
 
 
@@ -74,6 +76,17 @@ def test_the_fp8_gemv_streams_16_byte_weight_vectors(dialect, make, wide, narrow
     assert isa.check(module(make, dialect, wide, narrow, fp8=[wide] * 3), dialect)  # too few in flight
     assert isa.check(module(make, dialect, wide, narrow, fp8=[wide] * 4 + [spill]), dialect)  # a spill
     assert isa.check(module(make, dialect, wide, narrow, gemv=[wide] * 4).replace(GEMV_FP8, "other"), dialect)  # missing
+
+
+@pytest.mark.parametrize("dialect,make,wide,narrow,spill", CASES)
+def test_the_q4_gemv_streams_16_byte_code_vectors(dialect, make, wide, narrow, spill):
+    byte = {"sass": "LDG.E.U8.CONSTANT", "amdgcn": "global_load_ubyte"}[dialect]
+    assert isa.check(module(make, dialect, wide, narrow, q4=[wide] * 4 + [WORD[dialect]] * 12), dialect) == []
+    assert isa.check(module(make, dialect, wide, narrow, q4=[wide] * 4 + [WORD[dialect]] * 13), dialect)  # one more
+    assert isa.check(module(make, dialect, wide, narrow, q4=[wide] * 4 + [byte] * 16), dialect)  # byte-wise codes
+    assert isa.check(module(make, dialect, wide, narrow, q4=[wide] * 3), dialect)  # too few in flight
+    assert isa.check(module(make, dialect, wide, narrow, q4=[wide] * 4 + [spill]), dialect)  # a spill
+    assert isa.check(module(make, dialect, wide, narrow).replace(GEMV_Q4, "other"), dialect)  # missing
 
 
 def test_the_persistent_kernel_must_stage_weights_asynchronously_on_nvidia():

@@ -1,5 +1,5 @@
 """The persistent kernel's weight staging policy (csrc/gpu/decode/weight_stage.cuh and the op
-loop of persistent_decode.cu), modelled on the CPU for one workgroup walking real expanded
+loop of persistent_kernel.cuh), modelled on the CPU for one workgroup walking real expanded
 programs: every LINEAR item must find its weights staged before it runs (never the kernel's
 "not reached" on-demand path), staged ahead of the op's dependency wait, and no read of a stage
 may precede the completion of its cp.async group under the kernel's wait_group(0 or 1) rule.

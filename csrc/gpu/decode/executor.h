@@ -75,7 +75,7 @@ class GpuDecodeExecutor {
   const float* inv_freq_;
   int32_t n_ops_ = 0;
   int32_t n_sinks_ = 0;
-  bool fp8_ = false;                // the program has FP8 GEMVs: the kernel instantiation with them
+  bool quant_ = false;              // the program has FP8 / 4-bit GEMVs: the kernel instantiation with them
   Op* program_ = nullptr;           // device
   int32_t* sinks_ = nullptr;        // device [n_sinks_] (schedule::program_sinks)
   char* arena_ = nullptr;           // device: activation buffers for kMaxBatch rows
@@ -95,5 +95,10 @@ class GpuDecodeExecutor {
   uint64_t wait_timeout_ticks_ = 0;
   int32_t debug_skip_signal_op_ = -1;
 };
+
+// The persistent kernel's instantiations (persistent_kernel_float.cu / _quant.cu) for run dtype
+// t: with the float GEMV only, and with the GEMVs over GPU weight formats (null unless bf16).
+void* persistent_kernel_float(DType t);
+void* persistent_kernel_quant(DType t);
 
 }  // namespace kog::gpu::decode

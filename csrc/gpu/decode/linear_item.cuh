@@ -1,11 +1,13 @@
 // GEMV work item for decode batches (1..kMaxBatch rows of x): out[b, r] = x[b] . w[r] (+ bias[r]).
-// Used by the persistent decode kernel (LINEAR ops) and by the standalone kog::gpu::linear and
-// kog::gpu::linear_fp8.
+// Used by the persistent decode kernel (LINEAR ops) and by the standalone kog::gpu::linear,
+// kog::gpu::linear_fp8 and kog::gpu::linear_q4.
 //
-// Weights W: T (the run dtype) or Fp8E4M3 (schedule::kWeightFp8: out[b, r] = scale[r] *
-// (x[b] . e4m3(w[r])) + bias[r]); one 16-byte weight vector is kVec16<W> elements (8 bf16, 16
-// FP8) and meets kVec16<W> / kVec16<T> 16-byte vectors of x. FP8 is decoded in registers
-// (fp8.cuh) and the row scale applied once per output.
+// Weights W: T (the run dtype), Fp8E4M3 (schedule::kWeightFp8: out[b, r] = scale[r] *
+// (x[b] . e4m3(w[r])) + bias[r]) or a 4-bit format (Int4Groups, Int4Q4K: schedule::kWeightQ4Groups,
+// kWeightQ4K; int4.cuh); one 16-byte weight vector is kWeightElems16<W> elements (8 bf16, 16 FP8,
+// one 32-element group of 4-bit codes) and meets kWeightElems16<W> / kVec16<T> 16-byte vectors of
+// x. FP8 is decoded in registers (fp8.cuh) and the row scale applied once per output; 4-bit
+// codes are decoded in registers through their group's affine, loaded beside each vector.
 //
 // Item i covers output rows [i * rows_per_item, (i + 1) * rows_per_item), rows_per_item =
 // kWarps * kLinearRowsPerWarp. Warp w takes kLinearRowsPerWarp consecutive rows; its lanes
@@ -19,6 +21,7 @@
 #include <type_traits>
 
 #include "gpu/decode/fp8.cuh"
+#include "gpu/decode/int4.cuh"
 #include "gpu/decode/weight_stage.cuh"
 
 namespace kog::gpu::decode {
@@ -27,10 +30,15 @@ template <typename W>
 constexpr bool kFp8Weights = std::is_same<W, Fp8E4M3>::value;
 
 // wf = elements [r * V, (r + 1) * V) of one 16-byte weight vector (FP8: times 2^(bias - 15),
-// undone by fp8_row_scale). Decoded one x vector's worth at a time: fewer live registers.
+// undone by fp8_row_scale; 4-bit: through g, the vector's group affine). Decoded one x vector's
+// worth at a time: fewer live registers.
 template <typename W, int V>
-__device__ __forceinline__ void decode_weights(const WVec<W>& wv, int r, float (&wf)[V]) {
-  if constexpr (kFp8Weights<W>) {
+__device__ __forceinline__ void decode_weights(const WVec<W>& wv, int r, GroupAffine g, float (&wf)[V]) {
+  if constexpr (kInt4Weights<W>) {
+    uint32_t words[4];
+    __builtin_memcpy(words, &wv, 16);
+    int4_decode<V>(words, r, g, wf);
+  } else if constexpr (kFp8Weights<W>) {
     static_assert(V % 4 == 0, "whole 4-byte words of FP8");
     uint32_t words[4];
     __builtin_memcpy(words, &wv, 16);
@@ -82,20 +90,21 @@ __device__ __forceinline__ void rows_rms_inv(const T* __restrict__ x, int64_t x_
   }
 }
 
-// acc[b] += w . x[b] over weight vector c (x vectors c * R .. c * R + R - 1, R = kVec16<W> /
-// kVec16<T>), for the first `batch` (<= kB) rows of x; with kNorm, x[b] is first normalized:
-// T(x * inv[b] * norm_w), the unfused RMS_NORM's values.
+// acc[b] += w . x[b] over weight vector c (x vectors c * R .. c * R + R - 1, R =
+// kWeightElems16<W> / kVec16<T>), for the first `batch` (<= kB) rows of x; with kNorm, x[b] is
+// first normalized: T(x * inv[b] * norm_w), the unfused RMS_NORM's values. g: 4-bit weights'
+// group affine (ignored otherwise).
 template <typename T, typename W, int kB, bool kNorm>
-__device__ __forceinline__ void fma_chunk(WVec<W> wv, const T* __restrict__ x, int64_t x_stride,
-                                          int64_t c, int batch, float (&acc)[kB], const T* __restrict__ norm_w,
-                                          const float (&inv)[kB]) {
-  constexpr int V = kVec16<T>, R = kVec16<W> / kVec16<T>;
-  static_assert(R >= 1 && kVec16<W> % kVec16<T> == 0, "a weight vector covers whole x vectors");
+__device__ __forceinline__ void fma_chunk(WVec<W> wv, GroupAffine g, const T* __restrict__ x,
+                                          int64_t x_stride, int64_t c, int batch, float (&acc)[kB],
+                                          const T* __restrict__ norm_w, const float (&inv)[kB]) {
+  constexpr int V = kVec16<T>, R = kWeightElems16<W> / kVec16<T>;
+  static_assert(R >= 1 && kWeightElems16<W> % kVec16<T> == 0, "a weight vector covers whole x vectors");
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int64_t xc = c * R + r;
     float wf[V], nf[V];
-    decode_weights<W, V>(wv, r, wf);
+    decode_weights<W, V>(wv, r, g, wf);
     if constexpr (kNorm) {
       const WVec<T> nv = load16(reinterpret_cast<const WVec<T>*>(norm_w) + xc);
 #pragma unroll
@@ -183,12 +192,14 @@ __device__ __forceinline__ void rope_kv_pair(const GemvEpilogueArgs<T>& ep, T* o
 // products (rounded to T) for the fused epilogues, which finish at slot 1; first_col its column.
 // kFusable = false (the standalone GEMV): plain rows and kStore only, decided at compile time, so
 // that its machine code holds nothing of the fused forms (the CI's ISA check counts its loads).
-// rs: FP8 weights only, the row's fp8_row_scale.
+// rs: FP8 weights only, the row's fp8_row_scale. groups: 4-bit weights only, the row's part of
+// Op::w_scale (group_affine).
 template <typename T, typename W, int kB, int kUnroll, int kStaged, bool kFusable, bool kNorm, typename OutT,
           typename Stages>
 __device__ __forceinline__ void linear_row(const WVec<W>* __restrict__ wr, const T* __restrict__ x, int64_t x_stride,
                                            OutT* out, int64_t out_stride, int batch, int64_t chunks,
-                                           int64_t out_col, float rs, float bv, const Stages& st, int stage, int rr,
+                                           int64_t out_col, float rs, const void* __restrict__ groups, float bv,
+                                           const Stages& st, int stage, int rr,
                                            const GemvEpilogueArgs<T>& ep, float (&first)[kB], int64_t first_col,
                                            const T* __restrict__ norm_w, const float (&inv)[kB]) {
   const int lane = threadIdx.x % KOG_WARP_SIZE;
@@ -200,17 +211,21 @@ __device__ __forceinline__ void linear_row(const WVec<W>* __restrict__ wr, const
 #pragma unroll
   for (int v = 0; v < kStaged; ++v, c += KOG_WARP_SIZE)
     if (c < chunks)
-      fma_chunk<T, W, kB, kNorm>(as_weights<W>(st.get(stage, rr, v)), x, x_stride, c, batch, acc, norm_w, inv);
+      fma_chunk<T, W, kB, kNorm>(as_weights<W>(st.get(stage, rr, v)), group_affine<W>(groups, c), x, x_stride, c,
+                                 batch, acc, norm_w, inv);
   for (; c + (kUnroll - 1) * KOG_WARP_SIZE < chunks; c += kUnroll * KOG_WARP_SIZE) {
     WVec<W> wv[kUnroll];
+    GroupAffine ga[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) wv[u] = load16(wr + c + u * KOG_WARP_SIZE);
 #pragma unroll
+    for (int u = 0; u < kUnroll; ++u) ga[u] = group_affine<W>(groups, c + u * KOG_WARP_SIZE);
+#pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      fma_chunk<T, W, kB, kNorm>(wv[u], x, x_stride, c + u * KOG_WARP_SIZE, batch, acc, norm_w, inv);
+      fma_chunk<T, W, kB, kNorm>(wv[u], ga[u], x, x_stride, c + u * KOG_WARP_SIZE, batch, acc, norm_w, inv);
   }
   for (; c < chunks; c += KOG_WARP_SIZE)
-    fma_chunk<T, W, kB, kNorm>(load16(wr + c), x, x_stride, c, batch, acc, norm_w, inv);
+    fma_chunk<T, W, kB, kNorm>(load16(wr + c), group_affine<W>(groups, c), x, x_stride, c, batch, acc, norm_w, inv);
 #pragma unroll
   for (int b = 0; b < kB; ++b) {
     if (b < batch) {
@@ -246,13 +261,13 @@ __device__ __forceinline__ void linear_row(const WVec<W>* __restrict__ wr, const
 // The rows of one item for one batch class (kB rows of x at most); kNorm: x through pro's norm.
 template <typename T, typename W, typename OutT, int kStaged, int kB, int kUnroll, bool kFusable, bool kNorm,
           typename Stages>
-__device__ __forceinline__ void linear_item_rows(const W* __restrict__ w, const float* __restrict__ w_scale,
+__device__ __forceinline__ void linear_item_rows(const W* __restrict__ w, const void* __restrict__ w_scale,
                                                  const T* __restrict__ bias, const T* x,
                                                  int64_t x_stride, OutT* out, int64_t out_stride, int batch, int64_t n,
                                                  int64_t k, int64_t item, const Stages& st, int stage,
                                                  const GemvEpilogueArgs<T>& ep, const GemvPrologue<T>& pro) {
   const GemvRows rows = kFusable ? ep.rows() : GemvRows{};
-  const int64_t chunks = k / kVec16<W>;
+  const int64_t chunks = k / kWeightElems16<W>;
   const int64_t first_col = gemv_weight_row(item, 0, n, rows);
   float first[kB] = {};  // fused epilogues: slot 0's products, consumed at slot 1
   float inv[kB] = {};    // kNorm: each row's RMS scale
@@ -262,29 +277,39 @@ __device__ __forceinline__ void linear_item_rows(const W* __restrict__ w, const 
   for (int rr = 0; rr < kLinearRowsPerWarp; ++rr) {
     const int64_t row = gemv_weight_row(item, rr, n, rows);
     if (row >= n) break;  // uniform over the warp
-    const WVec<W>* wr = reinterpret_cast<const WVec<W>*>(w + row * k);
+    const WVec<W>* wr = reinterpret_cast<const WVec<W>*>(reinterpret_cast<const char*>(w) + row * chunks * 16);
     float rs = 1.f;
-    if constexpr (kFp8Weights<W>) rs = fp8_row_scale(w_scale[row]);
+    if constexpr (kFp8Weights<W>) rs = fp8_row_scale(static_cast<const float*>(w_scale)[row]);
+    const void* groups = nullptr;  // the row's group affines
+    if constexpr (std::is_same<W, Int4Groups>::value) groups = static_cast<const uint32_t*>(w_scale) + row * chunks;
+    if constexpr (std::is_same<W, Int4Q4K>::value) groups = static_cast<const char*>(w_scale) + row * (k / 256) * 16;
     const float bv = bias != nullptr ? gpu_to_float(bias[row]) : 0.f;
     const int64_t out_col = rows.kind == GemvRows::kGlu ? first_col : row;
     linear_row<T, W, kB, kUnroll, kStaged, kFusable, kNorm>(wr, x, x_stride, out, out_stride, batch, chunks, out_col,
-                                                            rs, bv, st, stage, rr, ep, first, first_col, pro.norm_w,
+                                                            rs, groups, bv, st, stage, rr, ep, first, first_col, pro.norm_w,
                                                             inv);
   }
 }
 
 // Item `item` of a GEMV over w [n, k] (rows gemv_weight_row): st / stage hold its first kStaged
-// vectors per row and lane (landed: WeightStages::wait). W: T, or Fp8E4M3 with w_scale [n] f32
-// (else null). OutT: T or float (logits). ep: what the products become (GemvEpilogueArgs);
+// vectors per row and lane (landed: WeightStages::wait). W: T, Fp8E4M3 with w_scale [n] f32, or a
+// 4-bit tag with w_scale its group affines (int4.cuh; else null). OutT: T or float (logits). ep: what the products become (GemvEpilogueArgs);
 // kSiluMul writes out [batch, n / 2]. pro: an RMSNorm applied to x first (kFusable only).
 // Weight vectors in flight per lane for batches of 2-8: kLinearUnroll vectors' worth of x
 // elements, so that FP8 (16 elements a vector, two or four x vectors each) holds no more rows of
 // x in registers than the run-dtype GEMV (2 would spill in the persistent kernel on sm_90a).
 template <typename T, typename W>
-constexpr int kLinearUnrollOf = kLinearUnroll * kVec16<T> / kVec16<W> > 1 ? kLinearUnroll * kVec16<T> / kVec16<W> : 1;
+constexpr int kLinearUnrollOf =
+    kLinearUnroll * kVec16<T> / kWeightElems16<W> > 1 ? kLinearUnroll * kVec16<T> / kWeightElems16<W> : 1;
+
+// Weight vectors in flight per lane at batch 1: kLinearUnrollBatch1, and half that for 4-bit
+// weights, whose vectors carry 32 elements (four times a bf16 vector's decode and FMA work to
+// cover the latency) and a group affine each (a Q4_K header: 4 more registers per vector).
+template <typename W>
+constexpr int kLinearUnrollBatch1Of = kInt4Weights<W> ? kLinearUnrollBatch1 / 2 : kLinearUnrollBatch1;
 
 template <typename T, typename OutT, int kStaged, bool kFusable = true, typename W, typename Stages>
-__device__ __forceinline__ void linear_item(const W* __restrict__ w, const float* __restrict__ w_scale,
+__device__ __forceinline__ void linear_item(const W* __restrict__ w, const void* __restrict__ w_scale,
                             const T* __restrict__ bias, const T* x, int64_t x_stride,
                             OutT* out, int64_t out_stride, int batch, int64_t n, int64_t k, int64_t item,
                             const Stages& st, int stage, const GemvEpilogueArgs<T>& ep,
@@ -292,13 +317,13 @@ __device__ __forceinline__ void linear_item(const W* __restrict__ w, const float
   // batch and the norm are uniform over the grid
   if (kFusable && pro.norm_w != nullptr) {
     if (batch == 1)
-      linear_item_rows<T, W, OutT, kStaged, 1, kLinearUnrollBatch1, kFusable, kFusable>(
+      linear_item_rows<T, W, OutT, kStaged, 1, kLinearUnrollBatch1Of<W>, kFusable, kFusable>(
           w, w_scale, bias, x, x_stride, out, out_stride, batch, n, k, item, st, stage, ep, pro);
     else
       linear_item_rows<T, W, OutT, kStaged, kMaxBatch, kLinearUnrollOf<T, W>, kFusable, kFusable>(
           w, w_scale, bias, x, x_stride, out, out_stride, batch, n, k, item, st, stage, ep, pro);
   } else if (batch == 1) {
-    linear_item_rows<T, W, OutT, kStaged, 1, kLinearUnrollBatch1, kFusable, false>(
+    linear_item_rows<T, W, OutT, kStaged, 1, kLinearUnrollBatch1Of<W>, kFusable, false>(
         w, w_scale, bias, x, x_stride, out, out_stride, batch, n, k, item, st, stage, ep, pro);
   } else {
     linear_item_rows<T, W, OutT, kStaged, kMaxBatch, kLinearUnrollOf<T, W>, kFusable, false>(

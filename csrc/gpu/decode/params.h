@@ -1,4 +1,4 @@
-// Parameters of the GPU persistent decode kernel (persistent_decode.cu): plain C++, shared by
+// Parameters of the GPU persistent decode kernel (persistent_kernel.cuh): plain C++, shared by
 // the host launcher and the device code. One launch runs n_steps whole decode steps of a batch.
 #pragma once
 #include <cstdint>

@@ -1,6 +1,6 @@
 // The small work items of the persistent decode kernel. Each op splits a batch row b into
 // `part`s so that it spreads over the workgroups instead of running on one per row (items_of in
-// persistent_decode.cu): kRowChunk elements (EMBED, RMS_NORM without a residual, SILU_MUL),
+// persistent_kernel.cuh): kRowChunk elements (EMBED, RMS_NORM without a residual, SILU_MUL),
 // kWarps heads (QK_NORM), kRopeHeads heads (ROPE), one KV head (KV_APPEND). An RMS_NORM that
 // still adds a residual (fuse_residual_adds found no producer to take it) stays one item per
 // row: its row is read-modified-written.

@@ -2,7 +2,7 @@
 // run any number of times per kernel.
 //
 // Every wait of the persistent kernel is bounded (spin_until): one that outlives its timeout
-// records the op, counter and target and traps (persistent_decode.cu, wait_for_ops).
+// records the op, counter and target and traps (persistent_kernel.cuh, wait_for_ops).
 //
 // Protocol: a workgroup finishing a work item of op g does  __syncthreads; thread 0: release
 // fence + atomicAdd(counters[g], 1).  A workgroup starting op g + 1 has thread 0 spin until

@@ -14,7 +14,7 @@
 //   AMD: one stage in registers, loaded before the wait (gfx90a/gfx940 have no asynchronous copy
 //   of 16 bytes into LDS, and a CU's 64 KiB of LDS would hold little of it).
 //
-// Invariant the kernel keeps (persistent_decode.cu): every LINEAR item runs from a stage; the
+// Invariant the kernel keeps (persistent_kernel.cuh): every LINEAR item runs from a stage; the
 // stage is looked up by (op, item) -- op indices repeat across loop steps, the weights too.
 #pragma once
 #include "gpu/decode/tuning.cuh"

@@ -97,6 +97,14 @@ __device__ __forceinline__ void gpu_copy16_async_wait() {
 __device__ __forceinline__ float gpu_shfl_up(float v, int delta) { return __shfl_up_sync(0xffffffffu, v, delta); }
 __device__ __forceinline__ int gpu_shfl_up(int v, int delta) { return __shfl_up_sync(0xffffffffu, v, delta); }
 
+// ---- 4-bit weights (gpu/decode/int4.cuh) ------------------------------------------------------------
+// Byte i (0..3, a compile-time constant after unrolling) of `word` as an exact f32 0..255: one byte
+// permute into the mantissa of 2^23 (PRMT) and one subtraction, no integer-to-float conversion
+// (I2F runs at a quarter of the FP32 rate).
+__device__ __forceinline__ float gpu_byte_to_float(uint32_t word, int i) {
+  return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7650u | unsigned(i))) - 8388608.f;
+}
+
 // ---- FP8 e4m3 weights (schedule::kWeightFp8) -----------------------------------------------------
 // The encoding of the FP8 weights this vendor's decode kernel reads: OCP e4m3fn (exponent bias
 // 7, max 448; Hopper's tensor-core format). The decode itself is shared (gpu/decode/fp8.cuh).

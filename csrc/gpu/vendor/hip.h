@@ -100,6 +100,13 @@ __device__ __forceinline__ int gpu_shfl_xor(int v, int lane_mask) { return __shf
 __device__ __forceinline__ float gpu_shfl_up(float v, int delta) { return __shfl_up(v, unsigned(delta)); }
 __device__ __forceinline__ int gpu_shfl_up(int v, int delta) { return __shfl_up(v, unsigned(delta)); }
 
+// ---- 4-bit weights (gpu/decode/int4.cuh) ------------------------------------------------------------
+// Byte i (0..3, a compile-time constant after unrolling) of `word` as an exact f32 0..255: CDNA
+// converts a register's byte directly (v_cvt_f32_ubyte0..3), which this shift-and-mask compiles to.
+__device__ __forceinline__ float gpu_byte_to_float(uint32_t word, int i) {
+  return float((word >> (8 * i)) & 0xFFu);
+}
+
 // ---- FP8 e4m3 weights (schedule::kWeightFp8) -----------------------------------------------------
 // The encoding of the FP8 weights this vendor's decode kernel reads: e4m3fnuz (exponent bias 8,
 // max 240, no negative zero or infinity; MI300X's hardware format, so one weight file serves a

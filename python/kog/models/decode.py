@@ -17,6 +17,7 @@ from kog import _C
 from kog.config import ModelConfig
 from kog.errors import InvalidRequest
 from kog.fp8 import Fp8Weight
+from kog.int4 import Int4Weight
 from kog.ops import DTYPE_CODE
 from kog.program import Buffer, Instruction, Opcode, program_for
 from kog.program.families import ROPE_NEOX
@@ -81,13 +82,16 @@ def lower(ins: Instruction, weights: dict[str, torch.Tensor]) -> _C.Op:
         bufs_out = [Buffer.LANE_HIST]
     ptrs = [weights[name].data_ptr() for name in ins.weights] + [0, 0]
     # Each weight's storage: a ggml type for a QuantizedWeight (EMBED, LINEAR, MOE_EXPERTS' two
-    # stacks), FP8 with its row scales for an Fp8Weight (LINEAR; the GPU kernel only), else the run dtype.
+    # stacks), FP8 with its row scales for an Fp8Weight and a 4-bit GPU format with its group
+    # scales for an Int4Weight (LINEAR; the GPU kernel only), else the run dtype.
     w_type, w1_type = ([w.qtype if isinstance(w, QuantizedWeight) else _C.WEIGHT_RUN_DTYPE
                         for w in (weights[n] for n in ins.weights)] + [_C.WEIGHT_RUN_DTYPE] * 2)[:2]
     w0 = weights[ins.weights[0]] if ins.weights else None
     w_scale = 0
     if isinstance(w0, Fp8Weight):
         w_type, w_scale = _C.WEIGHT_FP8, w0.scale.data_ptr()
+    elif isinstance(w0, Int4Weight):
+        w_type, w_scale = w0.kind, w0.groups.data_ptr()
     return _C.Op(int(ins.opcode), ins.layer, int(bufs_in[0]) if bufs_in else -1, residual,
                  int(bufs_out[0]) if bufs_out else -1, ptrs[0], ptrs[1], sorted(ins.deps),
                  w_type=w_type, w1_type=w1_type, lanes=ins.lanes, slot=slots[0] if slots else -1,
@@ -115,7 +119,7 @@ def build_executor(config: ModelConfig, weights: dict[str, torch.Tensor], kv: to
     """
     dtype = kv.dtype  # the run dtype (quantized matrices run with f32 activations: validate_program)
     float_weights = [w for w in weights.values()
-                     if not isinstance(w, (QuantizedWeight, Fp8Weight)) and w.is_floating_point()]
+                     if not isinstance(w, (QuantizedWeight, Fp8Weight, Int4Weight)) and w.is_floating_point()]
     if not kv.is_contiguous() or any(w.dtype != dtype for w in float_weights):
         raise InvalidRequest(f"kv cache must be contiguous and in the float weights' dtype, got {kv.dtype}")
     ops = lower_program(schedule_for(config) if program is None else program, weights)

@@ -22,7 +22,7 @@ from kog import _C
 from kog.config import ModelConfig
 from kog.errors import BackendError, InvalidRequest
 from kog.models.decode import lower_program, model_dims, schedule_for
-from kog.quantized import QuantizedWeight
+from kog.int4 import to_gpu_weights
 
 # The field types of csrc/schedule/sampling_row.h SamplingRow; offsets and size come from C++.
 SAMPLING_ROW_FORMATS = {"temperature": "<f4", "top_k": "<i4", "top_p": "<f4", "min_p": "<f4", "seed": "<u8"}
@@ -69,6 +69,8 @@ class GpuDecoder:
     """Args:
         config: the model.
         weights: prepared weights (kog.models.weights.prepare_weights) on the GPU, contiguous.
+            QuantizedWeight matrices become the kernel's 4-bit formats (Q4_0 / Q4_1 / Q4_K read
+            only by LINEAR ops) or are dequantized to the run dtype (kog.int4.to_gpu_weights).
         kv: [layers, blocks, 2, kv_heads, block_size, head_dim] KV cache on the same GPU.
         block_size: tokens per KV block.
         inv_freq: [rotary_dim / 2] float32 RoPE frequencies.
@@ -80,9 +82,7 @@ class GpuDecoder:
             raise BackendError("the persistent decode kernel needs a GPU build of kog (KOG_BACKEND=cuda or rocm)")
         if kv.device.type != "cuda" or not kv.is_contiguous():
             raise InvalidRequest(f"kv cache must be a contiguous GPU tensor, got {kv.device}")
-        if any(isinstance(w, QuantizedWeight) for w in weights.values()):
-            raise InvalidRequest("the GPU decode kernel does not run quantized weights yet (issue 17); "
-                                 "load the GGUF with dtype=\"bfloat16\"")
+        weights = to_gpu_weights(schedule_for(config), weights, kv.dtype)
         self.device = kv.device
         self.vocab_size = config.vocab_size
         self._inv_freq = inv_freq.to(self.device, torch.float32).contiguous()

@@ -73,8 +73,10 @@ class ModelRunner:
         if self.device.type == "cuda" and (reason := gpu_unavailable_reason(self.device.index)) is not None:
             raise InvalidRequest(f"device {str(self.device)!r}: {reason}")
         if self.device.type == "cuda" and any(isinstance(w, QuantizedWeight) for w in model.weights.values()):
-            raise InvalidRequest(f"device {str(self.device)!r}: the GPU backend does not run quantized weights yet "
-                                 f"(issue 17); load the GGUF with dtype=\"bfloat16\" to dequantize it")
+            raise InvalidRequest(f"device {str(self.device)!r}: the GPU runner does not take quantized weights yet "
+                                 f"(its prefill has no quantized GEMM; the decode kernel's 4-bit path is "
+                                 f"kog.models.gpu_decode.GpuDecoder); load the GGUF with dtype=\"bfloat16\" to "
+                                 f"dequantize it")
         weights = prepare_weights(c, model.weights, self.dtype)
         self.weight_bytes = weight_bytes(weights)  # resident bytes of the prepared weights
         if self.device.type == "cpu":

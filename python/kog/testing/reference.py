@@ -103,6 +103,15 @@ def linear_fp8(x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, fmt: st
     return out.to(x.dtype)
 
 
+def linear_q4(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The 4-bit GEMV (kog.int4.Int4Weight, WEIGHT_Q4_GROUPS / WEIGHT_Q4_K): x [..., k] @
+    weight.dequantize()^T (+ bias [n]), in fp64, rounded once to x's dtype."""
+    out = x.double() @ weight.dequantize().double().T
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype)
+
+
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's cache as dense (k, v), each [seq_len, n_kv_heads, head_dim].
 

@@ -1,5 +1,5 @@
 """A discrete-event model of the persistent decode kernel's synchronization protocol
-(csrc/gpu/decode/persistent_decode.cu, sync.cuh), run under seeded random interleavings.
+(csrc/gpu/decode/persistent_kernel.cuh, sync.cuh), run under seeded random interleavings.
 
     protocol = Protocol(tuple(sync_ops(expanded, dims, batch)), tuple(_C.program_sinks(expanded)))
     stats = run_launches(protocol, Launch(grid=7, n_steps=3, batch=batch), seed=0)

@@ -7,7 +7,7 @@ Hazards are per whole resource: the items of one op are assumed not to conflict 
 other (each writes its own rows or chunk; an RMS_NORM that still read-modify-writes its residual
 runs as one item per row).
 
-What an op touches is read off run_item in csrc/gpu/decode/persistent_decode.cu, not off the
+What an op touches is read off run_item in csrc/gpu/decode/persistent_kernel.cuh, not off the
 op's buffer fields alone: an attention item writes the partials scratch, and the last item of
 each (sequence, KV head) group reads the group's partials and writes ATTN (SyncOp.group_items:
 the model runs that tail and its group counter), the last LM-head item of each vocabulary chunk
@@ -72,7 +72,7 @@ ROW_CHUNK, ROPE_HEADS = 512, 4  # kRowChunk, kRopeHeads (csrc/gpu/decode/tuning.
 
 
 def items_of(op: _C.Op, dims: _C.ModelDims, batch: int, max_parts: int, rows_per_item: int, warps: int = 8) -> int:
-    """Mirrors items_of and parts_per_row in persistent_decode.cu (rows_per_item:
+    """Mirrors items_of and parts_per_row in persistent_kernel.cuh (rows_per_item:
     linear_rows_per_item(); warps: workgroup threads / warp size)."""
     def ceil(a, b):
         return -(-a // b)
