@@ -79,7 +79,7 @@ print('import ok:', info['backend'], info['gpu_runtime'], 'archs', info['gpu_arc
 }
 
 KERNELS=(rmsnorm_kernel rope_kernel silu_and_mul_kernel kv_copy_blocks_kernel persistent_decode_kernel
-  attention_partial_kernel attention_combine_kernel prefill_attention_kernel linear_kernel linear_fp8_kernel kv_append_kernel
+  attention_partial_kernel attention_combine_kernel prefill_attention_kernel linear_kernel linear_quant_kernel kv_append_kernel
   sample_kernel)
 
 # ---- CUDA -------------------------------------------------------------------------------------

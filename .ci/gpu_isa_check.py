@@ -10,10 +10,10 @@ Rules (issue 16), checked on the standalone kernels that run the persistent kern
   16-byte loads only; three narrower loads are allowed: the bias element of a row, which the
   compiler places once per code path (batch 1 and batch 2-8 are separate instantiations, and
   hipcc splits one of them again for fp32); a 2-byte weight stream shows 8 per vector;
-- the FP8 GEMV (linear_fp8_kernel, the same work item over one-byte e4m3 weights) likewise: 16
+- the FP8 GEMV (linear_quant_kernel<T, Fp8E4M3>, the same work item over one-byte e4m3 weights) likewise: 16
   weights per 16-byte load; its narrower loads are the bias element and the row's f32 scale,
   each once per code path (6 at most); a byte-wise weight stream would show 16 per vector;
-- the 4-bit GEMV (linear_q4_kernel, the same work item over 4-bit codes, gpu/decode/int4.cuh):
+- the 4-bit GEMV (linear_quant_kernel<T, Int4Groups | Int4Q4K>, the same item over 4-bit codes):
   32 codes per 16-byte load; its narrower loads are the bias element and, for WEIGHT_Q4_GROUPS,
   each group's 4-byte (scale, min) pair, once per vector in flight per code path (4 + 1 at
   batch 1, 1 + 1 at batches 2-8: 12 at most with the bias); Q4_K headers are 16-byte loads;
@@ -63,8 +63,8 @@ class Rule:
 
 
 RULES = (Rule(re.compile(r"linear_kernel"), min_wide=4, max_narrow=3),
-         Rule(re.compile(r"linear_fp8_kernel"), min_wide=4, max_narrow=6),
-         Rule(re.compile(r"linear_q4_kernel"), min_wide=4, max_narrow=12),
+         Rule(re.compile(r"linear_quant_kernel\w*Fp8E4M3"), min_wide=4, max_narrow=6),
+         Rule(re.compile(r"linear_quant_kernel\w*Int4"), min_wide=4, max_narrow=12),
          Rule(re.compile(r"attention_partial_kernelI\w*(bfloat16|half)E"), min_wide=3, max_narrow=0, narrow="16bit"),
          Rule(re.compile(r"persistent_decode_kernel"), min_wide=0, max_narrow=1 << 30, max_local=1 << 30, min_async=16,
               dialects=("sass",)))

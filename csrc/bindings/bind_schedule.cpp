@@ -110,7 +110,8 @@ void bind_schedule(py::module_& m) {
       .def_readonly("window", &Op::window)
       .def_readonly("vocab_slice", &Op::vocab_slice)
       .def_property_readonly("w_scale", [](const Op& o) { return reinterpret_cast<uintptr_t>(o.w_scale); },
-                             "A GPU weight format's scales (w_type WEIGHT_FP8: [rows] f32; WEIGHT_Q4_GROUPS: [rows, k / 32] f16 pairs; WEIGHT_Q4_K: [rows, k / 256] 16-byte headers), else 0.")
+                             "A GPU weight format's scales (w_type WEIGHT_FP8: [rows] f32; WEIGHT_Q4_GROUPS: "
+                             "[rows, k / 32] f16 pairs; WEIGHT_Q4_K: [rows, k / 256] 16-byte headers), else 0.")
       .def("__repr__", [](const Op& o) {
         std::string deps;
         for (int k = 0; k < o.n_deps; ++k) deps += (k ? ", " : "") + std::to_string(o.deps[k]);

@@ -124,7 +124,8 @@ void check_weight_type(const Op& o, size_t i, const ModelDims& d) {
     KOG_CHECK(buffer_width(d, o.in) % unit == 0, "program: op ", i, " has ", name, " rows of ", buffer_width(d, o.in),
               " elements, not a multiple of ", unit);
     KOG_CHECK(o.w_type == kWeightFp8 || d.dtype == DType::kBF16, "program: op ", i, " reads a ", name,
-              " weight but the run dtype is ", dtype_name(d.dtype), " (4-bit GPU weights run with bfloat16 activations)");
+              " weight but the run dtype is ", dtype_name(d.dtype),
+              " (4-bit GPU weights run with bfloat16 activations)");
     return;
   }
   KOG_CHECK(op == Opcode::kEmbed || op == Opcode::kLinear || op == Opcode::kMoeExperts, "program: op ", i,

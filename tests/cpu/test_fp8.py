@@ -14,6 +14,7 @@ from kog.models.decode import lower_program, model_dims, schedule_for
 from kog.models.weights import prepare_weights
 from kog.program import Opcode
 from kog.testing import reference
+from kog.testing.programs import with_op
 from kog.testing.tiny_models import random_weights, tiny_config
 
 ALL_BITS = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -143,18 +144,12 @@ def test_fp8_ops_are_checked_and_refused_by_the_cpu_executor():
     lin = next(i for i, o in enumerate(ops) if o.opcode == Opcode.LINEAR)
     norm = next(i for i, o in enumerate(ops) if o.opcode == Opcode.RMS_NORM)
 
-    def with_op(i, **kw):
-        o = ops[i]
-        a = dict(opcode=o.opcode, layer=o.layer, in_=o.in_, residual=o.residual, out=o.out, w0=o.w0, w1=o.w1,
-                 deps=o.deps, w_type=o.w_type, w_scale=o.w_scale) | kw
-        return ops[:i] + [_C.Op(**a)] + ops[i + 1:]
-
     with pytest.raises(kog.InvalidRequest, match=f"op {lin} reads an FP8 or 4-bit weight without its scales"):
-        _C.validate_program(with_op(lin, w_scale=0), dims)
+        _C.validate_program(with_op(ops, lin, w_scale=0), dims)
     with pytest.raises(kog.InvalidRequest, match=f"op {norm} has weight scales but its weight is not in a GPU format"):
-        _C.validate_program(with_op(norm, w_scale=scale.data_ptr()), dims)
+        _C.validate_program(with_op(ops, norm, w_scale=scale.data_ptr()), dims)
     with pytest.raises(kog.InvalidRequest, match=f"op {norm} .*cannot read an FP8 weight"):
-        _C.validate_program(with_op(norm, w_type=_C.WEIGHT_FP8, w_scale=scale.data_ptr()), dims)
+        _C.validate_program(with_op(ops, norm, w_type=_C.WEIGHT_FP8, w_scale=scale.data_ptr()), dims)
     kv = torch.zeros(dims.n_layers, 4, 2, dims.n_kv_heads, 4, dims.head_dim, dtype=torch.bfloat16)
     with pytest.raises(kog.InvalidRequest, match=r"reads a weight in a GPU format \(FP8 or 4-bit groups\), which only the GPU kernel runs"):
         _C.DecodeExecutor(dims, kv.data_ptr(), 4, 4, [1.0] * (dims.rotary_dim // 2), ops)

@@ -8,6 +8,7 @@ import kog
 from kog import _C
 from kog.models.decode import lower_program, model_dims, schedule_for
 from kog.program import Buffer, Opcode
+from kog.testing.programs import with_op
 from kog.testing.tiny_models import random_weights, tiny_config
 from kog.models.weights import prepare_weights
 
@@ -227,28 +228,22 @@ def test_a_dropped_dep_is_caught_by_the_order_test():
 def test_bad_programs_are_refused_naming_the_op():
     ops, dims, _ = lowered("llama")
 
-    def with_op(i, **kw):
-        o = ops[i]
-        a = dict(opcode=o.opcode, layer=o.layer, in_=o.in_, residual=o.residual, out=o.out, w0=o.w0, w1=o.w1,
-                 deps=o.deps) | kw
-        return ops[:i] + [_C.Op(**a)] + ops[i + 1:]
-
     with pytest.raises(kog.InvalidRequest, match="op 3 has opcode 42"):
-        _C.expand_gpu_program(with_op(3, opcode=42), dims)
+        _C.expand_gpu_program(with_op(ops, 3, opcode=42), dims)
     i = next(i for i, o in enumerate(ops) if o.opcode == Opcode.LINEAR)
     with pytest.raises(kog.InvalidRequest, match=f"op {i} has no weight"):
-        _C.expand_gpu_program(with_op(i, w0=0, w1=0), dims)
+        _C.expand_gpu_program(with_op(ops, i, w0=0, w1=0), dims)
     with pytest.raises(kog.InvalidRequest, match="SAMPLE"):
         _C.expand_gpu_program(ops[:-1], dims)
     last = len(ops) - 1  # SAMPLE no longer waiting for the LM head: its tails could not feed it
     with pytest.raises(kog.InvalidRequest, match=f"op {last} \\(SAMPLE\\) must read the output of a LINEAR it depends on"):
-        _C.expand_gpu_program(with_op(last, deps=[d for d in ops[last].deps if d != last - 1]), dims)
+        _C.expand_gpu_program(with_op(ops, last, deps=[d for d in ops[last].deps if d != last - 1]), dims)
     j = next(i for i, o in enumerate(ops) if o.opcode == Opcode.KV_APPEND)
     with pytest.raises(kog.InvalidRequest, match=f"op {j} names layer"):
-        _C.expand_gpu_program(with_op(j, layer=dims.n_layers + 3), dims)
+        _C.expand_gpu_program(with_op(ops, j, layer=dims.n_layers + 3), dims)
     q = next(i for i, o in enumerate(ops) if o.opcode == Opcode.ROPE)
     with pytest.raises(kog.InvalidRequest, match=f"op {q} needs a layer"):  # one validator: same rule on both backends
-        _C.validate_program(with_op(q, opcode=int(Opcode.QK_NORM), layer=-1, w0=ops[0].w0, w1=ops[0].w0), dims)
+        _C.validate_program(with_op(ops, q, opcode=int(Opcode.QK_NORM), layer=-1, w0=ops[0].w0, w1=ops[0].w0), dims)
     with pytest.raises(kog.InvalidRequest, match="no ops"):
         _C.expand_gpu_program([], dims)
 

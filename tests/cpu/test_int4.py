@@ -18,6 +18,7 @@ from kog.models.weights import prepare_weights
 from kog.program import Opcode
 from kog.quantized import QuantizedWeight
 from kog.testing import reference
+from kog.testing.programs import with_op
 from kog.testing.tiny_models import random_weights, tiny_config
 
 Q = gguf.GGMLQuantizationType
@@ -147,7 +148,8 @@ def test_lowered_4_bit_ops_pass_validation_and_the_gpu_expansion():
         if o.w_type in (_C.WEIGHT_Q4_GROUPS, _C.WEIGHT_Q4_K):
             assert o.w_scale != 0
     out = _C.expand_gpu_program(ops, dims)
-    four_bit = lambda prog: {(o.w0, o.w_type, o.w_scale) for o in prog if o.w_type in (_C.WEIGHT_Q4_GROUPS, _C.WEIGHT_Q4_K)}
+    q4_kinds = (_C.WEIGHT_Q4_GROUPS, _C.WEIGHT_Q4_K)
+    four_bit = lambda prog: {(o.w0, o.w_type, o.w_scale) for o in prog if o.w_type in q4_kinds}  # noqa: E731
     assert four_bit(out) == four_bit(ops)  # every 4-bit matrix kept, with its scales, through the fusions
 
 
@@ -158,18 +160,12 @@ def test_4_bit_ops_are_checked_and_refused_by_the_cpu_executor():
     norm = next(i for i, o in enumerate(ops) if o.opcode == Opcode.RMS_NORM)
     dims = model_dims(c, torch.bfloat16)
 
-    def with_op(i, **kw):
-        o = ops[i]
-        a = dict(opcode=o.opcode, layer=o.layer, in_=o.in_, residual=o.residual, out=o.out, w0=o.w0, w1=o.w1,
-                 deps=o.deps, w_type=o.w_type, w_scale=o.w_scale) | kw
-        return ops[:i] + [_C.Op(**a)] + ops[i + 1:]
-
     with pytest.raises(kog.InvalidRequest, match=f"op {lin} reads an FP8 or 4-bit weight without its scales"):
-        _C.validate_program(with_op(lin, w_scale=0), dims)
+        _C.validate_program(with_op(ops, lin, w_scale=0), dims)
     with pytest.raises(kog.InvalidRequest, match=f"op {norm} .*cannot read an? 4-bit weight"):
-        _C.validate_program(with_op(norm, w_type=_C.WEIGHT_Q4_GROUPS, w_scale=ops[lin].w_scale), dims)
-    with pytest.raises(kog.InvalidRequest, match=f"op {lin} has Q4_K rows of {c.hidden_size} elements, not a multiple of 256"):
-        _C.validate_program(with_op(lin, w_type=_C.WEIGHT_Q4_K), dims)
+        _C.validate_program(with_op(ops, norm, w_type=_C.WEIGHT_Q4_GROUPS, w_scale=ops[lin].w_scale), dims)
+    with pytest.raises(kog.InvalidRequest, match=f"op {lin} has Q4_K rows of {c.hidden_size} elements, not a multiple"):
+        _C.validate_program(with_op(ops, lin, w_type=_C.WEIGHT_Q4_K), dims)
     with pytest.raises(kog.InvalidRequest, match="4-bit GPU weights run with bfloat16 activations"):
         _C.validate_program(ops, model_dims(c, torch.float32))
     with pytest.raises(kog.InvalidRequest, match="4-bit GPU weights run with bfloat16 activations"):

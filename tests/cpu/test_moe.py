@@ -20,6 +20,7 @@ from kog.models.weights import prepare_weights
 from kog.program import Buffer, Opcode, TokenBatch
 from kog.program.interpreter import ProgramInterpreter
 from kog.testing.greedy import hf_greedy
+from kog.testing.programs import with_op
 from kog.testing.runner_seqs import RunnerSeqs
 from kog.testing.tiny_models import random_weights, tiny_config, tiny_tokenizer, write_hf_model
 
@@ -342,22 +343,16 @@ def test_validate_program_refuses_bad_moe_ops():
     i = next(i for i, o in enumerate(ops) if o.opcode == Opcode.MOE_EXPERTS)
     j = next(i for i, o in enumerate(ops) if o.opcode == Opcode.ROUTER)
 
-    def with_op(k, **kw):
-        o = ops[k]
-        a = dict(opcode=o.opcode, layer=o.layer, in_=o.in_, residual=o.residual, out=o.out, w0=o.w0, w1=o.w1,
-                 deps=o.deps) | kw
-        return ops[:k] + [_C.Op(**a)] + ops[k + 1:]
-
     with pytest.raises(kog.InvalidRequest, match=f"op {i} .MOE_EXPERTS. needs gate_up and down"):
-        _C.validate_program(with_op(i, w1=0), dims)
+        _C.validate_program(with_op(ops, i, w1=0), dims)
     with pytest.raises(kog.InvalidRequest, match=f"op {i} .MOE_EXPERTS. must write a hidden-wide buffer other"):
-        _C.validate_program(with_op(i, out=int(Buffer.NORMED)), dims)
+        _C.validate_program(with_op(ops, i, out=int(Buffer.NORMED)), dims)
     with pytest.raises(kog.InvalidRequest, match=f"op {j} .ROUTER. must write ROUTE"):
-        _C.validate_program(with_op(j, out=int(Buffer.HIDDEN)), dims)
+        _C.validate_program(with_op(ops, j, out=int(Buffer.HIDDEN)), dims)
     with pytest.raises(kog.InvalidRequest, match="writes the ROUTE buffer, which only ROUTER writes"):
-        _C.validate_program(with_op(i - 3, out=int(Buffer.ROUTE)), dims)
+        _C.validate_program(with_op(ops, i - 3, out=int(Buffer.ROUTE)), dims)
     with pytest.raises(kog.InvalidRequest, match=f"op {j} needs a layer"):
-        _C.validate_program(with_op(j, layer=-1), dims)
+        _C.validate_program(with_op(ops, j, layer=-1), dims)
     dense = model_dims(tiny_config("mistral"), torch.float32)
     with pytest.raises(kog.InvalidRequest, match="MoE op .* but the dims have no experts"):
         _C.validate_program(ops, dense)

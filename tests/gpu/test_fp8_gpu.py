@@ -2,7 +2,6 @@
 reference, and whole decode steps of the persistent kernel with FP8 linear matrices against the
 CPU executor running the same FP8 values dequantized. Fresh random inputs each run."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,7 +16,7 @@ from kog.testing import reference as ref
 from kog.testing.gpu import gpu_test_marks
 from kog.testing.tiny_models import random_weights, tiny_config
 
-from test_persistent_decode_gpu import BS, prefill
+from test_persistent_decode_gpu import BS, decode_step_vs_cpu
 
 pytestmark = gpu_test_marks()
 
@@ -65,15 +64,7 @@ def fp8_runners(arch: str, dtype: torch.dtype, device):
 @pytest.mark.parametrize("lens", [[5], [300, 17, 600]])
 def test_fp8_decode_step_matches_cpu_executor(device, arch, dtype, rtol, lens):
     r, fp8 = fp8_runners(arch, dtype, device)
-    gen = torch.Generator().manual_seed(sum(lens))
-    prompts = [torch.randint(0, r.vocab_size, (n,), generator=gen).tolist() for n in lens]
-    tables = prefill(r, prompts)
-    dec = GpuDecoder(r.config, fp8, r.kv.kv.to(device), BS, r.inv_freq)
-    tokens = [p[-1] for p in prompts]
-    positions = np.array(lens)
-    slots = tables[np.arange(len(lens)), positions // BS] * BS + positions % BS
-    expected = r.decode(tokens, positions, tables, positions + 1, slots)
-    got = dec.decode(tokens, positions, tables).logits.cpu()
+    got, expected = decode_step_vs_cpu(r, fp8, device, lens)
     assert (got - expected).abs().max() <= rtol * expected.abs().max()
 
 

@@ -4,7 +4,6 @@ kernel with Q4_0 / Q4_1 / Q4_K linear matrices against the CPU executor running 
 dequantized. Fresh random inputs each run."""
 
 import gguf
-import numpy as np
 import pytest
 import torch
 
@@ -21,7 +20,7 @@ from kog.testing import reference as ref
 from kog.testing.gpu import gpu_test_marks
 from kog.testing.tiny_models import random_weights, tiny_config
 
-from test_persistent_decode_gpu import BS, prefill
+from test_persistent_decode_gpu import BS, decode_step_vs_cpu
 
 pytestmark = gpu_test_marks()
 Q = gguf.GGMLQuantizationType
@@ -87,15 +86,7 @@ def q4_runners(arch: str, dtype: torch.dtype, device):
 @pytest.mark.parametrize("lens", [[5], [300, 17, 600]])
 def test_q4_decode_step_matches_cpu_executor(device, arch, dtype, rtol, lens):
     r, q4 = q4_runners(arch, dtype, device)
-    gen = torch.Generator().manual_seed(sum(lens))
-    prompts = [torch.randint(0, r.vocab_size, (n,), generator=gen).tolist() for n in lens]
-    tables = prefill(r, prompts)
-    dec = GpuDecoder(r.config, q4, r.kv.kv.to(device), BS, r.inv_freq)
-    tokens = [p[-1] for p in prompts]
-    positions = np.array(lens)
-    slots = tables[np.arange(len(lens)), positions // BS] * BS + positions % BS
-    expected = r.decode(tokens, positions, tables, positions + 1, slots)
-    got = dec.decode(tokens, positions, tables).logits.cpu()
+    got, expected = decode_step_vs_cpu(r, q4, device, lens)
     assert (got - expected).abs().max() <= rtol * expected.abs().max()
 
 

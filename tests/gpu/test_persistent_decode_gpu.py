@@ -39,6 +39,21 @@ def gpu_decoder(r: ModelRunner, device) -> GpuDecoder:
     return GpuDecoder(r.config, weights, r.kv.kv.to(device), BS, r.inv_freq)
 
 
+def decode_step_vs_cpu(r: ModelRunner, weights: dict, device, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(GPU logits, CPU logits) [B, vocab] of one decode step after random prompts of `lens`
+    tokens: the CPU runner's executor, and a GpuDecoder over `weights` (on the device; r's
+    values in another storage: FP8, 4-bit) reading the cache r prefilled."""
+    gen = torch.Generator().manual_seed(sum(lens))
+    prompts = [torch.randint(0, r.vocab_size, (n,), generator=gen).tolist() for n in lens]
+    tables = prefill(r, prompts)
+    dec = GpuDecoder(r.config, weights, r.kv.kv.to(device), BS, r.inv_freq)
+    tokens = [p[-1] for p in prompts]
+    positions = np.array(lens)
+    slots = tables[np.arange(len(lens)), positions // BS] * BS + positions % BS
+    expected = r.decode(tokens, positions, tables, positions + 1, slots)
+    return dec.decode(tokens, positions, tables).logits.cpu(), expected
+
+
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("lens", [[5], [300, 17, 600]])  # 600 tokens: three attention partitions

@@ -286,15 +286,15 @@ __device__ __forceinline__ void linear_item_rows(const W* __restrict__ w, const 
     const float bv = bias != nullptr ? gpu_to_float(bias[row]) : 0.f;
     const int64_t out_col = rows.kind == GemvRows::kGlu ? first_col : row;
     linear_row<T, W, kB, kUnroll, kStaged, kFusable, kNorm>(wr, x, x_stride, out, out_stride, batch, chunks, out_col,
-                                                            rs, groups, bv, st, stage, rr, ep, first, first_col, pro.norm_w,
-                                                            inv);
+                                                            rs, groups, bv, st, stage, rr, ep, first, first_col,
+                                                            pro.norm_w, inv);
   }
 }
 
 // Item `item` of a GEMV over w [n, k] (rows gemv_weight_row): st / stage hold its first kStaged
 // vectors per row and lane (landed: WeightStages::wait). W: T, Fp8E4M3 with w_scale [n] f32, or a
-// 4-bit tag with w_scale its group affines (int4.cuh; else null). OutT: T or float (logits). ep: what the products become (GemvEpilogueArgs);
-// kSiluMul writes out [batch, n / 2]. pro: an RMSNorm applied to x first (kFusable only).
+// 4-bit tag with w_scale its group affines (int4.cuh; else null). OutT: T or float (logits). ep:
+// what the products become (GemvEpilogueArgs); kSiluMul writes out [batch, n / 2]. pro: an RMSNorm applied to x first (kFusable only).
 // Weight vectors in flight per lane for batches of 2-8: kLinearUnroll vectors' worth of x
 // elements, so that FP8 (16 elements a vector, two or four x vectors each) holds no more rows of
 // x in registers than the run-dtype GEMV (2 would spill in the persistent kernel on sm_90a).

@@ -40,7 +40,8 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
                 "gpu decode: LINEAR and prologue norm weights must be 16-byte aligned");
       // An FP8 row is one 16-byte vector per 16 elements, a 4-bit row one per 32 (validate_program
       // checked k); Q4_K headers are read as 16-byte vectors.
-      KOG_CHECK(o.w_type == schedule::kWeightRunDtype || (schedule::is_gpu_weight_format(o.w_type) && o.w_scale != nullptr),
+      KOG_CHECK(o.w_type == schedule::kWeightRunDtype ||
+                    (schedule::is_gpu_weight_format(o.w_type) && o.w_scale != nullptr),
                 "gpu decode: a GEMV weight is neither the run dtype nor a GPU format (FP8, 4-bit) with its scales");
       KOG_CHECK(o.w_type != schedule::kWeightQ4K || reinterpret_cast<uintptr_t>(o.w_scale) % 16 == 0,
                 "gpu decode: Q4_K headers must be 16-byte aligned");

@@ -23,30 +23,18 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(LinearParams p, int64_
                                         p.k, item, none, 0, decode::GemvEpilogueArgs<T>{});
 }
 
-// The FP8 twin (schedule::kWeightFp8): p.weight is [n, k] e4m3 bytes in the target's encoding,
-// scale [n] f32. Its own kernel, so the CI's ISA check reads the FP8 instantiation's loads.
-template <typename T>
-__global__ void __launch_bounds__(kThreads) linear_fp8_kernel(LinearParams p, const float* scale, int64_t row0) {
-  const int batch = int(p.m - row0 < decode::kMaxBatch ? p.m - row0 : decode::kMaxBatch);
-  const T* x = static_cast<const T*>(p.x) + row0 * p.x_stride;
-  T* out = static_cast<T*>(p.out) + row0 * p.out_stride;
-  const decode::NoStages<T> none;
-  for (int64_t item = blockIdx.x; item < decode::linear_items(p.n); item += gridDim.x)
-    decode::linear_item<T, T, 0, false>(static_cast<const decode::Fp8E4M3*>(p.weight), scale,
-                                        static_cast<const T*>(p.bias), x, p.x_stride, out, p.out_stride, batch, p.n,
-                                        p.k, item, none, 0, decode::GemvEpilogueArgs<T>{});
-}
-
-// The 4-bit twin (W: Int4Groups or Int4Q4K, gpu/decode/int4.cuh): p.weight is [n, k / 2] bytes of
-// codes, groups the format's scales. Its own kernel, so the CI's ISA check reads its loads.
+// The twin over a GPU weight format (W: Fp8E4M3, schedule::kWeightFp8, with scales [n] f32; or
+// Int4Groups / Int4Q4K, gpu/decode/int4.cuh, with the format's group scales): p.weight is [n, k]
+// e4m3 bytes or [n, k / 2] bytes of 4-bit codes. One instantiation per format, so the CI's ISA
+// check reads each format's loads.
 template <typename T, typename W>
-__global__ void __launch_bounds__(kThreads) linear_q4_kernel(LinearParams p, const void* groups, int64_t row0) {
+__global__ void __launch_bounds__(kThreads) linear_quant_kernel(LinearParams p, const void* scales, int64_t row0) {
   const int batch = int(p.m - row0 < decode::kMaxBatch ? p.m - row0 : decode::kMaxBatch);
   const T* x = static_cast<const T*>(p.x) + row0 * p.x_stride;
   T* out = static_cast<T*>(p.out) + row0 * p.out_stride;
   const decode::NoStages<T> none;
   for (int64_t item = blockIdx.x; item < decode::linear_items(p.n); item += gridDim.x)
-    decode::linear_item<T, T, 0, false>(static_cast<const W*>(p.weight), groups, static_cast<const T*>(p.bias), x,
+    decode::linear_item<T, T, 0, false>(static_cast<const W*>(p.weight), scales, static_cast<const T*>(p.bias), x,
                                         p.x_stride, out, p.out_stride, batch, p.n, p.k, item, none, 0,
                                         decode::GemvEpilogueArgs<T>{});
 }
@@ -85,7 +73,7 @@ void linear_fp8(const LinearParams& p, const float* scale, void* stream) {
               "linear_fp8: the GPU kernel needs k a multiple of 16, the x row stride a multiple of ", V,
               " elements, 16-byte aligned x and weight and 4-byte aligned scales");
     for (int64_t r = 0; r < p.m; r += decode::kMaxBatch) {
-      linear_fp8_kernel<T><<<linear_grid(p.n), kThreads, 0, as_stream(stream)>>>(p, scale, r);
+      linear_quant_kernel<T, decode::Fp8E4M3><<<linear_grid(p.n), kThreads, 0, as_stream(stream)>>>(p, scale, r);
       KOG_GPU_CHECK_LAUNCH();
     }
   });
@@ -106,9 +94,9 @@ void linear_q4(const LinearParams& p, const void* groups, int32_t w_type, void* 
               V, " elements, 16-byte aligned x and weight and ", q4k ? 16 : 4, "-byte aligned scales");
     for (int64_t r = 0; r < p.m; r += decode::kMaxBatch) {
       if (q4k)
-        linear_q4_kernel<T, decode::Int4Q4K><<<linear_grid(p.n), kThreads, 0, as_stream(stream)>>>(p, groups, r);
+        linear_quant_kernel<T, decode::Int4Q4K><<<linear_grid(p.n), kThreads, 0, as_stream(stream)>>>(p, groups, r);
       else
-        linear_q4_kernel<T, decode::Int4Groups><<<linear_grid(p.n), kThreads, 0, as_stream(stream)>>>(p, groups, r);
+        linear_quant_kernel<T, decode::Int4Groups><<<linear_grid(p.n), kThreads, 0, as_stream(stream)>>>(p, groups, r);
       KOG_GPU_CHECK_LAUNCH();
     }
   });
