@@ -13,10 +13,11 @@ With --out, each row is appended to DIR/decode_latency.jsonl as soon as it is me
 short keeps what it measured), and the table goes to DIR/decode_latency.txt at the end.
 Swap: 1 GiB of KV blocks out to pinned host memory and back in through Kog's block-copy
 kernel, in GB/s beside a plain pinned host<->device copy of the same bytes.
-Quantized weights (--formats, the first model only): "kog kernel" rows again with every linear
-matrix FP8 (per-channel scales, kog.fp8), 4-bit groups (an f16 scale and min per 32: Q4_0 / Q4_1
-/ GPTQ / AWQ, kog.int4) or Q4_K (super-block headers), random codes drawn on the device; "% copy
-bw" counts those formats' bytes (codes + scales), the embedding / tied head staying bf16.
+Quantized weights (--formats; the first model, after every other row): "kog kernel <format>"
+rows with every linear matrix FP8 (per-channel scales, kog.fp8), 4-bit groups (an f16 scale and
+min per 32: Q4_0 / Q4_1 / GPTQ / AWQ, kog.int4) or Q4_K (super-block headers), random codes drawn
+on the device; "% copy bw" counts those formats' bytes (codes + scales), the embedding / tied
+head staying bf16.
 """
 
 from __future__ import annotations
@@ -169,22 +170,20 @@ class TorchDecode:
         return self.token
 
 
-def bench_model(name: str, ctxs: list[int], iters: int, copy_bw: float, dev, emit,
-                formats: tuple[str, ...] = ()) -> list[dict]:
+def bench_model(name: str, ctxs: list[int], iters: int, copy_bw: float, dev, emit) -> list[dict]:
     """Rows for one model; emit(row) is called as each is measured."""
     c = config_for(name)
     w = random_weights(c, dev)
     weight_bytes = sum(t.numel() * 2 for k, t in w.items())
-    quant = {f: quantized_weights(w, f) for f in formats}
     rows = []
     for ctx in ctxs:
         loop = 32
         kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * ctx
         per_token = weight_bytes + kv_bytes
 
-        def row(engine: str, us: float, nbytes: int = per_token) -> None:
+        def row(engine: str, us: float) -> None:
             rows.append(dict(model=name, ctx=ctx, engine=engine, us_per_token=us, tok_s=1e6 / us,
-                             bw_fraction=nbytes / us / 1e3 / copy_bw))
+                             bw_fraction=per_token / us / 1e3 / copy_bw))
             emit(rows[-1])
 
         # The baselines first: a run whose kernel hangs or dies still brings them back.
@@ -210,14 +209,34 @@ def bench_model(name: str, ctxs: list[int], iters: int, copy_bw: float, dev, emi
         row("kog kernel", statistics.median(timed_us(lambda: dec.launch(staged), iters)))
         l32 = statistics.median(timed_us(lambda: dec.decode([1], [ctx - loop + 1], table, n_steps=loop), max(3, iters // 8)))
         row("kog loop32", l32 / loop)
-        del dec, staged
-        for fmt, qw in quant.items():
-            qdec = GpuDecoder(c, qw, kv, BS, rope_inv_freq(c.head_dim, c.rope_theta, None))
-            qstaged = qdec.stage([1], [ctx], table)
-            nbytes = sum(t.nbytes if not isinstance(t, torch.Tensor) else t.numel() * 2 for t in qw.values()) + kv_bytes
-            row(f"kog kernel {fmt}", statistics.median(timed_us(lambda: qdec.launch(qstaged), iters)), nbytes)
-            del qdec, qstaged
-        del kv
+        del dec, kv, staged
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_formats(name: str, ctxs: list[int], iters: int, copy_bw: float, dev, emit,
+                  formats: tuple[str, ...]) -> list[dict]:
+    """"kog kernel <format>" rows of one model: its linear matrices in each quantized format
+    (measured after every bf16 row, so a failing format costs no baseline)."""
+    c = config_for(name)
+    w = random_weights(c, dev)
+    rows = []
+    for fmt in formats:
+        qw = quantized_weights(w, fmt)
+        weight_bytes = sum(t.numel() * 2 if isinstance(t, torch.Tensor) else t.nbytes for t in qw.values())
+        for ctx in ctxs:
+            kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * ctx
+            n_blocks = ctx // BS + 2
+            kv = torch.randn(c.num_hidden_layers, n_blocks, 2, c.num_key_value_heads, BS, c.head_dim,
+                             device=dev, dtype=torch.bfloat16)
+            dec = GpuDecoder(c, qw, kv, BS, rope_inv_freq(c.head_dim, c.rope_theta, None))
+            staged = dec.stage([1], [ctx], np.arange(n_blocks, dtype=np.int32)[None])
+            us = statistics.median(timed_us(lambda: dec.launch(staged), iters))
+            rows.append(dict(model=name, ctx=ctx, engine=f"kog kernel {fmt}", us_per_token=us, tok_s=1e6 / us,
+                             bw_fraction=(weight_bytes + kv_bytes) / us / 1e3 / copy_bw))
+            emit(rows[-1])
+            del dec, kv, staged
+        del qw
         torch.cuda.empty_cache()
     return rows
 
@@ -272,10 +291,13 @@ def main() -> None:
     print(head, ROW_HEADER, sep="\n", flush=True)
     emit(dict(device=torch.cuda.get_device_name(dev), copy_gbs=copy_bw))
     rows = []
+    ctxs = [int(x) for x in args.ctx.split(",")]
+    models = args.models.split(",")
+    for name in models:
+        rows += bench_model(name, ctxs, args.iters, copy_bw, dev, emit)
     formats = tuple(f for f in args.formats.split(",") if f)
-    for i, name in enumerate(args.models.split(",")):
-        rows += bench_model(name, [int(x) for x in args.ctx.split(",")], args.iters, copy_bw, dev, emit,
-                            formats if i == 0 else ())
+    if formats:
+        rows += bench_formats(models[0], ctxs, args.iters, copy_bw, dev, emit, formats)
     swap = [] if args.no_swap else bench_swap(dev)
     for s in swap:
         emit(s)
