@@ -72,8 +72,9 @@ struct KVCacheDesc {
 // biases always). Any other value is a ggml QuantType id (csrc/ops/quant.h).
 constexpr int32_t kWeightRunDtype = -1;
 // Op::w_type of a LINEAR weight stored as FP8 e4m3, one byte per element, with one f32 scale per
-// weight row in Op::w_scale (w[r, c] = w_scale[r] * e4m3(w0[r, c])); any float run dtype. The
-// GPU decode kernel's format only: the bits are the target's e4m3 (OCP e4m3fn on NVIDIA,
+// weight row in Op::w_scale (w[r, c] = w_scale[r] * e4m3(w0[r, c])); any float run dtype in a
+// program, bf16 in the GPU kernel (its one quantized-weight instantiation). The GPU decode
+// kernel's format only: the bits are the target's e4m3 (OCP e4m3fn on NVIDIA,
 // e4m3fnuz on AMD, whose values are half the OCP ones for the same bits; gpu/vendor/*.h), so the
 // loader encodes for the device (kog.fp8). Not a ggml id (those are >= 0). The CPU executor
 // refuses it: an FP8 model is dequantized to the run dtype at load there.
