@@ -276,3 +276,23 @@ def test_loop_decoded_blocks_feed_the_prefix_cache_like_one_step(model):
     assert max(rec.ks) >= 8
     assert hit == hit_tokens_of_the_retry(one) and hit >= (len(p) + 60 - 1) // 4 * 4 - 4
     assert_no_kv_held(loop)
+
+
+def test_integer_parameters_past_int32_sample_like_their_limit(model):
+    """top_k, min_tokens and stop ids beyond int32 are valid requests (found by the API fuzzer as
+    an HTTP 500): top_k >= vocab is top-k off, min_tokens past every reachable length bans the
+    stop ids to the end, and a stop id the vocabulary lacks never comes, exactly as their
+    in-range equivalents do."""
+    p = prompts(1, seed=9)[0]
+    huge = SamplingParams(temperature=0.7, top_k=355687428095999, min_tokens=1 << 40, max_tokens=1 << 41, seed=3,
+                          stop_token_ids=[1 << 40, V + 5])
+    plain = SamplingParams(temperature=0.7, top_k=0, min_tokens=12, max_tokens=12, seed=3)
+    for steps in (1, 16):
+        engine, _ = make_engine(model, max_steps=steps)
+        engine.add_request("r0", p, huge)
+        for _ in range(12):
+            engine.step()
+        got = engine.get_output("r0").outputs[0].token_ids[:12]
+        engine.abort("r0")
+        want = generate(make_engine(model, max_steps=steps)[0], [(p, plain)])[0][("r0", 0)][0]
+        assert got == want

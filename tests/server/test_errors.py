@@ -49,6 +49,18 @@ def test_engine_side_validation_is_400_with_param(client):
     assert_error(r, 400, param="tool_choice")
 
 
+def test_integer_parameters_past_int32_are_served(client):
+    """Valid but huge top_k / min_tokens / stop ids (the fuzzer's 500: the native sampler takes
+    int32) run as their in-range equivalents: top-k off, EOS banned to max_tokens, a stop id no
+    token has."""
+    body = {"model": "kog", "messages": MSGS, "max_tokens": 4, "temperature": 0.5, "seed": 1}
+    huge = body | {"top_k": 355687428095999, "min_tokens": 4, "stop_token_ids": [1 << 40]}
+    r = client.post("/v1/chat/completions", json=huge)
+    assert r.status_code == 200, r.text
+    plain = client.post("/v1/chat/completions", json=body | {"min_tokens": 4})
+    assert r.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+
+
 def test_malformed_bodies_are_400(client):
     assert_error(client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}), 400)
     assert_error(client.post("/v1/chat/completions", json={"messages": MSGS}), 400, param="model")

@@ -47,6 +47,7 @@ from kog.sampler import SampleResult, SampleRow, sample
 from kog.sampling_params import SamplingParams
 
 LOOP_MAX_STEPS = 16
+_I32_MAX = (1 << 31) - 1  # min_tokens past it is the same ban: no sequence gets that long
 _U64 = (1 << 64) - 1
 _F32_TINY = 1.1754944e-38  # the smallest normal float32
 # uniform01 hashes seed * GOLDEN + counter: a seed shifted by d * GOLDEN^-1 draws at counter + d.
@@ -62,6 +63,12 @@ def _f32_positive(x: float) -> float:
     """x as the native float32 parameter it becomes, kept > 0: a valid top_p or repetition
     penalty below float32's range (5e-324) must not become 0, which the native side refuses."""
     return max(x, _F32_TINY)
+
+
+def native_top_k(top_k: int, vocab: int) -> int:
+    """top_k as the native samplers' int32 parameter: 0 (off) below 1, and at most the vocabulary
+    (both samplers treat top_k >= vocab as off), so any valid request fits."""
+    return min(max(top_k, 0), vocab)
 
 
 def shifted_seed(seed: int, offset: int) -> int:
@@ -146,14 +153,14 @@ class NativeSampler:
             seed = (p.seed + seq.index) & _U64
         else:  # NOTE: from torch's generator, so torch.manual_seed still makes a run repeatable
             seed = int(torch.randint(0, 1 << 62, ())) & _U64
-        stop = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+        stop = _stop_ids(seq, self.eos_token_ids, self.vocab_size)
         banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if 0 <= t < self.vocab_size]
         rep = p.repetition_penalty != 1.0
         prompt = np.asarray(seq.token_ids[: seq.num_prompt_tokens] if rep else [], dtype=np.int32)
         return _C.SequenceSampling(
-            self.vocab_size, prompt, 0.0 if p.greedy else p.temperature, max(p.top_k, 0), _f32_positive(p.top_p),
-            p.min_p, seed, _f32_positive(p.repetition_penalty), p.presence_penalty, p.frequency_penalty,
-            p.min_tokens, self.max_output(seq), stop, banned)
+            self.vocab_size, prompt, 0.0 if p.greedy else p.temperature, native_top_k(p.top_k, self.vocab_size),
+            _f32_positive(p.top_p), p.min_p, seed, _f32_positive(p.repetition_penalty), p.presence_penalty,
+            p.frequency_penalty, min(p.min_tokens, _I32_MAX), self.max_output(seq), stop, banned)
 
 
 class DecodeLoop:
@@ -259,10 +266,12 @@ class DecodeLoop:
         group = _C.GPU_DECODE_MAX_BATCH if hasattr(_C, "GPU_DECODE_MAX_BATCH") else len(seqs)
         for a in range(0, len(seqs), group):
             z = slice(a, a + group)
-            sampling = [DeviceSampling(0.0 if s.params.greedy else s.params.temperature, max(s.params.top_k, 0),
+            sampling = [DeviceSampling(0.0 if s.params.greedy else s.params.temperature,
+                                       native_top_k(s.params.top_k, self.sampler.vocab_size),
                                        _f32_positive(s.params.top_p), s.params.min_p, shifted_seed(st.seed, st.n_output))
                         for s, st in zip(seqs[z], states[z])]
-            common = set.intersection(*(set(_stop_ids(s, self.sampler.eos_token_ids)) for s in seqs[z]))
+            common = set.intersection(*(set(_stop_ids(s, self.sampler.eos_token_ids, self.sampler.vocab_size))
+                                        for s in seqs[z]))
             res = self._gpu.decode(tokens[z], positions[z], block_tables[z], sampling, k, sorted(common), 0)
             out = res.tokens.cpu().numpy()  # [k, rows]
             for j, st in enumerate(states[z]):
@@ -270,9 +279,10 @@ class DecodeLoop:
         return rows
 
 
-def _stop_ids(seq: Sequence, eos: Iterable[int]) -> list[int]:
+def _stop_ids(seq: Sequence, eos: Iterable[int], vocab: int) -> list[int]:
+    """The ids that end seq, those a sampler can draw (< vocab: a larger valid id never comes)."""
     p = seq.params
-    return list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
+    return [t for t in (*p.stop_token_ids, *([] if p.ignore_eos else eos)) if t < vocab]
 
 
 def _take_until_finish(st: _C.SequenceSampling, column: np.ndarray) -> list[int]:
