@@ -82,7 +82,8 @@ class GpuDecoder:
             raise BackendError("the persistent decode kernel needs a GPU build of kog (KOG_BACKEND=cuda or rocm)")
         if kv.device.type != "cuda" or not kv.is_contiguous():
             raise InvalidRequest(f"kv cache must be a contiguous GPU tensor, got {kv.device}")
-        weights = to_gpu_weights(schedule_for(config), weights, kv.dtype)
+        program = schedule_for(config)
+        weights = to_gpu_weights(program, weights, kv.dtype)
         self.device = kv.device
         self.vocab_size = config.vocab_size
         self._inv_freq = inv_freq.to(self.device, torch.float32).contiguous()
@@ -90,7 +91,7 @@ class GpuDecoder:
         dims = model_dims(config, kv.dtype)
         if 2 * self._inv_freq.numel() != dims.rotary_dim:
             raise InvalidRequest(f"inv_freq has {self._inv_freq.numel()} frequencies, rotary_dim is {dims.rotary_dim}")
-        ops = lower_program(schedule_for(config), weights)
+        ops = lower_program(program, weights)
         self._executor = _C.GpuDecodeExecutor(dims, kv.data_ptr(), kv.shape[1], block_size,
                                               self._inv_freq.data_ptr(), ops)
         self._weights = weights  # the executor points into them
