@@ -88,6 +88,10 @@ class Fp8Weight:
         """f32 [rows, cols]."""
         return decode(self.data, self.fmt) * self.scale[:, None]
 
+    def dequantize_rows(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """f32 [stop - start, cols] of rows [start, stop), on the weight's device."""
+        return decode(self.data[start:stop], self.fmt) * self.scale[start:stop, None]
+
 
 def quantize(w: torch.Tensor, fmt: str) -> Fp8Weight:
     """w [rows, cols] as FP8 with one scale per row: scale = absmax(row) / max(fmt) (1 for a zero

@@ -94,6 +94,30 @@ class Int4Weight:
         scale, minimum = self._affines()
         return torch.from_numpy((q * scale[..., None] + minimum[..., None]).reshape(rows, self.cols))
 
+    def dequantize_rows(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """f32 [stop - start, cols] of rows [start, stop), computed with torch on the weight's own
+        device (what GPU prefill multiplies with; `dequantize` is its NumPy reference, the same
+        values bit for bit: scale * q is exact, + min rounds once)."""
+        stop = self.shape[0] if stop is None else stop
+        codes = self.codes[start:stop]
+        rows = codes.shape[0]
+        c = codes.reshape(rows, -1, 16)
+        q = torch.cat([c & 0x0F, c >> 4], dim=2).float()  # [rows, groups, 32]
+        scale, minimum = self._affines_torch(self.groups[start:stop])
+        return (q * scale[..., None] + minimum[..., None]).reshape(rows, self.cols)
+
+    def _affines_torch(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, min) f32 [rows, cols / 32] of the groups bytes g [rows, ...] (as _affines)."""
+        rows = g.shape[0]
+        if self.kind == _C.WEIGHT_Q4_GROUPS:
+            pairs = g.contiguous().view(torch.float16).reshape(rows, -1, 2).float()
+            return pairs[..., 0], pairs[..., 1]
+        head = g.reshape(rows, -1, 16)
+        d = head[..., 0:2].contiguous().view(torch.float16)[..., 0].float()  # [rows, super-blocks]
+        dmin = head[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
+        sc, mn = q4_k_scale_mins_torch(head[..., 4:16])
+        return (d[..., None] * sc).reshape(rows, -1), -(dmin[..., None] * mn).reshape(rows, -1)
+
     def _affines(self) -> tuple[np.ndarray, np.ndarray]:
         """(scale, min) f32 [rows, cols / 32] of every group."""
         rows = self.shape[0]
@@ -111,14 +135,16 @@ class Int4Weight:
 def q4_k_scale_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """GGUF Q4_K's 6-bit (sc_j, m_j), j = 0..7, as f32 [..., 8] each, from its 12 scale bytes [..., 12]
     (llama.cpp's get_scale_min_k4)."""
-    q = scales.astype(np.uint32)
-    sc = np.empty(q.shape[:-1] + (8,), np.uint32)
-    mn = np.empty_like(sc)
-    sc[..., :4] = q[..., 0:4] & 63
-    mn[..., :4] = q[..., 4:8] & 63
-    sc[..., 4:] = (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)
-    mn[..., 4:] = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
-    return sc.astype(np.float32), mn.astype(np.float32)
+    sc, mn = q4_k_scale_mins_torch(torch.from_numpy(np.ascontiguousarray(scales, dtype=np.uint8)))
+    return sc.numpy(), mn.numpy()
+
+
+def q4_k_scale_mins_torch(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q4_k_scale_mins over a uint8 tensor [..., 12] on any device: f32 [..., 8] each."""
+    q = scales.to(torch.int32)
+    sc = torch.cat([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], dim=-1)
+    mn = torch.cat([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], dim=-1)
+    return sc.float(), mn.float()
 
 
 def from_quantized(w: QuantizedWeight) -> Int4Weight:

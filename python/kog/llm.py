@@ -19,6 +19,7 @@ import torch
 
 from kog.engine import EngineConfig, LLMEngine, RequestOutput, StreamDelta
 from kog.errors import InvalidRequest
+from kog.fp8 import gpu_format
 from kog.loader import ChatTemplate, Tokenizer, load_model
 from kog.loader.chat_encoding import encode_conversation
 from kog.loader.chat_template import read_chat_template
@@ -42,9 +43,10 @@ class LLM:
             bf16, others in fp32).
         quantization: "fp8" rounds each layer's linear matrices to FP8 e4m3 with one scale per
             output channel at load (kog.fp8); None: as stored. FP8 checkpoints (a
-            quantization_config) load either way. NOTE: the runner computes with the FP8 values
-            dequantized to dtype on every device for now (its GPU prefill has no FP8 GEMM); the
-            persistent kernel's FP8 GEMV runs through kog.models.gpu_decode.GpuDecoder.
+            quantization_config) load either way. On the CPU the FP8 values are dequantized to
+            dtype at load; on a GPU they stay FP8 (the decode kernel's FP8 GEMV; prefill
+            multiplies dequantized tiles), as do a GGUF's Q4_0 / Q4_1 / Q4_K matrices (its 4-bit
+            GEMV) when dtype is None, with bfloat16 activations.
         max_model_len: context length limit (default: the model's).
         max_num_seqs: most sequences decoded together.
         max_num_batched_tokens: token budget of one engine step (chunked prefill size).
@@ -96,7 +98,9 @@ class LLM:
         if kv_cache_gib is not None and gpu_memory_utilization is not None:
             raise InvalidRequest("give kv_cache_gib or gpu_memory_utilization, not both")
         template_source = read_chat_template(chat_template) if chat_template is not None else None
-        loaded = load_model(model, dtype, progress, template_source, quantization=quantization)
+        on_gpu = str(device) != "cpu"
+        loaded = load_model(model, dtype, progress, template_source, quantization=quantization, device=device,
+                            fp8_format=gpu_format() if on_gpu else None)
         if loaded.chat_template is not None:
             loaded.chat_template.allow_special_tokens_in_content = allow_special_tokens_in_content
         cfg = loaded.config

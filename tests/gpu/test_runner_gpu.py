@@ -67,3 +67,39 @@ def test_llm_on_the_gpu_generates_what_the_cpu_does(device, tmp_path):
     cpu = kog.LLM(str(folder), device="cpu").generate(["hello world", "one two three"], params)
     gpu = kog.LLM(str(folder), device="cuda").generate(["hello world", "one two three"], params)
     assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_runner_keeps_a_4_bit_gguf_4_bit_on_the_gpu(device, tmp_path, qtype):
+    """A Q4_0 / Q4_1 GGUF on the GPU (dtype None): its matrices stay 4-bit (the decode kernel's
+    4-bit GEMV; prefill multiplies dequantized tiles) with bf16 activations, and computes what
+    the same file dequantized to bf16 at load does: prefill on the same values, decode within
+    the rounding of the dequantized copy's bf16 weights."""
+    from kog.int4 import Int4Weight
+    from kog.loader import load_model
+    from kog.testing.tiny_models import write_gguf_model
+
+    c = tiny_config("llama", intermediate_size=256, max_position_embeddings=1024)
+    path = write_gguf_model(tmp_path / "m.gguf", c, random_weights(c, seed=4), qtype)
+    kept = ModelRunner(load_model(path, device=device), 64, device=device)
+    wide = ModelRunner(load_model(path, "bfloat16", device=device), 64, device=device)
+    assert kept.dtype == torch.bfloat16 and any(isinstance(w, Int4Weight) for w in kept.weights.values())
+    assert kept.weight_bytes < 0.6 * wide.weight_bytes
+    prompt = torch.randint(3, c.vocab_size, (70,), generator=torch.Generator().manual_seed(9)).tolist()
+    table = list(range(8))
+    chunk = PrefillChunk(prompt, 0, table, [table[p // 16] * 16 + p % 16 for p in range(70)])
+    a, b = kept.prefill([chunk]), wide.prefill([chunk])
+    assert (a - b).abs().max() <= 1e-3 * b.abs().max()
+    ids_kept, ids_wide = runner_greedy(kept, prompt, 16), runner_greedy(wide, prompt, 16)
+    assert ids_kept[:8] == ids_wide[:8], (ids_kept, ids_wide)
+
+
+def test_llm_on_the_gpu_generates_from_a_q4_gguf(device, tmp_path):
+    import kog
+    from kog.testing.tiny_models import write_gguf_model
+
+    c = tiny_config("llama", intermediate_size=256, max_position_embeddings=1024)
+    path = write_gguf_model(tmp_path / "m.gguf", c, random_weights(c, seed=6), "Q4_1")
+    params = kog.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    out = kog.LLM(str(path), device="cuda").generate(["hello world", "one two three"], params)
+    assert [len(o.outputs[0].token_ids) for o in out] == [12, 12]

@@ -49,13 +49,15 @@ class LoadedModel:
 
 def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.dtype | str | None = None,
                progress: bool | None = None, chat_template: str | None = None, quantization: str | None = None,
-               fp8_format: str | None = None, shard: Callable[[ModelConfig], ModelConfig] | None = None) -> LoadedModel:
+               fp8_format: str | None = None, shard: Callable[[ModelConfig], ModelConfig] | None = None,
+               device: str = "cpu") -> LoadedModel:
     """Loads a model.
 
     Args:
         name_or_path: see `resolve_model` (None: the default SmolLM2-135M-Instruct).
-        dtype: run dtype (float32, bfloat16, float16; None or "auto": a quantized GGUF keeps its
-            blocks (QuantizedWeight) with f32 activations, bf16 for bf16 checkpoints, else f32).
+        dtype: run dtype (float32, bfloat16, float16; None or "auto": a quantized GGUF or GPTQ /
+            AWQ folder keeps its blocks (QuantizedWeight) with f32 activations on the CPU, bf16 on
+            a GPU (the decode kernel's quantized GEMVs run bf16); bf16 for bf16 checkpoints, else f32).
         progress: progress bar while loading weights (None: only when stderr is a TTY).
         chat_template: Jinja text that replaces the model's own chat template.
         quantization: "fp8" quantizes each layer's linear matrices to FP8 e4m3 with per-output-
@@ -66,6 +68,8 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
         shard: full config -> a tensor-parallel rank's view (kog.parallel); the model is then
             that rank's: its config, and only its part of each tensor (read as such from
             safetensors; a GGUF is read whole, then cut).
+        device: where the model will run ("cpu", "cuda", "cuda:N"); only picks the defaults above
+            (nothing is moved here).
     Raises:
         ModelLoadError: anything wrong with the checkpoint, naming the file and tensor.
     """
@@ -73,12 +77,14 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
         raise ModelLoadError(f"quantization {quantization!r} is not supported (supported: fp8)")
     path = resolve_model(name_or_path)
     fp8_checkpoint = False
+    # activations of a model that keeps its quantized blocks: f32 on the CPU, bf16 on a GPU
+    kept_dtype = torch.float32 if str(device) == "cpu" else torch.bfloat16
     if path.suffix == ".gguf":
         ckpt = GGUFCheckpoint(path)
         config = ckpt.config
-        # dtype None/"auto" keeps a quantized file's matrices as stored, activations in f32.
+        # dtype None/"auto" keeps a quantized file's matrices as stored.
         keep = dtype in (None, "auto") and ckpt.is_quantized
-        dt = torch.float32 if keep else run_dtype(dtype, config)
+        dt = kept_dtype if keep else run_dtype(dtype, config)
         weights = ckpt.load_weights(config, dt, progress, keep_quantized=keep)
         if shard is not None:
             from kog.parallel.shard import shard_weights
@@ -91,9 +97,9 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
         file_bytes = sum(t.nbytes for t in ckpt.tensors.values())
     else:
         config = ModelConfig.from_hf_file(path)
-        # A GPTQ / AWQ folder with dtype None/"auto" keeps its 4-bit linears as GGUF blocks, f32 activations.
+        # A GPTQ / AWQ folder with dtype None/"auto" keeps its 4-bit linears as GGUF blocks.
         keep_int4 = dtype in (None, "auto") and read_int4_checkpoint(path) is not None
-        dt = torch.float32 if keep_int4 else run_dtype(dtype, config)
+        dt = kept_dtype if keep_int4 else run_dtype(dtype, config)
         fp8_checkpoint = read_fp8_checkpoint(path) is not None
         if shard is None:
             weights = load_safetensors(path, config, dt, progress, fp8_format, keep_int4=keep_int4)

@@ -26,6 +26,8 @@ from kog.loader import LoadedModel
 from kog.models.decode import build_executor
 from kog.hugepages import to_hugepages
 from kog.models.weights import pack_quantized, prepare_weights, weight_bytes
+from kog.fp8 import Fp8Weight
+from kog.int4 import to_gpu_weights
 from kog.quantized import QuantizedWeight
 from kog.program import Buffer, TokenBatch, program_for
 from kog.program.families import WINDOWED
@@ -72,23 +74,26 @@ class ModelRunner:
             raise InvalidRequest(f"device must be 'cpu' or a GPU ('cuda', 'cuda:N'), got {device!r}")
         if self.device.type == "cuda" and (reason := gpu_unavailable_reason(self.device.index)) is not None:
             raise InvalidRequest(f"device {str(self.device)!r}: {reason}")
-        if self.device.type == "cuda" and any(isinstance(w, QuantizedWeight) for w in model.weights.values()):
-            raise InvalidRequest(f"device {str(self.device)!r}: the GPU runner does not take quantized weights yet "
-                                 f"(its prefill has no quantized GEMM; the decode kernel's 4-bit path is "
-                                 f"kog.models.gpu_decode.GpuDecoder); load the GGUF with dtype=\"bfloat16\" to "
-                                 f"dequantize it")
+        quantized = any(isinstance(w, (QuantizedWeight, Fp8Weight)) for w in model.weights.values())
+        if self.device.type == "cuda" and quantized and self.dtype != torch.bfloat16:
+            raise InvalidRequest(f"device {str(self.device)!r}: quantized weights run on the GPU with bfloat16 "
+                                 f"activations, the model was loaded for {str(self.dtype).removeprefix('torch.')} "
+                                 f"(load it with device={str(self.device)!r} and dtype None, or dtype=\"bfloat16\" "
+                                 f"to dequantize it)")
+        self.program = program_for(c)
         weights = prepare_weights(c, model.weights, self.dtype)
-        self.weight_bytes = weight_bytes(weights)  # resident bytes of the prepared weights
         if self.device.type == "cpu":
             # decode streams them: row-interleaved quants, 2 MiB pages read faster
             self.weights = to_hugepages(pack_quantized(c, weights))
         else:
-            self.weights = {k: v.to(self.device) for k, v in weights.items()}
+            # Q4_0 / Q4_1 / Q4_K LINEAR matrices in the decode kernel's 4-bit form, FP8 as is; prefill
+            # multiplies with dequantized tiles of both (kog.program.interpreter.dequant_matmul).
+            self.weights = {k: v.to(self.device) for k, v in to_gpu_weights(self.program, weights, self.dtype).items()}
+        self.weight_bytes = weight_bytes(self.weights)  # resident bytes of the prepared weights
         layout = KVLayout(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, self.dtype)
         self.kv = KVCacheStorage(layout, num_kv_blocks, num_host_blocks, device=self.device)
         # [head_dim / 2] f32 RoPE frequencies, on the device
         self.inv_freq = ops.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(self.device)
-        self.program = program_for(c)
         self._interpreter = ProgramInterpreter(c, self.program, self.weights, self.kv.kv, self.inv_freq, transport)
         self._executor = None
         if c.shard.size > 1:

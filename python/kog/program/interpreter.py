@@ -27,7 +27,12 @@ from kog.program.batch import TokenBatch
 from kog.program.families import ROPE_NEOX
 from kog.program.opcodes import Buffer, Opcode
 from kog.program.program import Instruction, Rows, slot_of
+from kog.fp8 import Fp8Weight
+from kog.int4 import Int4Weight
 from kog.quantized import QuantizedWeight
+
+# The GPU decode kernel's weight formats (kog.int4, kog.fp8): LINEAR matrices only.
+GPU_FORMATS = (Int4Weight, Fp8Weight)
 
 
 @dataclass
@@ -160,7 +165,7 @@ def _linear(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: tuple)
         s.write(ins.writes[0], lane_matmul(x, w[0], w[1] if len(w) > 1 else None, ins.lanes,
                                            lane_segments(it.config, ins.writes[0], w[0].shape[0])), ins.rows)
         return
-    mm = quant_matmul if isinstance(w[0], QuantizedWeight) else matmul
+    mm = quant_matmul if isinstance(w[0], QuantizedWeight) else dequant_matmul if isinstance(w[0], GPU_FORMATS) else matmul
     s.write(ins.writes[0], mm(x, w[0], w[1] if len(w) > 1 else None), ins.rows)
 
 
@@ -395,6 +400,29 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
         for r in range(0, n, step):
             torch.matmul(x, w.dequantize(slice(r, r + step)).T, out=out[:, r:r + step])
     return out if bias is None else out.add_(bias)
+
+
+_DEQUANT_TILE_BYTES = 256 << 20  # f32 bytes of one dequantized tile of a GPU-format matrix
+
+
+def dequant_matmul(x: torch.Tensor, w: Int4Weight | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias) over a matrix in a GPU decode-kernel format, on its device: rows
+    dequantized a tile at a time (f32, rounded to x's dtype), then `matmul`. The values are those
+    of the same matrix dequantized to x's dtype at load, so prefill computes what that model
+    does (bit for bit where the GEMM does not depend on the tile's rows); at most
+    _DEQUANT_TILE_BYTES of f32 are live, never the whole model.
+
+    NOTE: a GPU GEMM over dequantized tiles, not a fused 4-bit / FP8 GEMM: prefill is bound by
+    its arithmetic, which the dequantization (one pass over the matrix per call) does not add to
+    much from a few dozen tokens on; decode, bound by the bytes, reads the formats natively.
+    """
+    n, k = w.shape
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    step = max(1, _DEQUANT_TILE_BYTES // (4 * k))
+    for r in range(0, n, step):
+        e = min(n, r + step)
+        out[:, r:e] = matmul(x, w.dequantize_rows(r, e).to(x.dtype), None if bias is None else bias[r:e])
+    return out
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
