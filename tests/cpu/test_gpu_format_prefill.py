@@ -127,3 +127,18 @@ def test_a_quantized_gguf_loads_for_the_gpu_with_bf16_activations(tmp_path):
     formed = to_gpu_weights(schedule_for(gpu.config), prepared, gpu.dtype)
     kinds = {w.kind for w in formed.values() if isinstance(w, GPU_FORMATS[:1])}
     assert kinds == {_C.WEIGHT_Q4_GROUPS}
+
+
+def test_fp8_loads_for_the_gpu_as_fp8_with_bf16_activations(tmp_path):
+    """quantization="fp8" of an f32 checkpoint: on a GPU its linears stay Fp8Weight (the kernel's
+    encoding) with bf16 activations; on the CPU they are dequantized to the checkpoint's f32."""
+    from kog.testing.tiny_models import write_hf_model
+
+    c = tiny_config("llama")
+    folder = write_hf_model(tmp_path / "m", c, random_weights(c, seed=3))
+    gpu = load_model(folder, quantization="fp8", fp8_format="e4m3fn", device="cuda")
+    cpu = load_model(folder, quantization="fp8")
+    assert gpu.dtype == torch.bfloat16 and cpu.dtype == torch.float32
+    assert any(isinstance(w, Fp8Weight) for w in gpu.weights.values())
+    assert not any(isinstance(w, Fp8Weight) for w in cpu.weights.values())
+    assert load_model(folder, "float32", quantization="fp8", fp8_format="e4m3fn", device="cuda").dtype == torch.float32

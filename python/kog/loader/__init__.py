@@ -99,8 +99,11 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
         config = ModelConfig.from_hf_file(path)
         # A GPTQ / AWQ folder with dtype None/"auto" keeps its 4-bit linears as GGUF blocks.
         keep_int4 = dtype in (None, "auto") and read_int4_checkpoint(path) is not None
-        dt = kept_dtype if keep_int4 else run_dtype(dtype, config)
         fp8_checkpoint = read_fp8_checkpoint(path) is not None
+        # FP8 kept as FP8 (fp8_format) runs with the kept dtype too: the kernel's FP8 GEMV is bf16
+        keep_fp8 = (dtype in (None, "auto") and str(device) != "cpu" and fp8_format is not None
+                    and (fp8_checkpoint or quantization == "fp8"))
+        dt = kept_dtype if keep_int4 or keep_fp8 else run_dtype(dtype, config)
         if shard is None:
             weights = load_safetensors(path, config, dt, progress, fp8_format, keep_int4=keep_int4)
         else:
