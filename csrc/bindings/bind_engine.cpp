@@ -57,6 +57,7 @@ void bind_engine(py::module_& m) {
            })
       .def_property_readonly("num_ops", &DecodeExecutor::num_ops)
       .def_property_readonly("num_barriers", &DecodeExecutor::num_barriers)
+      .def_property_readonly("num_zero_copy_publishes", &DecodeExecutor::num_zero_copy_publishes)
       .def("set_transport", &DecodeExecutor::set_transport, arg("transport"),
            "A tensor-parallel rank's kog._C.ShmTransport (dims.lane_ranks > 1).");
 }

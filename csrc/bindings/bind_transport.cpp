@@ -25,6 +25,10 @@ void bind_transport(py::module_& m) {
       .def("publish", [](ShmTransport& t, int slot, uintptr_t part, int64_t bytes) {
              t.publish(slot, reinterpret_cast<const void*>(part), bytes);
            }, arg("slot"), arg("part"), arg("bytes"), nogil)
+      .def("slot_part", [](const ShmTransport& t, int slot) { return reinterpret_cast<uintptr_t>(t.slot_part(slot)); },
+           arg("slot"), "Address of this rank's part of the slot: written there, a publish copies nothing.")
+      .def("prefetch", &ShmTransport::prefetch, arg("slot"), arg("bytes"),
+           "Hint: the other ranks' flags and parts of the slot toward this core, ahead of a wait.")
       .def("wait", [](ShmTransport& t, int slot) { return reinterpret_cast<uintptr_t>(t.wait(slot)); },
            arg("slot"), nogil, "Address of the slot's [size][slot_bytes] parts once every rank published.")
       .def("set_link_latency_us", &ShmTransport::set_link_latency_us, arg("us"))

@@ -123,6 +123,45 @@ void DecodeExecutor::set_transport(std::shared_ptr<ShmTransport> t) {
   KOG_CHECK(t == nullptr || (t->size() == d_.lane_ranks && t->rank() == d_.lane_rank), "decode executor: a transport of rank ",
             t ? t->rank() : -1, " of ", t ? t->size() : 0, " for a program of rank ", d_.lane_rank, " of ", d_.lane_ranks);
   transport_ = std::move(t);
+  plan_zero_copy();
+}
+
+void DecodeExecutor::plan_zero_copy() {
+  const size_t n = program_.size();
+  publish_slot_.assign(n, -1), read_slot_.assign(n, -1), prefetch_slot_.assign(n, -1);
+  if (transport_ == nullptr || d_.lane_ranks == 1) return;
+  // LINEAR j - 1 -> LANE_GATHER j -> an in-place lane op j + 1 that rewrites every element of
+  // the gathered buffer (what kog.program.lanes emits): only the gather reads the LINEAR's output
+  // before j + 1 replaces it, so both may read it from the slot part.
+  for (size_t j = 1; j + 1 < n; ++j) {
+    const Op& g = program_[j];
+    const Op &prod = program_[j - 1], &next = program_[j + 1];
+    const Opcode after = Opcode(next.op);
+    if (Opcode(g.op) != Opcode::kLaneGather || Opcode(prod.op) != Opcode::kLinear || prod.out != g.in ||
+        next.in != g.in || next.out != g.in ||
+        (after != Opcode::kLaneAddPast && after != Opcode::kLaneScale && after != Opcode::kLaneSum))
+      continue;
+    publish_slot_[j - 1] = read_slot_[j] = read_slot_[j + 1] = g.slot;
+    if (after == Opcode::kLaneAddPast) prefetch_slot_[j - 1] = next.slot;  // its wait, one LINEAR later
+  }
+}
+
+int64_t DecodeExecutor::num_zero_copy_publishes() const {
+  int64_t n = 0;
+  for (int32_t s : publish_slot_) n += s >= 0;
+  return n;
+}
+
+char* DecodeExecutor::out_of(const Op& op) const {
+  const size_t j = size_t(&op - program_.data());
+  if (zero_copy_ && j < publish_slot_.size() && publish_slot_[j] >= 0) return transport_->slot_part(publish_slot_[j]);
+  return buf(op.out);
+}
+
+const char* DecodeExecutor::in_of(const Op& op) const {
+  const size_t j = size_t(&op - program_.data());
+  if (zero_copy_ && j < read_slot_.size() && read_slot_[j] >= 0) return transport_->slot_part(read_slot_[j]);
+  return buf(op.in);
 }
 
 void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
@@ -137,6 +176,8 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
   int32_t* tokens = reinterpret_cast<int32_t*>(buf(int(Buffer::kTokens)));
   for (int64_t b = 0; b < s.batch; ++b) tokens[b] = int32_t(s.tokens[b]);
   const int64_t n = stop_after < 0 ? int64_t(program_.size()) : std::min<int64_t>(stop_after, program_.size());
+  const int64_t publish_bytes = s.batch * width(Buffer::kHidden) * elem_;
+  zero_copy_ = transport_ != nullptr && d_.lane_ranks > 1 && publish_bytes <= transport_->slot_bytes();
   // NOTE: the step runs inside one parallel region per segment (the CPU analogue of the
   // persistent GPU kernel): every LINEAR is split over the threads in row chunks (each thread
   // its own slice first, then stealing: cpu/row_queue.h), the small ops run on thread 0 (as
@@ -162,6 +203,7 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
       for (int64_t j = i; j < end; ++j) {
         if (j > i && barrier_before_[size_t(j)]) pool.barrier();
         const Op& op = program_[size_t(j)];
+        if (t == 0 && zero_copy_ && prefetch_slot_[size_t(j)] >= 0) transport_->prefetch(prefetch_slot_[size_t(j)], publish_bytes);
         if (Opcode(op.op) == Opcode::kLinear) {
           linear_part(op, s.batch, epoch_base_ + op_epoch_[size_t(j)], t);
         } else if (Opcode(op.op) == Opcode::kRouter) {
@@ -303,13 +345,13 @@ LinearParams DecodeExecutor::linear_params(const Op& op, int64_t batch) {
     return LinearParams{buf(op.out) + schedule::lane_logits_offset(d_) * elem_, buf(op.in), op.w0, op.w1, batch,
                         d_.vocab / d_.lane_ranks, kdim, kdim, w, d_.dtype};
   }
-  return LinearParams{buf(op.out), buf(op.in), op.w0, op.w1, batch, w, kdim, kdim, w, d_.dtype};
+  return LinearParams{out_of(op), buf(op.in), op.w0, op.w1, batch, w, kdim, kdim, w, d_.dtype};
 }
 
 LinearQuantParams DecodeExecutor::linear_quant_params(const Op& op, int64_t batch, float* scratch) {
   // f32 run (validate_program), so out is the f32 buffer itself and the bias f32.
   const int64_t n = width(Buffer(op.out)), kdim = width(Buffer(op.in));
-  LinearQuantParams p{reinterpret_cast<float*>(buf(op.out)), buf(op.in), static_cast<const uint8_t*>(op.w0),
+  LinearQuantParams p{reinterpret_cast<float*>(out_of(op)), buf(op.in), static_cast<const uint8_t*>(op.w0),
                       scratch, batch, n, kdim, kdim, n, d_.dtype, QuantType(op.w_type)};
   p.bias = static_cast<const float*>(op.w1);
   p.x_stages = kQuantXStages;

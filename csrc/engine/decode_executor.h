@@ -64,6 +64,9 @@ class DecodeExecutor {
   int64_t num_ops() const { return int64_t(program_.size()); }
   // Barriers a whole step's region places (inside the region; attention outside it aside).
   int64_t num_barriers() const;
+  // LINEARs that write their output straight into the transport slot a LANE_GATHER publishes
+  // (plan_zero_copy; 0 without a transport).
+  int64_t num_zero_copy_publishes() const;
   // A tensor-parallel rank's transport (dims.lane_ranks > 1; run() refuses to start without
   // one): its lane ops and collectives reduce over every rank through it.
   void set_transport(std::shared_ptr<ShmTransport> t);
@@ -72,6 +75,14 @@ class DecodeExecutor {
   void validate(const DecodeStep& s) const;
   void reserve(int64_t batch);
   char* buf(int32_t b) const { return base_[b]; }
+  // Where op (an element of program_) writes its output / reads its input this run: the
+  // transport slot part of a zero-copy publish (plan_zero_copy), else buf(op.out) / buf(op.in).
+  char* out_of(const Op& op) const;
+  const char* in_of(const Op& op) const;
+  // A rank's LINEAR whose output a LANE_GATHER publishes next writes it into the transport's
+  // slot part directly, and the lane op after the gather reads it there (writing the buffer):
+  // the publish copies nothing. Set by set_transport.
+  void plan_zero_copy();
   void exec(const Op& op, const DecodeStep& s);
   void embed(const Op& op, const DecodeStep& s);
   void rmsnorm(const Op& op, int64_t batch);
@@ -111,6 +122,11 @@ class DecodeExecutor {
   std::vector<float> lane_acc_;  // [batch, max(hidden, vocab)] f32 of the cross-rank reductions
   std::vector<float> inv_freq_;
   std::vector<Op> program_;
+  // Zero-copy publishes (plan_zero_copy), each [ops], -1 where none: publish_slot_[j] the slot
+  // whose part LINEAR j writes; read_slot_[j] the slot whose part lane op j reads instead of its
+  // input buffer; prefetch_slot_[j] a slot a later wait reads, prefetched before op j runs.
+  std::vector<int32_t> publish_slot_, read_slot_, prefetch_slot_;
+  bool zero_copy_ = false;  // this run's rows fit the slots (else the publishes copy)
   // barrier_before_[j]: the region's team meets before op j (plan_barriers).
   std::vector<char> barrier_before_;
   int64_t elem_;            // bytes per activation element

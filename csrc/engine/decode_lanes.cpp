@@ -29,7 +29,7 @@ LinearParams DecodeExecutor::lane_matrix(const Op& op, int64_t batch, int64_t i)
   LinearParams p = linear_params(op, batch);
   // A rank's vocabulary-parallel head writes its slice of LOGITS (weights: the slice's rows).
   const int64_t out0 = op.vocab_slice ? schedule::lane_logits_offset(d_) : 0;
-  p.out = buf(op.out) + (out0 + row0) * elem_;
+  p.out = out_of(op) + (out0 + row0) * elem_;
   p.x = buf(op.in) + l * kx * elem_;
   p.weight = static_cast<const char*>(op.w0) + row0 * kx * elem_;
   p.bias = op.w1 ? static_cast<const char*>(op.w1) + row0 * elem_ : nullptr;
@@ -50,6 +50,7 @@ void DecodeExecutor::lane_op(const Op& op, int64_t batch) {
   const int64_t L = d_.n_lanes, R = d_.lane_ranks, h = d_.hidden, lw = L * h;
   const DType dt = d_.dtype;
   char* in = buf(op.in);
+  const char* src = in_of(op);  // in, or the slot part a zero-copy LINEAR wrote (plan_zero_copy)
   const auto opcode = Opcode(op.op);
   if (opcode == Opcode::kAllReduce || opcode == Opcode::kAllGather) {
     // In place on LOGITS: a "lane" head's partial products summed; a vocabulary-parallel head's
@@ -66,7 +67,7 @@ void DecodeExecutor::lane_op(const Op& op, int64_t batch) {
   }
   if (opcode == Opcode::kLaneGather) {
     if (R > 1) {  // the rank's lanes of every row: [batch, L, h], read by the other ranks later
-      transport_->publish(op.slot, in, batch * lw * elem_);
+      transport_->publish(op.slot, src, batch * lw * elem_);
       return;
     }
     const int64_t hist_w = width(Buffer::kLaneHist);
@@ -76,7 +77,7 @@ void DecodeExecutor::lane_op(const Op& op, int64_t batch) {
   }
   if (opcode == Opcode::kLaneScale) {
     const float scale = std::sqrt(float(L * R));
-    for (int64_t e = 0; e < batch * lw; ++e) store_f32(in, e, load_f32(in, e, dt) * scale, dt);
+    for (int64_t e = 0; e < batch * lw; ++e) store_f32(in, e, load_f32(src, e, dt) * scale, dt);
     return;
   }
   lane_acc_.resize(size_t(batch * h));
@@ -97,11 +98,12 @@ void DecodeExecutor::lane_op(const Op& op, int64_t batch) {
         acc[e] = round_to(sum, dt);
       }
       char* row = in + b * lw * elem_;
+      const char* row_src = src + b * lw * elem_;
       for (int64_t l = 0; l < L; ++l) {
         const char* own = past(b, d_.lane_rank, l);
         for (int64_t e = 0; e < h; ++e) {
           const float others = round_to(acc[e] - load_f32(own, e, dt), dt);
-          store_f32(row, l * h + e, load_f32(row, l * h + e, dt) + others, dt);
+          store_f32(row, l * h + e, load_f32(row_src, l * h + e, dt) + others, dt);
         }
       }
     }
@@ -110,7 +112,7 @@ void DecodeExecutor::lane_op(const Op& op, int64_t batch) {
   // LANE_SUM, LANE_MEAN, LANE_MERGE_SUM: acc [batch, h] = the sum over every lane of the row
   // (MERGE_SUM: of round(residual_l + in_l)), then written back rounded once.
   for (int64_t b = 0; b < batch; ++b) {
-    const char* row = in + b * lw * elem_;
+    const char* row = src + b * lw * elem_;
     const char* res = op.residual >= 0 ? buf(op.residual) + b * lw * elem_ : nullptr;
     for (int64_t e = 0; e < h; ++e) {
       float sum = 0.f;

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -49,6 +50,23 @@ void publish_copy(char* dst, const char* src, size_t bytes) {
   }
 #endif
   std::memcpy(dst, src, bytes);
+}
+
+// Whether process pid still runs: kill(pid, 0) finds a zombie too (a rank that exited but whose
+// parent -- rank 0 spawned the others -- has not reaped it yet), so a found process is read from
+// /proc (Linux) and one in state Z counts as exited.
+bool process_alive(pid_t pid) {
+  if (kill(pid, 0) != 0) return errno != ESRCH;
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", int(pid));
+  FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return true;  // no /proc: trust kill()
+  char buf[256];
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  const char* paren = std::strrchr(buf, ')');  // "pid (comm) S ...": comm may hold spaces
+  return paren == nullptr || paren[1] != ' ' || paren[2] != 'Z';
 }
 
 double now_s() {
@@ -128,29 +146,37 @@ ShmTransport::~ShmTransport() {
   if (rank_ == 0) shm_unlink(name_.c_str());
 }
 
-void ShmTransport::raise(Flag& f, uint64_t value) {
-  if (latency_us_ > 0) f.visible_ns.store(int64_t((now_s() + latency_us_ * 1e-6) * 1e9), std::memory_order_relaxed);
+void ShmTransport::raise(Flag& f, uint64_t value, double now) {
+  if (latency_us_ > 0) f.visible_ns.store(int64_t((now + latency_us_ * 1e-6) * 1e9), std::memory_order_relaxed);
   f.v.store(value, std::memory_order_release);
 }
 
-double ShmTransport::spin_until(Flag* flags, uint64_t target, const char* what) {
-  const double t0 = now_s();
+double ShmTransport::spin_until(Flag* flags, uint64_t target, const char* what, double t0) {
+  double t = t0;  // the latest clock read: the clock is read again only while a flag is not visible
+  double last_check = t0;  // the last liveness check of the awaited rank's process
   for (int q = 0; q < size_; ++q) {
     uint64_t spins = 0;
-    while (flags[q].v.load(std::memory_order_acquire) < target ||
-           (latency_us_ > 0 && now_s() * 1e9 < double(flags[q].visible_ns.load(std::memory_order_relaxed)))) {
+    for (;;) {
+      if (flags[q].v.load(std::memory_order_acquire) >= target) {
+        if (latency_us_ <= 0 || t * 1e9 >= double(flags[q].visible_ns.load(std::memory_order_relaxed))) break;
+        t = now_s();
+        if (t * 1e9 >= double(flags[q].visible_ns.load(std::memory_order_relaxed))) break;
+      }
       if (++spins % 1024 == 0) {
-        const double t = now_s();
+        t = now_s();
         KOG_CHECK_KIND(t - t0 < timeout_s_, kTransport, "shm transport: rank ", rank_, " waited ",
                        timeout_s_, " s for rank ", q, " in ", what, " (it died or hangs)");
-        const auto pid = pid_t(pids_[q].v.load(std::memory_order_acquire));
-        KOG_CHECK_KIND(pid == 0 || kill(pid, 0) == 0 || errno != ESRCH, kTransport, "shm transport: rank ", q,
-                       " (process ", pid, ") exited while rank ", rank_, " waited for it in ", what);
+        if (t - last_check >= 1e-3) {  // at most every millisecond: the check reads /proc
+          last_check = t;
+          const auto pid = pid_t(pids_[q].v.load(std::memory_order_acquire));
+          KOG_CHECK_KIND(pid == 0 || process_alive(pid), kTransport, "shm transport: rank ", q, " (process ", pid,
+                         ") exited while rank ", rank_, " waited for it in ", what);
+        }
         if (spins > (1u << 16)) std::this_thread::yield();  // a peer descheduled: give the core back
       }
     }
   }
-  return now_s() - t0;
+  return t == t0 ? 0.0 : now_s() - t0;
 }
 
 void ShmTransport::all_reduce(float* x, int64_t n) {
@@ -166,8 +192,8 @@ void ShmTransport::all_reduce(float* x, int64_t n) {
     const uint64_t k = ++reduce_seq_;
     float* area = reduce_data_ + (k % 2) * size_t(size_) * size_t(reduce_floats_);
     std::memcpy(area + size_t(rank_) * size_t(reduce_floats_), y, size_t(m) * sizeof(float));
-    raise(reduce_flags_[rank_], k);
-    const double spun = spin_until(reduce_flags_, k, "all_reduce");
+    raise(reduce_flags_[rank_], k, t_piece);
+    const double spun = spin_until(reduce_flags_, k, "all_reduce", now_s());
     for (int64_t i = 0; i < m; ++i) y[i] = area[i];
     for (int q = 1; q < size_; ++q) {
       const float* src = area + size_t(q) * size_t(reduce_floats_);
@@ -180,15 +206,35 @@ void ShmTransport::all_reduce(float* x, int64_t n) {
   reduce_stats_.inside_s += now_s() - t_in;
 }
 
+char* ShmTransport::slot_part(int slot) const {
+  KOG_CHECK(slot >= 0 && slot < n_slots_, "shm transport: slot ", slot, " of ", n_slots_);
+  return slot_data_ + (size_t(slot) * size_t(size_) + size_t(rank_)) * size_t(slot_bytes_);
+}
+
+void ShmTransport::prefetch(int slot, int64_t bytes) const {
+  if (slot < 0 || slot >= n_slots_ || noop_) return;
+  const int64_t n = bytes < slot_bytes_ ? bytes : slot_bytes_;
+  for (int q = 0; q < size_; ++q) {
+    if (q == rank_) continue;
+    __builtin_prefetch(&slot_flags_[size_t(slot) * size_t(size_) + size_t(q)]);
+    const char* part = slot_data_ + (size_t(slot) * size_t(size_) + size_t(q)) * size_t(slot_bytes_);
+    for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(part + b);
+  }
+}
+
 void ShmTransport::publish(int slot, const void* part, int64_t bytes) {
   KOG_CHECK(slot >= 0 && slot < n_slots_ && bytes <= slot_bytes_, "shm transport: publish of ", bytes,
             " bytes to slot ", slot, " (", n_slots_, " slots of ", slot_bytes_, " bytes)");
   const double t_in = now_s();
-  char* dst = slot_data_ + (size_t(slot) * size_t(size_) + size_t(rank_)) * size_t(slot_bytes_);
-  publish_copy(dst, static_cast<const char*>(part), size_t(bytes));
+  char* dst = slot_part(slot);
+  if (part != dst) {
+    publish_copy(dst, static_cast<const char*>(part), size_t(bytes));
+  } else {
+    std::atomic_thread_fence(std::memory_order_release);  // written in place: the flag's release orders it
+  }
   if (noop_) return;  // the epoch stays: a later real publish / wait pairs with the other ranks' again
   const uint64_t e = ++slot_epoch_[slot];
-  raise(slot_flags_[size_t(slot) * size_t(size_) + size_t(rank_)], e);
+  raise(slot_flags_[size_t(slot) * size_t(size_) + size_t(rank_)], e, t_in);
   const double t_out = now_s();
   gather_stats_.count += 1;
   gather_stats_.inside_s += t_out - t_in;
@@ -199,9 +245,9 @@ const char* ShmTransport::wait(int slot) {
   KOG_CHECK(slot >= 0 && slot < n_slots_, "shm transport: wait on slot ", slot, " of ", n_slots_);
   if (!noop_ && size_ > 1) {
     const double t_in = now_s();
-    const double spun = spin_until(slot_flags_ + size_t(slot) * size_t(size_), slot_epoch_[slot], "wait");
+    const double spun = spin_until(slot_flags_ + size_t(slot) * size_t(size_), slot_epoch_[slot], "wait", t_in);
     gather_stats_.wait_s += spun;
-    gather_stats_.inside_s += now_s() - t_in;
+    gather_stats_.inside_s += spun > 0 ? spun : now_s() - t_in;
   }
   return slot_data_ + size_t(slot) * size_t(size_) * size_t(slot_bytes_);
 }

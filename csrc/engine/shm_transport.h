@@ -5,6 +5,8 @@
 //   t.all_reduce(x, n);            // x[0..n) f32 = the sum over ranks, in rank order (bit-identical everywhere;
 //                                  // n > reduce_floats: piece by piece)
 //   t.publish(slot, part, bytes);  // a delayed all-gather: this rank's part of `slot`, returns at once
+//                                  // (zero-copy when part is t.slot_part(slot): written there in place)
+//   t.prefetch(slot);              // ahead of wait(slot): the other ranks' flags and parts into this cache
 //   const char* all = t.wait(slot);  // [size][slot_bytes]: every rank's part of its last publish
 //
 // Protocol. All-reduce k (counted per rank) writes its input to reduce area k % 2, stores k in
@@ -50,6 +52,14 @@ class ShmTransport {
   void all_reduce(float* x, int64_t n);
   void publish(int slot, const void* part, int64_t bytes);
   const char* wait(int slot);
+  // This rank's part of `slot` ([slot_bytes]): a producer that writes its output here publishes
+  // it without a copy (publish(slot, slot_part(slot), bytes)). Write it only between the wait
+  // that freed the slot (the caller's invariant above) and the publish.
+  char* slot_part(int slot) const;
+  // Pulls the other ranks' flags and first `bytes` of their parts of `slot` toward this core, for
+  // a wait(slot) some time later: a flag stored long ago then costs no cross-core miss inside the
+  // wait. A hint only: lines written after it are fetched again.
+  void prefetch(int slot, int64_t bytes) const;
 
   void set_link_latency_us(double us) { latency_us_ = us; }
   void set_noop(bool noop) { noop_ = noop; }
@@ -72,8 +82,10 @@ class ShmTransport {
     std::atomic<uint64_t> v;
     std::atomic<int64_t> visible_ns;  // simulated link latency: readers wait until this (steady clock)
   };
-  double spin_until(Flag* flags, uint64_t target, const char* what);  // returns the seconds spun
-  void raise(Flag& f, uint64_t value);  // f = value, visible after the simulated latency
+  // Spins until every flags[q] >= target (and visible); t0: now_s() at the call. Returns the
+  // seconds spun (0 without a second clock read when all are ready at t0).
+  double spin_until(Flag* flags, uint64_t target, const char* what, double t0);
+  void raise(Flag& f, uint64_t value, double now);  // f = value, visible after the simulated latency from now
 
   std::string name_;
   int rank_, size_, n_slots_;

@@ -1,6 +1,7 @@
 """kog._C.ShmTransport: shared-memory all-reduce and delayed gathers between ranks of one host
 (ranks as threads here, each with its own attachment to the segment, as separate processes have)."""
 
+import ctypes
 import os
 import time
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kog
 from kog import _C
 from kog.errors import TransportError
 from kog.testing.threads import in_threads
@@ -109,7 +111,10 @@ def test_noop_mode_keeps_each_rank_local():
     assert torch.equal(x, torch.arange(8, dtype=torch.float32))
 
 
-def test_a_rank_whose_process_exited_fails_the_wait_at_once(tmp_path):
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "zombie"])
+def test_a_rank_whose_process_exited_fails_the_wait_at_once(tmp_path, reaped):
+    """Also when the exited rank is this process's child not yet reaped (a zombie: what a worker
+    that dies under rank 0, its parent, is until rank 0 waits for it)."""
     import subprocess
     import sys
 
@@ -121,12 +126,19 @@ def test_a_rank_whose_process_exited_fails_the_wait_at_once(tmp_path):
     peer = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
     assert peer.stdout.readline().strip() == "up"
     peer.kill()
-    peer.wait()
+    if reaped:
+        peer.wait()
+    else:
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{peer.pid}/stat").read_text().split(")")[-1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
     x = torch.ones(8)
     t0 = time.monotonic()
     with pytest.raises(TransportError, match="exited"):
         first.all_reduce(x.data_ptr(), 8)
     assert time.monotonic() - t0 < 5
+    peer.wait()
 
 
 def test_simulated_link_latency_delays_the_reader_not_the_sender():
@@ -178,3 +190,21 @@ def test_stats_split_what_the_link_took_from_what_the_rank_waited():
     ts[0].all_reduce(x[0].data_ptr(), 16)
     ts[0].publish(0, x[0].data_ptr(), 64)
     assert all(v == 0 for kind in ts[0].stats().values() for v in kind.values())
+
+
+def test_a_part_written_in_place_is_published_without_a_copy():
+    """publish(slot, slot_part(slot), n): the part the producer wrote in the segment is what the
+    other ranks read; prefetch ahead of a wait changes nothing but timing."""
+    ts = ranks(2, n_slots=2, slot_bytes=64)
+    for r, t in enumerate(ts):
+        addr = t.slot_part(1)
+        assert addr == t.wait(1) + r * 64  # the rank's part of the slot's [size][slot_bytes]
+        torch.frombuffer((ctypes.c_char * 64).from_address(addr), dtype=torch.float32).fill_(10.0 + r)
+    ts[1].publish(1, ts[1].slot_part(1), 64)
+    ts[0].prefetch(1, 64)
+    ts[0].publish(1, ts[0].slot_part(1), 64)
+    for t in ts:
+        got = torch.frombuffer(bytearray(ctypes_string(t.wait(1), 128)), dtype=torch.float32).view(2, 16)
+        assert got[:, 0].tolist() == [10.0, 11.0] and got[:, -1].tolist() == [10.0, 11.0]
+    with pytest.raises(kog.InvalidRequest, match="slot 2 of 2"):
+        ts[0].slot_part(2)
