@@ -348,3 +348,52 @@ def test_a_replicated_head_is_split_by_vocabulary_over_the_ranks(variant):
     assert w.shape == (VOCAB // 2, config.hidden_size)
     full = random_weights(config, seed=1)["model.tok_embeddings.weight" if config.tie_word_embeddings else "lm_head.weight"]
     assert torch.equal(w, full[VOCAB // 2:])
+
+
+def test_a_lane_rank_publishes_its_delayed_gathers_without_a_copy():
+    """Each LANE_GATHER's LINEAR writes straight into the rank's slot part (the decode executor's
+    zero-copy publish); one process, or a rank without shared memory, has none."""
+    from kog.program import Opcode
+
+    config = lane_model_config(**VARIANTS["delay1"])
+    w = random_weights(config, seed=9)
+    transports = shm_transports(config, 2)
+    rank0 = rank_runner(config, w, 0, 2, transports[0])
+    gathers = sum(1 for ins in rank0.program if ins.opcode == Opcode.LANE_GATHER)
+    assert gathers > 0 and rank0.native_decoder.num_zero_copy_publishes == gathers
+    assert rank_runner(config, w, 0, 1, None).native_decoder.num_zero_copy_publishes == 0
+
+
+def test_two_ranks_run_the_multi_token_loop_and_sample_what_one_process_samples(tmp_path):
+    """The engine's native loop over ranks (kog.parallel.ranks.MirroredLoop): K decode steps per
+    call on every rank, seeded sampling with penalties and a stop token met mid-loop, the tokens
+    one process draws."""
+    import kog
+    from kog.parallel.ranks import MirroredLoop
+    from kog.testing.tiny_models import write_hf_model
+
+    config = lane_model_config(**VARIANTS["delay1"])  # a Laneformer: its delayed gathers inside the loop
+    folder = write_hf_model(tmp_path / "m", config, random_weights(config, seed=12))
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3, 250, 8, 41]}, {"prompt_token_ids": list(range(30, 52))}]
+    one = kog.LLM(str(folder), dtype="float32")
+    free = one.generate(prompts[1:], kog.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    ids = free[0].outputs[0].token_ids
+    stop = next(t for i, t in enumerate(ids) if i >= 9 and t not in ids[:i])  # first met at index >= 9
+    params = [kog.SamplingParams(max_tokens=28, temperature=0.9, top_p=0.9, seed=7, repetition_penalty=1.3,
+                                 ignore_eos=True),
+              kog.SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop], ignore_eos=True)]
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    assert len(want[0]) == 28 and want[1][-1] == stop and len(want[1]) < 24
+    llm = kog.LLM(str(folder), dtype="float32", tensor_parallel_size=2)
+    try:
+        loop = llm.engine.decode_loop._cpu
+        assert isinstance(loop, MirroredLoop)
+        steps, run = [], loop.run
+        loop.run = lambda *a: (steps.append(a[-1]), run(*a))[1]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert got == want
+        assert max(steps) >= 8  # K decode steps per call, on both ranks
+        # again: the other rank's sampling states were dropped with their rows and are rebuilt
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    finally:
+        llm.engine.runner.close()

@@ -33,6 +33,7 @@ K at most any row's tokens left (the kernel has no per-row max tokens).
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Iterable, Sequence as Seq
 
 import numpy as np
@@ -47,6 +48,9 @@ from kog.sampler import SampleResult, SampleRow, sample
 from kog.sampling_params import SamplingParams
 
 LOOP_MAX_STEPS = 16
+# _C.SequenceSampling's constructor arguments (NativeSampler._create): picklable, so another
+# process can build the same state.
+SamplingArgs = tuple
 _I32_MAX = (1 << 31) - 1  # min_tokens past it is the same ban: no sequence gets that long
 _U64 = (1 << 64) - 1
 _F32_TINY = 1.1754944e-38  # the smallest normal float32
@@ -116,18 +120,28 @@ class NativeSampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = max_model_len
-        self._states: dict[int, tuple[Sequence, _C.SequenceSampling]] = {}
+        # id(seq) -> (seq, its state, the state's SamplingArgs, a key unique to that state)
+        self._states: dict[int, tuple[Sequence, _C.SequenceSampling, SamplingArgs, int]] = {}
+        self._keys = itertools.count()
 
     def state(self, seq: Sequence) -> _C.SequenceSampling:
         """seq's native state, created on first use, having counted exactly seq.output_ids."""
         entry = self._states.get(id(seq))
         if entry is None or entry[0] is not seq:
-            entry = (seq, self._create(seq))
+            args = self._create(seq)
+            entry = (seq, _C.SequenceSampling(*args), args, next(self._keys))
             self._states[id(seq)] = entry
         st = entry[1]
         if st.n_output < seq.num_output_tokens:
             st.add_outputs(np.asarray(seq.token_ids[seq.num_prompt_tokens + st.n_output:], dtype=np.int32))
         return st
+
+    def origin(self, seq: Sequence) -> tuple[int, SamplingArgs]:
+        """(key, args) of seq's current state (`state` first): a key no other state of this
+        sampler had, and the arguments that built it (`_C.SequenceSampling(*args)` elsewhere
+        gives an equal state, before outputs)."""
+        entry = self._states[id(seq)]
+        return entry[3], entry[2]
 
     def forget(self, seq: Sequence) -> None:
         entry = self._states.get(id(seq))
@@ -147,7 +161,7 @@ class NativeSampler:
         return max(1, min(room, p.max_tokens if p.max_tokens is not None else room))
 
     # ---- internal helpers ---------------------------------------------------------------------
-    def _create(self, seq: Sequence) -> _C.SequenceSampling:
+    def _create(self, seq: Sequence) -> SamplingArgs:
         p = seq.params
         if p.seed is not None:
             seed = (p.seed + seq.index) & _U64
@@ -157,10 +171,32 @@ class NativeSampler:
         banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if 0 <= t < self.vocab_size]
         rep = p.repetition_penalty != 1.0
         prompt = np.asarray(seq.token_ids[: seq.num_prompt_tokens] if rep else [], dtype=np.int32)
-        return _C.SequenceSampling(
-            self.vocab_size, prompt, 0.0 if p.greedy else p.temperature, native_top_k(p.top_k, self.vocab_size),
-            _f32_positive(p.top_p), p.min_p, seed, _f32_positive(p.repetition_penalty), p.presence_penalty,
-            p.frequency_penalty, min(p.min_tokens, _I32_MAX), self.max_output(seq), stop, banned)
+        return (self.vocab_size, prompt, 0.0 if p.greedy else p.temperature, native_top_k(p.top_k, self.vocab_size),
+                _f32_positive(p.top_p), p.min_p, seed, _f32_positive(p.repetition_penalty), p.presence_penalty,
+                p.frequency_penalty, min(p.min_tokens, _I32_MAX), self.max_output(seq), stop, banned)
+
+
+class CpuLoop:
+    """K decode steps of the CPU DecodeExecutor with sampling in one native call (kog._C.DecodeLoop).
+
+    run(seqs, states, tokens, positions, block_tables, k): tokens / positions int64 [B],
+    block_tables int32 [B, width], states the rows' SequenceSampling (they count the tokens);
+    returns each row's tokens (1..k, ending at a stop token or max tokens). A tensor-parallel
+    rank 0 mirrors the call on the other ranks first (kog.parallel.ranks.MirroredLoop).
+    """
+
+    def __init__(self, executor: _C.DecodeExecutor, vocab_size: int, block_size: int) -> None:
+        self.loop = _C.DecodeLoop(executor, vocab_size, block_size)
+
+    def run(self, seqs: Seq[Sequence], states: Seq[_C.SequenceSampling], tokens: np.ndarray, positions: np.ndarray,
+            block_tables: np.ndarray, k: int) -> list[list[int]]:
+        n = len(states)
+        out = np.empty((k, n), dtype=np.int64)
+        n_new = np.zeros(n, dtype=np.int32)
+        finish = np.zeros(n, dtype=np.int32)
+        self.loop.run(n, k, tokens.ctypes.data, positions.ctypes.data, block_tables.ctypes.data, block_tables.shape[1],
+                      list(states), out.ctypes.data, n_new.ctypes.data, finish.ctypes.data)
+        return [out[: n_new[i], i].tolist() for i in range(n)]
 
 
 class DecodeLoop:
@@ -184,7 +220,11 @@ class DecodeLoop:
         self.block_size = runner.block_size
         decoder = getattr(runner, "native_decoder", None)
         cpu = isinstance(decoder, _C.DecodeExecutor)
-        self._cpu = _C.DecodeLoop(decoder, runner.vocab_size, runner.block_size) if cpu else None
+        self._cpu: CpuLoop | None = None
+        if cpu:  # a runner may build its own (a tensor-parallel rank 0 mirrors it on every rank)
+            mirrored = getattr(runner, "native_loop", None)
+            self._cpu = mirrored(sampler) if mirrored is not None else CpuLoop(decoder, runner.vocab_size,
+                                                                              runner.block_size)
         self._gpu = decoder if decoder is not None and not cpu else None  # a GpuDecoder (or a test's stand-in)
         self._reserved: dict[int, int] = {}  # seq_id -> first position reserved count-only, until settled
 
@@ -219,18 +259,12 @@ class DecodeLoop:
         """k decode steps (reserved) of seqs; returns each row's tokens (1..k, ending at a stop
         token or max tokens). The rows' native states have counted them."""
         block_tables = self.kv.block_tables([s.seq_id for s in seqs])  # [B, width] int32, filled natively
-        width = block_tables.shape[1]
         positions = np.array([s.num_computed for s in seqs], dtype=np.int64)  # [B]
         tokens = np.array([s.token_ids[-1] for s in seqs], dtype=np.int64)  # [B]
         states = [self.sampler.state(s) for s in seqs]
         if self._gpu is not None:
             return self._run_gpu(seqs, states, tokens, positions, block_tables, k)
-        out = np.empty((k, len(seqs)), dtype=np.int64)
-        n_new = np.zeros(len(seqs), dtype=np.int32)
-        finish = np.zeros(len(seqs), dtype=np.int32)
-        self._cpu.run(len(seqs), k, tokens.ctypes.data, positions.ctypes.data, block_tables.ctypes.data, width,
-                      states, out.ctypes.data, n_new.ctypes.data, finish.ctypes.data)
-        return [out[: n_new[i], i].tolist() for i in range(len(seqs))]
+        return self._cpu.run(seqs, states, tokens, positions, block_tables, k)
 
     def release_unused(self, seq: Sequence) -> None:
         """Settles a row after a loop call (call before its KV is freed or parked): gives back

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kog.engine.decode_loop import CpuLoop
 from kog.errors import InvalidRequest
 from kog.parallel.shard import lane_form, shard_config, shard_weights
 from kog.parallel.transport import ShmRankTransport, TorchDistTransport, TransportError
@@ -126,9 +127,9 @@ class ParallelRunner:
     def __init__(self, local, commands, procs: list[subprocess.Popen]) -> None:
         self.local, self._commands, self._procs = local, commands, procs
         self.kv = _MirroredKV(local.kv, self)
-        # None: no multi-token decode loop over ranks (each rank would have to run it, its
-        # sampling in step with rank 0's); every decode step is one mirrored call.
-        self.native_decoder = None
+        # Rank 0's executor (None where decode goes through the interpreter: ranks over several
+        # hosts); the engine's multi-token loop over it is a MirroredLoop (native_loop).
+        self.native_decoder = local.native_decoder
         self._closed = False
         atexit.register(self.close)
 
@@ -158,6 +159,10 @@ class ParallelRunner:
         self.send("decode", *args)
         return self.local.decode(*args, sampled)
 
+    def native_loop(self, sampler) -> MirroredLoop:
+        """The engine's K-steps-per-call decode loop (kog.engine.decode_loop), run on every rank."""
+        return MirroredLoop(self, sampler)
+
     def close(self) -> None:
         """Stops the other ranks (their processes exit) and leaves the groups."""
         if self._closed:
@@ -176,6 +181,58 @@ class ParallelRunner:
                 p.kill()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class MirroredLoop(CpuLoop):
+    """Rank 0's decode loop: each call is sent to the other ranks first, which run the same loop
+    on their shards over sampling states equal to rank 0's (LoopFollower), so every rank samples
+    the same tokens (the program's gathers leave bit-identical logits on every rank) and stops
+    the same rows at the same step: their collectives stay in step.
+
+    A row's state travels once (its SequenceSampling arguments, kog.engine.decode_loop.
+    NativeSampler.origin), then only the outputs it gained outside the loop (the first token,
+    one-step decodes): a call costs the other ranks O(new tokens), not O(context).
+    """
+
+    def __init__(self, parent: ParallelRunner, sampler) -> None:
+        super().__init__(parent.local.native_decoder, parent.vocab_size, parent.block_size)
+        self._parent, self._sampler = parent, sampler
+        self._synced: dict[int, int] = {}  # state key -> outputs the other ranks' copy counted (last call's rows)
+
+    def run(self, seqs, states, tokens, positions, block_tables, k):
+        rows = []
+        for seq, st in zip(seqs, states):
+            key, args = self._sampler.origin(seq)
+            have = self._synced.get(key)
+            first = seq.num_prompt_tokens + (have or 0)
+            new = np.asarray(seq.token_ids[first:seq.num_prompt_tokens + st.n_output], dtype=np.int32)
+            rows.append((key, None if have is not None else args, new))
+        self._synced = {}  # a failed call leaves the other ranks' states unknown: rebuilt next time
+        self._parent.send("loop", rows, tokens, positions, block_tables, k)
+        out = super().run(seqs, states, tokens, positions, block_tables, k)
+        self._synced = {key: st.n_output for (key, _, _), st in zip(rows, states)}
+        return out
+
+
+class LoopFollower:
+    """Ranks 1 .. N-1's side of MirroredLoop: the rows' states (kept from one call to the next,
+    those of rows absent from a call dropped), and the same native loop on the rank's executor."""
+
+    def __init__(self, runner) -> None:
+        self._loop = CpuLoop(runner.native_decoder, runner.vocab_size, runner.block_size)
+        self._states: dict[int, Any] = {}
+
+    def run(self, rows, tokens, positions, block_tables, k) -> None:
+        from kog import _C
+
+        states = {}
+        for key, args, new in rows:
+            st = _C.SequenceSampling(*args) if args is not None else self._states[key]
+            if len(new):
+                st.add_outputs(new)
+            states[key] = st
+        self._states = states
+        self._loop.run(None, list(states.values()), tokens, positions, block_tables, k)
 
 
 @dataclass(frozen=True)
@@ -247,6 +304,7 @@ def serve_rank(rank: int, size: int, addr: str, port: int) -> None:
     box = [None]
     dist.broadcast_object_list(box, src=0, group=commands)
     runner, _ = build_rank_runner(box[0], rank, transport)
+    follower = None
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=commands)
@@ -255,6 +313,9 @@ def serve_rank(rank: int, size: int, addr: str, port: int) -> None:
             break
         if name == "kv_apply":
             runner.kv.apply(args[0])
+        elif name == "loop":
+            follower = follower or LoopFollower(runner)
+            follower.run(*args)
         else:
             getattr(runner, name)(*args)
     dist.destroy_process_group()
