@@ -142,7 +142,9 @@ void DecodeExecutor::plan_zero_copy() {
         (after != Opcode::kLaneAddPast && after != Opcode::kLaneScale && after != Opcode::kLaneSum))
       continue;
     publish_slot_[j - 1] = read_slot_[j] = read_slot_[j + 1] = g.slot;
-    if (after == Opcode::kLaneAddPast) prefetch_slot_[j - 1] = next.slot;  // its wait, one LINEAR later
+    // its wait: before the LINEAR (the lines then travel under it) and again before the publish
+    // (the LINEAR's weight stream may have evicted them from the core's own caches)
+    if (after == Opcode::kLaneAddPast) prefetch_slot_[j - 1] = prefetch_slot_[j] = next.slot;
   }
 }
 
