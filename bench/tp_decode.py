@@ -148,6 +148,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--latencies", type=float, nargs="+", default=[0, 2, 5, 10])
     ap.add_argument("--quick", action="store_true", help="10 steps, latencies 0 and 5")
+    ap.add_argument("--engine", action="store_true",
+                    help="also kog.LLM generate tok/s, TP=1 vs 2, one decode step per call vs the multi-token loop")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
@@ -171,6 +173,43 @@ def main() -> None:
             ig, ir = two["gather.inside_s"], two["all_reduce.inside_s"]
             print(f"| {shape} | 2 | {lat:g} | {two['real']:.2f} | {lg:.3f} + {lr:.3f} | {ig:.3f} + {ir:.3f} "
                   f"| {pct(ig, lg)}, {pct(ig + ir, lg + lr)} | {exposed:.3f} | {paired:.3f} | {pct(paired, lg + lr)} |",
+                  flush=True)
+    if args.engine:
+        engine_table()
+
+
+def engine_table(new_tokens: int = 64) -> None:
+    """Greedy generate of new_tokens after a 64-token prompt through kog.LLM (engine, scheduler
+    and, at TP=2, rank 0 sending each call to the other rank over gloo): tokens per second with
+    one decode step per native call (max_steps 1) and with the multi-token loop (up to 16 steps
+    per call, on every rank: kog.parallel.ranks.MirroredLoop). Second of two runs each."""
+    import tempfile
+
+    import kog
+    from kog.testing.tiny_models import random_weights, write_hf_model
+
+    print(f"\nengine: kog.LLM greedy, {new_tokens} tokens after a 64-token prompt, fp32")
+    print("| model | TP | one step per call tok/s | loop tok/s | loop / one step | same tokens |")
+    print("|---|---|---|---|---|---|")
+    params = kog.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    prompt = [{"prompt_token_ids": list(range(10, 74))}]
+    for shape in SHAPES:
+        config = model_config(shape)
+        folder = write_hf_model(Path(tempfile.mkdtemp(prefix="kog-tp-")) / "m", config, random_weights(config, seed=1))
+        for tp in (1, 2):
+            llm = kog.LLM(str(folder), dtype="float32", tensor_parallel_size=tp, max_model_len=512)
+            rate, ids = {}, {}
+            try:
+                for k in (1, 16):
+                    llm.engine.decode_loop.max_steps = k
+                    llm.generate(prompt, params)
+                    t = time.perf_counter()
+                    ids[k] = llm.generate(prompt, params)[0].outputs[0].token_ids
+                    rate[k] = new_tokens / (time.perf_counter() - t)
+            finally:
+                if tp > 1:
+                    llm.engine.runner.close()
+            print(f"| {shape} | {tp} | {rate[1]:.1f} | {rate[16]:.1f} | {rate[16] / rate[1]:.2f}x | {ids[1] == ids[16]} |",
                   flush=True)
 
 
