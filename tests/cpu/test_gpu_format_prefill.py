@@ -142,3 +142,26 @@ def test_fp8_loads_for_the_gpu_as_fp8_with_bf16_activations(tmp_path):
     assert any(isinstance(w, Fp8Weight) for w in gpu.weights.values())
     assert not any(isinstance(w, Fp8Weight) for w in cpu.weights.values())
     assert load_model(folder, "float32", quantization="fp8", fp8_format="e4m3fn", device="cuda").dtype == torch.float32
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "laneformer_tp"])
+def test_kernel_runs_says_what_the_gpu_program_accepts(arch):
+    """kog.models.gpu_decode.kernel_runs (ModelRunner on a GPU decodes through the interpreter
+    where it is False) agrees with the C++ GPU program's own refusals."""
+    import kog
+    from kog.models.decode import lower_program, model_dims
+    from kog.models.gpu_decode import kernel_runs
+
+    if arch == "laneformer_tp":
+        from test_laneformer import VARIANTS, lane_model_config
+
+        c = lane_model_config(**VARIANTS["delay1"])
+    else:
+        c = tiny_config(arch)
+    ops = lower_program(schedule_for(c), prepare_weights(c, random_weights(c, seed=1), torch.bfloat16))
+    try:
+        _C.expand_gpu_program(ops, model_dims(c, torch.bfloat16))
+        accepted = True
+    except kog.InvalidRequest:
+        accepted = False
+    assert kernel_runs(c) == accepted and accepted == (arch in ("llama", "qwen3"))

@@ -103,3 +103,26 @@ def test_llm_on_the_gpu_generates_from_a_q4_gguf(device, tmp_path):
     params = kog.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     out = kog.LLM(str(path), device="cuda").generate(["hello world", "one two three"], params)
     assert [len(o.outputs[0].token_ids) for o in out] == [12, 12]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "laneformer_tp"])
+def test_models_the_kernel_does_not_run_decode_through_the_interpreter_on_the_gpu(device, arch):
+    """Mixture of experts and Laneformer lanes on a GPU: prefill and decode through the program
+    interpreter there (kog.models.gpu_decode.kernel_runs is False), the CPU's tokens."""
+    if arch == "laneformer_tp":
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).parents[1] / "cpu"))
+        from test_laneformer import VARIANTS, lane_model_config
+
+        c = lane_model_config(**VARIANTS["delay1"])
+    else:
+        c = tiny_config(arch, max_position_embeddings=1024)
+    w = random_weights(c, seed=13)
+    m = LoadedModel(path=None, config=c, weights=w, dtype=torch.float32, tokenizer=tiny_tokenizer(),
+                    chat_template=None, stop_token_ids=(2,))
+    gpu = ModelRunner(m, 64, device=device)
+    assert gpu.native_decoder is None  # no persistent kernel for this program
+    prompt = list(range(5, 45))
+    assert runner_greedy(gpu, prompt, 16) == runner_greedy(ModelRunner(m, 64), prompt, 16)

@@ -65,6 +65,14 @@ class StagedDecode:
     result: GpuDecodeResult
 
 
+def kernel_runs(config: ModelConfig) -> bool:
+    """Whether the persistent decode kernel runs config's program. Not yet: mixture-of-experts
+    layers and Laneformer lanes (csrc/schedule/gpu_program.cpp refuses both); ModelRunner decodes
+    such a model on the GPU through the program interpreter (torch and kog's GPU ops, one step
+    per call)."""
+    return not config.moe_layers and (config.lanes is None or config.lanes.num_lanes == 1)
+
+
 class GpuDecoder:
     """Args:
         config: the model.

@@ -11,6 +11,7 @@ Inputs and outputs (token ids, block tables, logits) are host objects on every d
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -33,6 +34,8 @@ from kog.program import Buffer, TokenBatch, program_for
 from kog.program.families import WINDOWED
 from kog.parallel.transport import Transport
 from kog.program.interpreter import ProgramInterpreter
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -96,6 +99,7 @@ class ModelRunner:
         self.inv_freq = ops.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(self.device)
         self._interpreter = ProgramInterpreter(c, self.program, self.weights, self.kv.kv, self.inv_freq, transport)
         self._executor = None
+        self._gpu = None
         if c.shard.size > 1:
             # A tensor-parallel rank decodes natively when its transport is the shared-memory one
             # (the executor drives it), else through the interpreter.
@@ -106,9 +110,14 @@ class ModelRunner:
                 self._executor = build_executor(c, self.weights, self.kv.kv, block_size, self.inv_freq)
                 self._executor.set_transport(native)
         elif self.device.type == "cuda":
-            from kog.models.gpu_decode import GpuDecoder
+            from kog.models.gpu_decode import GpuDecoder, kernel_runs
 
-            self._gpu = GpuDecoder(c, self.weights, self.kv.kv, block_size, self.inv_freq)
+            if kernel_runs(c):
+                self._gpu = GpuDecoder(c, self.weights, self.kv.kv, block_size, self.inv_freq)
+            else:
+                log.info("%s: the persistent decode kernel does not run its program yet (mixture of experts or "
+                         "lanes): decode goes through the program interpreter on the GPU, one step per call",
+                         c.architecture)
         else:
             self._executor = build_executor(c, self.weights, self.kv.kv, block_size, self.inv_freq)
 
@@ -119,6 +128,8 @@ class ModelRunner:
         """What runs whole decode steps natively: the CPU DecodeExecutor or the GpuDecoder
         (kog.engine.decode_loop runs K steps per call on it)."""
         return self._gpu if self.device.type == "cuda" else self._executor
+    # None: decode goes through the program interpreter (a tensor-parallel rank across hosts, or a
+    # GPU model the kernel does not run: kog.models.gpu_decode.kernel_runs)
 
     def prefill(self, chunks: list[PrefillChunk], all_logits: bool = False) -> torch.Tensor | list[torch.Tensor]:
         """Runs chunks of several sequences in one batch, writing their K/V into the cache.
@@ -175,15 +186,15 @@ class ModelRunner:
             raise InvalidRequest("decode: two sequences write the same cache slot")
         if sampled is not None and (sampled.dtype != np.int64 or sampled.shape != (n,) or not sampled.flags.c_contiguous):
             raise InvalidRequest(f"decode: sampled must be a contiguous int64 array of shape ({n},)")
-        if self.device.type == "cuda":
-            return self._decode_gpu(tokens, positions, tables, sampled)
-        if self._executor is None:  # a tensor-parallel rank: the program through the interpreter
-            batch = TokenBatch.decode(torch.from_numpy(tokens), torch.from_numpy(positions), torch.from_numpy(tables),
-                                      torch.from_numpy(slots))
-            logits = self._interpreter.run(batch).buffers[Buffer.LOGITS].float()
+        if self.native_decoder is None:  # the program through the interpreter, on the runner's device
+            dev = self.device
+            batch = TokenBatch.decode(*(torch.from_numpy(a).to(dev) for a in (tokens, positions, tables, slots)))
+            logits = self._interpreter.run(batch).buffers[Buffer.LOGITS].float().cpu()
             if sampled is not None:
                 sampled[:] = logits.argmax(-1).numpy()
             return logits
+        if self.device.type == "cuda":
+            return self._decode_gpu(tokens, positions, tables, sampled)
         logits = torch.empty(n, self.vocab_size, dtype=torch.float32)
         self._executor.run(n, tokens.ctypes.data, positions.ctypes.data, tables.ctypes.data, tables.shape[1],
                            seq_lens.ctypes.data, slots.ctypes.data, logits.data_ptr(),
