@@ -92,9 +92,12 @@ def run(args: argparse.Namespace, llm=None, out: TextIO = sys.stdout, err: TextI
 
 
 def _weights_kind(llm) -> str:
-    """'torch.float32' for float weights; for a GGUF whose blocks are kept, its quant types by
-    bytes, largest first, and the float dtype its activations run in:
-    'Q4_1 + Q8_0 blocks, torch.float32 activations'."""
+    """'torch.float32' for float weights; for a model whose quantized matrices are kept, their
+    types by bytes, largest first, and the float dtype its activations run in:
+    'Q4_1 + Q8_0 blocks, torch.float32 activations' (GGUF blocks on the CPU; on a GPU the decode
+    kernel's forms: 'Q4_GROUPS', 'Q4_K', 'FP8 e4m3fn')."""
+    from kog.fp8 import Fp8Weight
+    from kog.int4 import Int4Weight
     from kog.quantized import QuantizedWeight
 
     # NOTE: the runner owns the weights once built (LoadedModel.weights is emptied).
@@ -102,8 +105,10 @@ def _weights_kind(llm) -> str:
     weights = runner.weights if runner is not None else llm.model.weights
     by_type: dict[str, int] = {}
     for w in weights.values():
-        if isinstance(w, QuantizedWeight):
-            by_type[w.file_type_name] = by_type.get(w.file_type_name, 0) + w.nbytes
+        name = (w.file_type_name if isinstance(w, QuantizedWeight) else w.type_name if isinstance(w, Int4Weight)
+                else f"FP8 {w.fmt}" if isinstance(w, Fp8Weight) else None)
+        if name is not None:
+            by_type[name] = by_type.get(name, 0) + w.nbytes
     if not by_type:
         return str(llm.model.dtype)
     types = " + ".join(sorted(by_type, key=lambda t: -by_type[t]))

@@ -106,3 +106,23 @@ def test_generate_names_the_quant_type_of_kept_blocks(tmp_path):
         lines[dtype] = next(line for line in err.getvalue().splitlines() if line.startswith("[kog] loaded"))
     assert "(Q8_0 blocks, torch.float32 activations)" in lines["auto"], lines
     assert "(torch.float32)" in lines["float32"] and "Q8_0" not in lines["float32"], lines
+
+
+def test_generate_names_the_gpu_forms_of_kept_weights():
+    """On a GPU a kept model's matrices are the decode kernel's 4-bit and FP8 forms: the summary
+    names those, largest first."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kog import _C
+    from kog.fp8 import quantize
+    from kog.generate_cli import _weights_kind
+    from kog.int4 import Int4Weight
+
+    w4 = Int4Weight(torch.zeros(64, 128, dtype=torch.uint8), torch.zeros(64, 32, dtype=torch.uint8),
+                    _C.WEIGHT_Q4_GROUPS, 256)
+    llm = SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(weights={
+        "a": w4, "b": quantize(torch.randn(4, 32), "e4m3fn"), "norm": torch.ones(8, dtype=torch.bfloat16)})),
+        model=SimpleNamespace(dtype=torch.bfloat16))
+    assert _weights_kind(llm) == "Q4_GROUPS + FP8 e4m3fn blocks, torch.bfloat16 activations"
