@@ -397,3 +397,22 @@ def test_two_ranks_run_the_multi_token_loop_and_sample_what_one_process_samples(
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
     finally:
         llm.engine.runner.close()
+
+
+def test_a_follower_whose_sampling_state_disagrees_with_rank_0_stops_before_decoding():
+    """LoopFollower checks each row's output count against rank 0's before running the loop: a
+    rank that would draw other tokens fails loudly instead of desynchronizing the collectives."""
+    from kog.engine.decode_loop import NativeSampler
+    from kog.engine.sequence import Sequence
+    from kog.parallel.ranks import LoopFollower
+
+    config = lane_model_config(**VARIANTS["delay1"])
+    runner = rank_runner(config, random_weights(config, seed=1), 0, 1, None)
+    seq = Sequence(0, "r", 0, [5, 6, 7], kog.SamplingParams(max_tokens=8, seed=3), None)
+    sampler = NativeSampler(config.vocab_size, (2,), 64)
+    sampler.state(seq)
+    key, args = sampler.origin(seq)
+    follower = LoopFollower(runner)
+    tables = np.zeros((1, 1), dtype=np.int32)
+    with pytest.raises(TransportError, match="counted 1 outputs, rank 0's 2"):
+        follower.run([(key, args, np.array([9], np.int32), 2)], np.array([9]), np.array([3]), tables, 1)

@@ -206,11 +206,11 @@ class MirroredLoop(CpuLoop):
             have = self._synced.get(key)
             first = seq.num_prompt_tokens + (have or 0)
             new = np.asarray(seq.token_ids[first:seq.num_prompt_tokens + st.n_output], dtype=np.int32)
-            rows.append((key, None if have is not None else args, new))
+            rows.append((key, None if have is not None else args, new, st.n_output))
         self._synced = {}  # a failed call leaves the other ranks' states unknown: rebuilt next time
         self._parent.send("loop", rows, tokens, positions, block_tables, k)
         out = super().run(seqs, states, tokens, positions, block_tables, k)
-        self._synced = {key: st.n_output for (key, _, _), st in zip(rows, states)}
+        self._synced = {row[0]: st.n_output for row, st in zip(rows, states)}
         return out
 
 
@@ -226,10 +226,13 @@ class LoopFollower:
         from kog import _C
 
         states = {}
-        for key, args, new in rows:
+        for key, args, new, n_output in rows:
             st = _C.SequenceSampling(*args) if args is not None else self._states[key]
             if len(new):
                 st.add_outputs(new)
+            if st.n_output != n_output:  # a broken invariant: this rank's loop would draw other tokens
+                raise TransportError(f"decode loop: this rank's sampling state {key} counted {st.n_output} "
+                                     f"outputs, rank 0's {n_output}")
             states[key] = st
         self._states = states
         self._loop.run(None, list(states.values()), tokens, positions, block_tables, k)
