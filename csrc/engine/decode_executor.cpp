@@ -179,7 +179,10 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
   for (int64_t b = 0; b < s.batch; ++b) tokens[b] = int32_t(s.tokens[b]);
   const int64_t n = stop_after < 0 ? int64_t(program_.size()) : std::min<int64_t>(stop_after, program_.size());
   const int64_t publish_bytes = s.batch * width(Buffer::kHidden) * elem_;
-  zero_copy_ = transport_ != nullptr && d_.lane_ranks > 1 && publish_bytes <= transport_->slot_bytes();
+  // NOTE: not in a partial run (stop_after, for inspection): read_buffer must see every output
+  // in its buffer, and a zero-copy LINEAR's lives in the slot until the lane op after it.
+  zero_copy_ = transport_ != nullptr && d_.lane_ranks > 1 && publish_bytes <= transport_->slot_bytes() &&
+               stop_after < 0;
   // NOTE: the step runs inside one parallel region per segment (the CPU analogue of the
   // persistent GPU kernel): every LINEAR is split over the threads in row chunks (each thread
   // its own slice first, then stealing: cpu/row_queue.h), the small ops run on thread 0 (as

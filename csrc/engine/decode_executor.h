@@ -126,7 +126,7 @@ class DecodeExecutor {
   // whose part LINEAR j writes; read_slot_[j] the slot whose part lane op j reads instead of its
   // input buffer; prefetch_slot_[j] a slot a later wait reads, prefetched before op j runs.
   std::vector<int32_t> publish_slot_, read_slot_, prefetch_slot_;
-  bool zero_copy_ = false;  // this run's rows fit the slots (else the publishes copy)
+  bool zero_copy_ = false;  // this run is whole and its rows fit the slots (else the publishes copy)
   // barrier_before_[j]: the region's team meets before op j (plan_barriers).
   std::vector<char> barrier_before_;
   int64_t elem_;            // bytes per activation element
