@@ -190,8 +190,9 @@ class MirroredLoop(CpuLoop):
     the same rows at the same step: their collectives stay in step.
 
     A row's state travels once (its SequenceSampling arguments, kog.engine.decode_loop.
-    NativeSampler.origin), then only the outputs it gained outside the loop (the first token,
-    one-step decodes): a call costs the other ranks O(new tokens), not O(context).
+    NativeSampler.origin, with the prompt's ids where a repetition penalty counts them), then
+    only the outputs it gained outside the loop (the first token, one-step decodes): a later
+    call costs the other ranks O(new tokens), not O(context).
     """
 
     def __init__(self, parent: ParallelRunner, sampler) -> None:
