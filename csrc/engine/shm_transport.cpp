@@ -208,7 +208,7 @@ void ShmTransport::all_reduce(float* x, int64_t n) {
 
 char* ShmTransport::slot_part(int slot) const {
   KOG_CHECK(slot >= 0 && slot < n_slots_, "shm transport: slot ", slot, " of ", n_slots_);
-  return slot_data_ + (size_t(slot) * size_t(size_) + size_t(rank_)) * size_t(slot_bytes_);
+  return part_of(slot, rank_);
 }
 
 void ShmTransport::prefetch(int slot, int64_t bytes) const {
@@ -216,8 +216,8 @@ void ShmTransport::prefetch(int slot, int64_t bytes) const {
   const int64_t n = bytes < slot_bytes_ ? bytes : slot_bytes_;
   for (int q = 0; q < size_; ++q) {
     if (q == rank_) continue;
-    __builtin_prefetch(&slot_flags_[size_t(slot) * size_t(size_) + size_t(q)]);
-    const char* part = slot_data_ + (size_t(slot) * size_t(size_) + size_t(q)) * size_t(slot_bytes_);
+    __builtin_prefetch(flag_of(slot, q));
+    const char* part = part_of(slot, q);
     for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(part + b);
   }
 }
@@ -234,7 +234,7 @@ void ShmTransport::publish(int slot, const void* part, int64_t bytes) {
   }
   if (noop_) return;  // the epoch stays: a later real publish / wait pairs with the other ranks' again
   const uint64_t e = ++slot_epoch_[slot];
-  raise(slot_flags_[size_t(slot) * size_t(size_) + size_t(rank_)], e, t_in);
+  raise(*flag_of(slot, rank_), e, t_in);
   const double t_out = now_s();
   gather_stats_.count += 1;
   gather_stats_.inside_s += t_out - t_in;
@@ -245,11 +245,11 @@ const char* ShmTransport::wait(int slot) {
   KOG_CHECK(slot >= 0 && slot < n_slots_, "shm transport: wait on slot ", slot, " of ", n_slots_);
   if (!noop_ && size_ > 1) {
     const double t_in = now_s();
-    const double spun = spin_until(slot_flags_ + size_t(slot) * size_t(size_), slot_epoch_[slot], "wait", t_in);
+    const double spun = spin_until(flag_of(slot, 0), slot_epoch_[slot], "wait", t_in);
     gather_stats_.wait_s += spun;
     gather_stats_.inside_s += spun > 0 ? spun : now_s() - t_in;
   }
-  return slot_data_ + size_t(slot) * size_t(size_) * size_t(slot_bytes_);
+  return part_of(slot, 0);
 }
 
 }  // namespace kog::engine

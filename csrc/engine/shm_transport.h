@@ -86,6 +86,11 @@ class ShmTransport {
   // seconds spun (0 without a second clock read when all are ready at t0).
   double spin_until(Flag* flags, uint64_t target, const char* what, double t0);
   void raise(Flag& f, uint64_t value, double now);  // f = value, visible after the simulated latency from now
+  // Rank q's flag and part of `slot` (no range check): slot_flags_[slot][q], slot_data_[slot][q].
+  Flag* flag_of(int slot, int q) const { return slot_flags_ + size_t(slot) * size_t(size_) + size_t(q); }
+  char* part_of(int slot, int q) const {
+    return slot_data_ + (size_t(slot) * size_t(size_) + size_t(q)) * size_t(slot_bytes_);
+  }
 
   std::string name_;
   int rank_, size_, n_slots_;

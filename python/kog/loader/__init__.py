@@ -77,8 +77,9 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
         raise ModelLoadError(f"quantization {quantization!r} is not supported (supported: fp8)")
     path = resolve_model(name_or_path)
     fp8_checkpoint = False
+    on_gpu = str(device) != "cpu"
     # activations of a model that keeps its quantized blocks: f32 on the CPU, bf16 on a GPU
-    kept_dtype = torch.float32 if str(device) == "cpu" else torch.bfloat16
+    kept_dtype = torch.bfloat16 if on_gpu else torch.float32
     if path.suffix == ".gguf":
         ckpt = GGUFCheckpoint(path)
         config = ckpt.config
@@ -101,8 +102,7 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
         keep_int4 = dtype in (None, "auto") and read_int4_checkpoint(path) is not None
         fp8_checkpoint = read_fp8_checkpoint(path) is not None
         # FP8 kept as FP8 (fp8_format) runs with the kept dtype too: the kernel's FP8 GEMV is bf16
-        keep_fp8 = (dtype in (None, "auto") and str(device) != "cpu" and fp8_format is not None
-                    and (fp8_checkpoint or quantization == "fp8"))
+        keep_fp8 = dtype in (None, "auto") and on_gpu and fp8_format is not None and (fp8_checkpoint or quantization == "fp8")
         dt = kept_dtype if keep_int4 or keep_fp8 else run_dtype(dtype, config)
         if shard is None:
             weights = load_safetensors(path, config, dt, progress, fp8_format, keep_int4=keep_int4)

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from kog import ops
-from kog.config import ModelConfig
 from kog.errors import InvalidRequest
 from kog.info import gpu_unavailable_reason
 from kog.kvcache import KVCacheStorage, KVLayout
@@ -126,10 +125,10 @@ class ModelRunner:
     @property
     def native_decoder(self):
         """What runs whole decode steps natively: the CPU DecodeExecutor or the GpuDecoder
-        (kog.engine.decode_loop runs K steps per call on it)."""
+        (kog.engine.decode_loop runs K steps per call on it). None: decode goes through the
+        program interpreter (a tensor-parallel rank across hosts, or a GPU model the kernel does
+        not run: kog.models.gpu_decode.kernel_runs)."""
         return self._gpu if self.device.type == "cuda" else self._executor
-    # None: decode goes through the program interpreter (a tensor-parallel rank across hosts, or a
-    # GPU model the kernel does not run: kog.models.gpu_decode.kernel_runs)
 
     def prefill(self, chunks: list[PrefillChunk], all_logits: bool = False) -> torch.Tensor | list[torch.Tensor]:
         """Runs chunks of several sequences in one batch, writing their K/V into the cache.

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kog import _C
 from kog.engine.decode_loop import CpuLoop
 from kog.errors import InvalidRequest
 from kog.parallel.shard import lane_form, shard_config, shard_weights
@@ -224,8 +225,6 @@ class LoopFollower:
         self._states: dict[int, Any] = {}
 
     def run(self, rows, tokens, positions, block_tables, k) -> None:
-        from kog import _C
-
         states = {}
         for key, args, new, n_output in rows:
             st = _C.SequenceSampling(*args) if args is not None else self._states[key]
