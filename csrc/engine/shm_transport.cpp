@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "common/errors.h"
+#include "engine/tick_clock.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h>
@@ -82,6 +83,10 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int size, int64_t 
   KOG_CHECK(size >= 1 && rank >= 0 && rank < size, "shm transport: rank ", rank, " of ", size);
   KOG_CHECK(reduce_floats >= 0 && n_slots >= 0 && slot_bytes >= 0 && timeout_s > 0, "shm transport: bad sizes");
   KOG_CHECK(!name.empty() && name[0] == '/', "shm transport: the segment name must start with '/', got ", name);
+  tick_clock::init();
+  spt_ = tick_clock::seconds_per_tick();
+  timeout_ticks_ = tick_clock::ticks(timeout_s);
+  ms_ticks_ = tick_clock::ticks(1e-3);
   const size_t header = round_up(sizeof(Header));
   const size_t reduce_flags = round_up(sizeof(Flag) * size_t(size)) * 2;  // the flags, then the pids
   const size_t reduce_data = round_up(sizeof(float) * 2 * size_t(size) * size_t(reduce_floats));
@@ -146,27 +151,32 @@ ShmTransport::~ShmTransport() {
   if (rank_ == 0) shm_unlink(name_.c_str());
 }
 
-void ShmTransport::raise(Flag& f, uint64_t value, double now) {
-  if (latency_us_ > 0) f.visible_ns.store(int64_t((now + latency_us_ * 1e-6) * 1e9), std::memory_order_relaxed);
+void ShmTransport::set_link_latency_us(double us) {
+  latency_us_ = us;
+  latency_ticks_ = us > 0 ? tick_clock::ticks(us * 1e-6) : 0;
+}
+
+void ShmTransport::raise(Flag& f, uint64_t value, uint64_t now) {
+  if (latency_ticks_ > 0) f.visible.store(now + latency_ticks_, std::memory_order_relaxed);
   f.v.store(value, std::memory_order_release);
 }
 
-double ShmTransport::spin_until(Flag* flags, uint64_t target, const char* what, double t0) {
-  double t = t0;  // the latest clock read: the clock is read again only while a flag is not visible
-  double last_check = t0;  // the last liveness check of the awaited rank's process
+uint64_t ShmTransport::spin_until(Flag* flags, uint64_t target, const char* what, uint64_t t0) {
+  uint64_t t = t0;  // the latest clock read: the clock is read again only while a flag is not visible
+  uint64_t last_check = t0;  // the last liveness check of the awaited rank's process
   for (int q = 0; q < size_; ++q) {
     uint64_t spins = 0;
     for (;;) {
       if (flags[q].v.load(std::memory_order_acquire) >= target) {
-        if (latency_us_ <= 0 || t * 1e9 >= double(flags[q].visible_ns.load(std::memory_order_relaxed))) break;
-        t = now_s();
-        if (t * 1e9 >= double(flags[q].visible_ns.load(std::memory_order_relaxed))) break;
+        if (latency_ticks_ == 0 || t >= flags[q].visible.load(std::memory_order_relaxed)) break;
+        t = tick_clock::now();
+        if (t >= flags[q].visible.load(std::memory_order_relaxed)) break;
       }
       if (++spins % 1024 == 0) {
-        t = now_s();
-        KOG_CHECK_KIND(t - t0 < timeout_s_, kTransport, "shm transport: rank ", rank_, " waited ",
+        t = tick_clock::now();
+        KOG_CHECK_KIND(t - t0 < timeout_ticks_, kTransport, "shm transport: rank ", rank_, " waited ",
                        timeout_s_, " s for rank ", q, " in ", what, " (it died or hangs)");
-        if (t - last_check >= 1e-3) {  // at most every millisecond: the check reads /proc
+        if (t - last_check >= ms_ticks_) {  // at most every millisecond: the check reads /proc
           last_check = t;
           const auto pid = pid_t(pids_[q].v.load(std::memory_order_acquire));
           KOG_CHECK_KIND(pid == 0 || process_alive(pid), kTransport, "shm transport: rank ", q, " (process ", pid,
@@ -176,34 +186,34 @@ double ShmTransport::spin_until(Flag* flags, uint64_t target, const char* what, 
       }
     }
   }
-  return t == t0 ? 0.0 : now_s() - t0;
+  return t == t0 ? 0 : tick_clock::now() - t0;
 }
 
 void ShmTransport::all_reduce(float* x, int64_t n) {
   if (noop_ || size_ == 1) return;
-  const double t_in = now_s();
+  const uint64_t t_in = tick_clock::now();
   KOG_CHECK(n >= 0 && reduce_floats_ > 0, "shm transport: all_reduce of ", n, " floats, the segment holds ",
             reduce_floats_);
   // Longer than the reduce area: one collective per piece (every rank cuts the same pieces).
   for (int64_t off = 0; off < n; off += reduce_floats_) {
     const int64_t m = n - off < reduce_floats_ ? n - off : reduce_floats_;
     float* y = x + off;
-    const double t_piece = now_s();
+    const uint64_t t_piece = tick_clock::now();
     const uint64_t k = ++reduce_seq_;
     float* area = reduce_data_ + (k % 2) * size_t(size_) * size_t(reduce_floats_);
     std::memcpy(area + size_t(rank_) * size_t(reduce_floats_), y, size_t(m) * sizeof(float));
     raise(reduce_flags_[rank_], k, t_piece);
-    const double spun = spin_until(reduce_flags_, k, "all_reduce", now_s());
+    const uint64_t spun = spin_until(reduce_flags_, k, "all_reduce", tick_clock::now());
     for (int64_t i = 0; i < m; ++i) y[i] = area[i];
     for (int q = 1; q < size_; ++q) {
       const float* src = area + size_t(q) * size_t(reduce_floats_);
       for (int64_t i = 0; i < m; ++i) y[i] += src[i];
     }
     reduce_stats_.count += 1;
-    reduce_stats_.wait_s += spun;
-    reduce_stats_.link_s += now_s() - t_piece - spun + latency_us_ * 1e-6;
+    reduce_stats_.wait_s += double(spun) * spt_;
+    reduce_stats_.link_s += double(tick_clock::now() - t_piece - spun) * spt_ + latency_us_ * 1e-6;
   }
-  reduce_stats_.inside_s += now_s() - t_in;
+  reduce_stats_.inside_s += double(tick_clock::now() - t_in) * spt_;
 }
 
 char* ShmTransport::slot_part(int slot) const {
@@ -225,7 +235,7 @@ void ShmTransport::prefetch(int slot, int64_t bytes) const {
 void ShmTransport::publish(int slot, const void* part, int64_t bytes) {
   KOG_CHECK(slot >= 0 && slot < n_slots_ && bytes <= slot_bytes_, "shm transport: publish of ", bytes,
             " bytes to slot ", slot, " (", n_slots_, " slots of ", slot_bytes_, " bytes)");
-  const double t_in = now_s();
+  const uint64_t t_in = tick_clock::now();
   char* dst = slot_part(slot);
   if (part != dst) {
     publish_copy(dst, static_cast<const char*>(part), size_t(bytes));
@@ -235,19 +245,19 @@ void ShmTransport::publish(int slot, const void* part, int64_t bytes) {
   if (noop_) return;  // the epoch stays: a later real publish / wait pairs with the other ranks' again
   const uint64_t e = ++slot_epoch_[slot];
   raise(*flag_of(slot, rank_), e, t_in);
-  const double t_out = now_s();
+  const double took = double(tick_clock::now() - t_in) * spt_;
   gather_stats_.count += 1;
-  gather_stats_.inside_s += t_out - t_in;
-  gather_stats_.link_s += t_out - t_in + latency_us_ * 1e-6;
+  gather_stats_.inside_s += took;
+  gather_stats_.link_s += took + latency_us_ * 1e-6;
 }
 
 const char* ShmTransport::wait(int slot) {
   KOG_CHECK(slot >= 0 && slot < n_slots_, "shm transport: wait on slot ", slot, " of ", n_slots_);
   if (!noop_ && size_ > 1) {
-    const double t_in = now_s();
-    const double spun = spin_until(flag_of(slot, 0), slot_epoch_[slot], "wait", t_in);
-    gather_stats_.wait_s += spun;
-    gather_stats_.inside_s += spun > 0 ? spun : now_s() - t_in;
+    const uint64_t t_in = tick_clock::now();
+    const uint64_t spun = spin_until(flag_of(slot, 0), slot_epoch_[slot], "wait", t_in);
+    gather_stats_.wait_s += double(spun) * spt_;
+    gather_stats_.inside_s += double(spun > 0 ? spun : tick_clock::now() - t_in) * spt_;
   }
   return part_of(slot, 0);
 }

@@ -61,7 +61,7 @@ class ShmTransport {
   // wait. A hint only: lines written after it are fetched again.
   void prefetch(int slot, int64_t bytes) const;
 
-  void set_link_latency_us(double us) { latency_us_ = us; }
+  void set_link_latency_us(double us);
   void set_noop(bool noop) { noop_ = noop; }
   // Where this rank's communication time went since the last reset, per kind of collective.
   struct CommStats {
@@ -80,12 +80,12 @@ class ShmTransport {
  private:
   struct alignas(64) Flag {
     std::atomic<uint64_t> v;
-    std::atomic<int64_t> visible_ns;  // simulated link latency: readers wait until this (steady clock)
+    std::atomic<uint64_t> visible;  // simulated link latency: readers wait until this tick (tick_clock)
   };
-  // Spins until every flags[q] >= target (and visible); t0: now_s() at the call. Returns the
-  // seconds spun (0 without a second clock read when all are ready at t0).
-  double spin_until(Flag* flags, uint64_t target, const char* what, double t0);
-  void raise(Flag& f, uint64_t value, double now);  // f = value, visible after the simulated latency from now
+  // Spins until every flags[q] >= target (and visible); t0: tick_clock::now() at the call.
+  // Returns the ticks spun (0 without a second clock read when all are ready at t0).
+  uint64_t spin_until(Flag* flags, uint64_t target, const char* what, uint64_t t0);
+  void raise(Flag& f, uint64_t value, uint64_t now);  // f = value, visible after the simulated latency from now
   // Rank q's flag and part of `slot` (no range check): slot_flags_[slot][q], slot_data_[slot][q].
   Flag* flag_of(int slot, int q) const { return slot_flags_ + size_t(slot) * size_t(size_) + size_t(q); }
   char* part_of(int slot, int q) const {
@@ -96,6 +96,9 @@ class ShmTransport {
   int rank_, size_, n_slots_;
   int64_t reduce_floats_, slot_bytes_;
   double timeout_s_, latency_us_ = 0;
+  // The same in tick_clock ticks, and this process's seconds per tick.
+  uint64_t timeout_ticks_ = 0, latency_ticks_ = 0, ms_ticks_ = 0;
+  double spt_ = 1e-9;
   CommStats reduce_stats_, gather_stats_;
   bool noop_ = false;
   size_t bytes_ = 0;
