@@ -10,6 +10,7 @@
 
 #include "common/errors.h"
 #include "schedule/gpu_program.h"
+#include "schedule/moe_route.h"
 #ifdef KOG_WITH_GPU
 #include "gpu/decode/executor.h"
 #endif
@@ -59,6 +60,24 @@ void run(GpuDecodeExecutor& ex, int32_t batch, int32_t n_steps, uintptr_t tokens
 }
 #endif
 
+// The GPU router tail's arrays for one batch's ROUTE expert ids (pairs row-major, `width` per
+// row), computed with the kernel's own per-pair functions (moe_route.h), one pair at a time.
+py::dict moe_group_pairs(const std::vector<int32_t>& expert, int32_t width) {
+  KOG_CHECK(width > 0 && !expert.empty() && expert.size() % size_t(width) == 0, "moe_group_pairs: ", expert.size(),
+            " experts are not rows of ", width);
+  const auto P = int32_t(expert.size());
+  std::vector<int32_t> first(expert.size()), rank(expert.size()), row_rank(expert.size()), group(expert.size());
+  for (int32_t i = 0; i < P; ++i) first[size_t(i)] = kog::schedule::moe_is_first(expert.data(), i);
+  for (int32_t i = 0; i < P; ++i) {
+    rank[size_t(i)] = kog::schedule::moe_pair_rank(expert.data(), P, i);
+    row_rank[size_t(i)] = kog::schedule::moe_row_rank(expert.data(), width, i);
+    group[size_t(i)] = kog::schedule::moe_group_of(expert.data(), first.data(), P, i);
+  }
+  py::dict out;
+  out["first"] = first, out["rank"] = rank, out["row_rank"] = row_rank, out["group"] = group;
+  return out;
+}
+
 }  // namespace
 
 void bind_gpu_decode(py::module_& m) {
@@ -72,6 +91,15 @@ void bind_gpu_decode(py::module_& m) {
   m.attr("GPU_OP_LINEAR_SAMPLE_PARTIAL") = kog::schedule::kOpLinearSamplePartial;
   m.attr("GPU_OP_LINEAR_SILU_MUL") = kog::schedule::kOpLinearSiluMul;
   m.attr("GPU_OP_LINEAR_ROPE_KV") = kog::schedule::kOpLinearRopeKv;
+  m.attr("GPU_OP_ROUTER_GEMV") = kog::schedule::kOpRouterGemv;
+  m.attr("GPU_OP_MOE_GATE_UP") = kog::schedule::kOpMoeGateUp;
+  m.attr("GPU_OP_MOE_DOWN") = kog::schedule::kOpMoeDown;
+  m.attr("GPU_OP_MOE_COMBINE") = kog::schedule::kOpMoeCombine;
+  m.attr("GPU_MOE_MAX_SLOTS") = kog::schedule::kMaxMoeSlots;
+  m.attr("GPU_MOE_MAX_ROUTER_ROWS") = kog::schedule::kMaxRouterRows;
+  m.def("moe_group_pairs", &moe_group_pairs, arg("expert"), arg("width"),
+        "The GPU router tail's per-pair values (moe_route.h) for ROUTE's expert ids: first, rank (sorted "
+        "position), row_rank (order within the row), group.");
 #ifdef KOG_WITH_GPU
   py::class_<GpuDecodeExecutor>(m, "GpuDecodeExecutor")
       .def(py::init(&make_executor), arg("dims"), arg("kv_base"), arg("num_blocks"), arg("block_size"),

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "common/errors.h"
+#include "schedule/moe_route.h"
 
 namespace kog::schedule {
 
@@ -144,13 +145,21 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
               i, " reads a quantized weight (ggml type ", ops_in[i].w_type,
               ") in a layout the GPU kernel does not read; convert Q4_0 / Q4_1 / Q4_K matrices with "
               "kog.int4.to_gpu_weights, or load the model with dtype=\"bfloat16\" or quantization=\"fp8\"");
-  // NOTE: nor the mixture-of-experts ops (issue 18's first slice is CPU only): an MoE model
-  // decodes on the CPU executor.
+  // Mixture of experts: run-dtype experts (to_gpu_weights dequantizes quantized stacks), one rank
+  // (no expert placement), and what the router tail holds (moe_route.h).
   for (size_t i = 0; i < ops_in.size(); ++i) {
-    const auto op = Opcode(ops_in[i].op);
-    KOG_CHECK(op != Opcode::kRouter && op != Opcode::kMoeExperts, "GPU decode program: op ", i, " is ",
-              op == Opcode::kRouter ? "ROUTER" : "MOE_EXPERTS",
-              ", a mixture-of-experts op the GPU kernel does not run yet; run MoE models on the CPU");
+    const Op& o = ops_in[i];
+    const auto op = Opcode(o.op);
+    if (op != Opcode::kRouter && op != Opcode::kMoeExperts) continue;
+    const char* name = op == Opcode::kRouter ? "ROUTER" : "MOE_EXPERTS";
+    KOG_CHECK(o.w_type == kWeightRunDtype && o.w1_type == kWeightRunDtype, "GPU decode program: op ", i, " (", name,
+              ") reads quantized expert weights (ggml types ", o.w_type, ", ", o.w1_type,
+              "); the GPU kernel's experts are in the run dtype (kog.int4.to_gpu_weights dequantizes them)");
+    KOG_CHECK(dims.lane_ranks == 1, "GPU decode program: op ", i, " (", name, ") on tensor-parallel rank ",
+              dims.lane_rank, " of ", dims.lane_ranks, "; the GPU kernel runs every expert on one device");
+    KOG_CHECK(moe_slots(dims) <= kMaxMoeSlots && router_rows(dims) <= kMaxRouterRows, "GPU decode program: op ", i,
+              " (", name, "): ", moe_slots(dims), " slots per row (top_k + shared_slots, at most ", kMaxMoeSlots,
+              ") and ", router_rows(dims), " router rows (at most ", kMaxRouterRows, ") for the GPU kernel");
   }
   // NOTE: nor Laneformer's lanes (issue 19's first slice is CPU only).
   KOG_CHECK(dims.n_lanes == 1, "GPU decode program: a model of ", dims.n_lanes,
@@ -194,6 +203,23 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
       const int32_t d = produced[size_t(ops[i].deps[k])];
       KOG_ASSERT(d >= 0, "expand_gpu_program: op ", i, " depends on op ", ops[i].deps[k], " before it exists");
       add_dep(o, d);
+    }
+    if (Opcode(o.op) == Opcode::kRouter) o.op = kOpRouterGemv;
+    if (Opcode(o.op) == Opcode::kMoeExperts) {  // gate/up (MOE_EXPERTS' deps) -> down -> combine
+      o.op = kOpMoeGateUp;
+      const int32_t writes_to = o.out;
+      o.out = -1;
+      out.push_back(o);
+      Op down = o;
+      down.op = kOpMoeDown, down.in = down.residual = -1, down.n_deps = 0;
+      add_dep(down, int32_t(out.size()) - 1);
+      out.push_back(down);
+      Op combine = down;
+      combine.op = kOpMoeCombine, combine.out = writes_to, combine.w0 = combine.w1 = nullptr, combine.n_deps = 0;
+      add_dep(combine, int32_t(out.size()) - 1);
+      out.push_back(combine);
+      produced[i] = int32_t(out.size()) - 1;
+      continue;
     }
     const bool attn = Opcode(o.op) == Opcode::kAttnDecode;
     if (attn && last_attn >= 0) add_dep(o, last_attn);

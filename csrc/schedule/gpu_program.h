@@ -28,10 +28,30 @@ constexpr int32_t kOpLinearRopeKv = 104;
 // that SAMPLE draws from. A plain LINEAR otherwise (rows, epilogue, staging).
 constexpr int32_t kOpLinearSamplePartial = 105;
 
-// Whether the GPU kernel runs op o as a GEMV over o.w0 (LINEAR and the fused LINEAR + SILU_MUL).
+// GPU-only opcodes of a mixture-of-experts layer: ROUTER becomes kOpRouterGemv and MOE_EXPERTS
+// the three ops after it (moe_route.h: the pairs, their order and the scratch they live in).
+// kOpRouterGemv (ROUTER's place): the router GEMV (w0 [router_rows, hidden] over in) into the MoE
+// scratch's logits, rounded to the run dtype as the CPU executor rounds them; the last of its
+// items to finish routes every row (softmax, top-k, renormalized with norm_topk, the shared slots'
+// sigmoid gate) into ROUTE, groups the (row, slot) pairs by expert and gathers each pair's row
+// of in into the scratch.
+constexpr int32_t kOpRouterGemv = 106;
+// kOpMoeGateUp (MOE_EXPERTS' place): item (group g, part): the [gate; up] GEMV of group g's expert
+// (w0's matrix e_g) over the gathered rows of its pairs, SILU_MUL fused: act [pairs, expert_intermediate].
+// The expert's weights depend on the route, so these GEMVs are not staged ahead (is_gemv: false).
+constexpr int32_t kOpMoeGateUp = 107;
+// kOpMoeDown: item (group g, part): the down GEMV of group g's expert (w1's matrix e_g) over its
+// pairs' act rows: y [pairs, hidden] in the run dtype.
+constexpr int32_t kOpMoeDown = 108;
+// kOpMoeCombine: item (row b, chunk of kRowChunk): out[b] = the f32 sum over b's pairs, in
+// ascending expert order, of the pair's weight times its y row, rounded once: MOE_EXPERTS' output.
+constexpr int32_t kOpMoeCombine = 109;
+
+// Whether the GPU kernel runs op o as a GEMV over o.w0 whose weights it stages ahead (LINEAR, its
+// fused forms, the router). The experts' GEMVs are GEMVs too, but not staged: see kOpMoeGateUp.
 KOG_HOST_DEVICE inline bool is_gemv(const Op& o) {
   return Opcode(o.op) == Opcode::kLinear || o.op == kOpLinearSiluMul || o.op == kOpLinearRopeKv ||
-         o.op == kOpLinearSamplePartial;
+         o.op == kOpLinearSamplePartial || o.op == kOpRouterGemv;
 }
 
 // Validates the program (validate_program), moves residual adds into their producers
@@ -44,7 +64,10 @@ KOG_HOST_DEVICE inline bool is_gemv(const Op& o) {
 // name; the kernel's ATTN_DECODE writes its partials there and its last item per (sequence,
 // KV head) merges them into ATTN), and turns the LINEAR that writes SAMPLE's input (LOGITS) into
 // kOpLinearSamplePartial (SAMPLE already depends on it; it reads the f32 logits and summaries
-// the LINEAR's tails write).
+// the LINEAR's tails write). A mixture-of-experts layer's ROUTER becomes kOpRouterGemv (same
+// deps) and its MOE_EXPERTS kOpMoeGateUp (MOE_EXPERTS' deps), kOpMoeDown (on the gate/up) and
+// kOpMoeCombine (on the down; ops that depended on MOE_EXPERTS depend on it): a chain, so waits
+// stay transitive. MoE needs run-dtype experts, one rank, and the limits of moe_route.h.
 // Deps are renumbered to the expanded indices. Throws kog::Error(kInvalidArgument) naming the
 // first bad op of the input program.
 std::vector<Op> expand_gpu_program(const std::vector<Op>& ops, const ModelDims& dims);

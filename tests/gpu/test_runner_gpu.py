@@ -105,10 +105,11 @@ def test_llm_on_the_gpu_generates_from_a_q4_gguf(device, tmp_path):
     assert [len(o.outputs[0].token_ids) for o in out] == [12, 12]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "laneformer_tp"])
-def test_models_the_kernel_does_not_run_decode_through_the_interpreter_on_the_gpu(device, arch):
-    """Mixture of experts and Laneformer lanes on a GPU: prefill and decode through the program
-    interpreter there (kog.models.gpu_decode.kernel_runs is False), the CPU's tokens."""
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "laneformer_tp"])
+def test_moe_and_lane_models_decode_on_the_gpu_with_the_cpus_tokens(device, arch):
+    """Mixture of experts decodes in the persistent kernel (router, expert GEMVs and combine as
+    its ops); Laneformer lanes through the program interpreter (kog.models.gpu_decode.kernel_runs
+    is False for them). Greedy tokens equal the CPU's."""
     if arch == "laneformer_tp":
         import sys
         from pathlib import Path
@@ -123,6 +124,6 @@ def test_models_the_kernel_does_not_run_decode_through_the_interpreter_on_the_gp
     m = LoadedModel(path=None, config=c, weights=w, dtype=torch.float32, tokenizer=tiny_tokenizer(),
                     chat_template=None, stop_token_ids=(2,))
     gpu = ModelRunner(m, 64, device=device)
-    assert gpu.native_decoder is None  # no persistent kernel for this program
+    assert (gpu.native_decoder is None) == (arch == "laneformer_tp")
     prompt = list(range(5, 45))
     assert runner_greedy(gpu, prompt, 16) == runner_greedy(ModelRunner(m, 64), prompt, 16)

@@ -87,6 +87,8 @@ class GpuDecodeExecutor {
   SampleChunk* sample_summaries_ = nullptr;
   float* sample_values_ = nullptr;
   int32_t* sample_indices_ = nullptr;
+  char* moe_scratch_ = nullptr;     // device: MoeScratch's arrays (mixture-of-experts models only)
+  MoeScratch moe_{};                // pointers into it (route_count: set per launch, in counters_)
   int32_t partials_parts_ = 0;
   int grid_ = 0;
   WaitTimeout* timeout_host_ = nullptr;    // host-mapped (gpuHostAllocMapped)

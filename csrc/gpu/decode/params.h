@@ -28,6 +28,24 @@ struct WaitTimeout {
   uint32_t target;  // the items it waited for (the op's item count)
 };
 
+// One mixture-of-experts layer's intermediates (schedule/moe_route.h: pairs, sorted order,
+// groups), device memory reused by every MoE layer: the layers' ops form a chain
+// (expand_gpu_program), so one layer's router tail runs after the previous layer's combine.
+// P = kMaxBatch * moe_slots(dims) pairs at most. Null in a dense model.
+struct MoeScratch {
+  void* logits;            // [kMaxBatch, router_rows] run dtype: the router GEMV's output
+  void* x;                 // [P, hidden] run dtype: sorted pair q's row of the router's input
+  void* act;               // [P, expert_intermediate] run dtype: silu(gate) * up per sorted pair
+  void* y;                 // [P, hidden] run dtype: the expert's down output per sorted pair
+  int32_t* n_groups;       // [1] experts chosen by the batch
+  int32_t* group_expert;   // [P] group g's expert (groups in ascending expert order)
+  int32_t* group_start;    // [P + 1] group g's pairs are sorted positions [start[g], start[g + 1])
+  int32_t* pair_row;       // [P] batch row of sorted pair q
+  float* pair_weight;      // [P] routing weight of sorted pair q
+  int32_t* row_pairs;      // [kMaxBatch, moe_slots] sorted positions of row b's pairs, ascending expert
+  unsigned* route_count;   // [1] router items done; the last routes and resets it to 0
+};
+
 struct PersistentDecodeParams {
   const Op* program;           // [n_ops] device memory: the expanded program (gpu_program.h)
   int32_t n_ops;
@@ -78,6 +96,7 @@ struct PersistentDecodeParams {
                                // running attention op; its last item combines and resets it to 0
   unsigned* sample_chunk_counts; // [sample_chunks(vocab)] LM-head items of the chunk done; the last summarizes
                                  // the chunk for every sequence and resets it to 0
+  MoeScratch moe;              // mixture-of-experts layers only
   // watchdog: a wait longer than wait_timeout_ticks (gpu_wall_ticks; 0: no limit) records where
   // in *timeout (host-mapped) and traps, so a lost signal fails instead of hanging
   WaitTimeout* timeout;

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "gpu/decode/attention_item.cuh"
+#include "schedule/moe_route.h"
 #include "gpu/decode/executor.h"
 #include "gpu/decode/sample_item.cuh"
 #include "gpu/decode/weight_stage.cuh"
@@ -47,6 +48,15 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
                 "gpu decode: Q4_K headers must be 16-byte aligned");
     }
   }
+  const bool moe = dims.n_experts > 0;
+  if (moe) {  // expand_gpu_program checked the slots and router rows against moe_route.h's limits
+    KOG_CHECK(dims.expert_intermediate % vec == 0, "gpu decode: expert_intermediate ", dims.expert_intermediate,
+              " must be a multiple of ", vec, " elements");
+    for (const Op& o : ops)
+      if (o.op == schedule::kOpMoeGateUp)
+        KOG_CHECK(reinterpret_cast<uintptr_t>(o.w0) % 16 == 0 && reinterpret_cast<uintptr_t>(o.w1) % 16 == 0,
+                  "gpu decode: expert weights must be 16-byte aligned");
+  }
   KOG_CHECK(!quant_ || dims.dtype == DType::kBF16, "gpu decode: FP8 and 4-bit weights run with bfloat16 ",
             "activations, not ", dtype_name(dims.dtype), " (one kernel instantiation carries their GEMVs)");
   // TOKENS lives in the caller's tensor; every other buffer (LOGITS too) in the arena.
@@ -83,9 +93,34 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
   sample_summaries_ = reinterpret_cast<SampleChunk*>(sample_scratch_);
   sample_values_ = reinterpret_cast<float*>(sample_scratch_ + summary_bytes);
   sample_indices_ = reinterpret_cast<int32_t*>(sample_scratch_ + summary_bytes + slot_bytes);
-  // per-op counters, exit_count, the attention group counts, then the sample chunk counts
+  if (moe) {  // MoeScratch (params.h): P pairs at most
+    const size_t P = size_t(kMaxBatch) * size_t(schedule::moe_slots(dims));
+    const size_t H = size_t(dims.hidden), I = size_t(dims.expert_intermediate), e = size_t(elem);
+    auto round = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
+    const size_t sizes[] = {round(size_t(kMaxBatch) * size_t(schedule::router_rows(dims)) * e), round(P * H * e),
+                            round(P * I * e), round(P * H * e), round(4), round(P * 4), round((P + 1) * 4),
+                            round(P * 4), round(P * 4), round(P * 4)};
+    size_t total_moe = 0;
+    for (size_t b : sizes) total_moe += b;
+    KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&moe_scratch_), total_moe));
+    char* at = moe_scratch_;
+    auto next = [&](size_t i) {
+      char* here = at;
+      at += sizes[i];
+      return here;
+    };
+    moe_.logits = next(0), moe_.x = next(1), moe_.act = next(2), moe_.y = next(3);
+    moe_.n_groups = reinterpret_cast<int32_t*>(next(4));
+    moe_.group_expert = reinterpret_cast<int32_t*>(next(5));
+    moe_.group_start = reinterpret_cast<int32_t*>(next(6));
+    moe_.pair_row = reinterpret_cast<int32_t*>(next(7));
+    moe_.pair_weight = reinterpret_cast<float*>(next(8));
+    moe_.row_pairs = reinterpret_cast<int32_t*>(next(9));
+  }
+  // per-op counters, exit_count, the attention group counts, the sample chunk counts, then the
+  // MoE router's item count
   const size_t counter_bytes = (size_t(kMaxLoopSteps) * ops.size() + 1 + size_t(kMaxBatch) * size_t(dims.n_kv_heads) +
-                                size_t(sample_chunks(dims.vocab))) * sizeof(unsigned);
+                                size_t(sample_chunks(dims.vocab)) + 1) * sizeof(unsigned);
   KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&counters_), counter_bytes));
   KOG_GPU_CHECK(gpuMemsetAsync(counters_, 0, counter_bytes, nullptr));
   KOG_GPU_CHECK(gpuStreamSynchronize(nullptr));
@@ -132,6 +167,7 @@ GpuDecodeExecutor::~GpuDecodeExecutor() {
   (void)gpuFreeHost(timeout_host_);
   (void)gpuFree(partials_);
   (void)gpuFree(sample_scratch_);
+  (void)gpuFree(moe_scratch_);
   (void)gpuFree(counters_);
   (void)gpuFree(sinks_);
   (void)gpuFree(next_linear_);
@@ -198,6 +234,8 @@ void GpuDecodeExecutor::run(const GpuDecodeStep& s, void* stream) {
   p.exit_count = counters_ + size_t(kMaxLoopSteps) * n_ops_;
   p.attn_group_counts = p.exit_count + 1;
   p.sample_chunk_counts = p.attn_group_counts + size_t(kMaxBatch) * size_t(d_.n_kv_heads);
+  p.moe = moe_;
+  p.moe.route_count = p.sample_chunk_counts + size_t(sample_chunks(d_.vocab));
   p.timeout = timeout_device_;
   p.wait_timeout_ticks = wait_timeout_ticks_;
   p.debug_skip_signal_op = debug_skip_signal_op_;

@@ -26,6 +26,7 @@
 #include "gpu/decode/attention_item.cuh"
 #include "gpu/decode/executor.h"
 #include "gpu/decode/linear_item.cuh"
+#include "gpu/decode/moe_items.cuh"
 #include "gpu/decode/sample_item.cuh"
 #include "gpu/decode/small_items.cuh"
 
@@ -39,16 +40,22 @@ static_assert(GpuDecodeExecutor::kMaxBatch == kMaxBatch, "one batch limit");
 namespace {
 
 constexpr int kMaxOf(int a, int b) { return a > b ? a : b; }
-constexpr int kSmemFloats = kMaxOf(kAttnPartialSmemFloats, kMaxOf(kSampleSmemFloats, kSampleChunkSmemFloats));
+constexpr int kSmemFloats =
+    kMaxOf(kMaxOf(kAttnPartialSmemFloats, kMoeTailSmemFloats), kMaxOf(kSampleSmemFloats, kSampleChunkSmemFloats));
 
 __host__ __device__ __forceinline__ int64_t buffer_width(const PersistentDecodeParams& p, int32_t b) {
   return schedule::buffer_width(p.dims, b);
 }
 
-// Weight rows of a GEMV op (schedule::is_gemv): its output width, or both halves of a fused
-// gate/up.
+// Weight rows of a GEMV op (schedule::is_gemv): its output width, both halves of a fused
+// gate/up, or the router's rows.
+// NOTE: values of p are loaded unconditionally and then selected, here and in run_item: a
+// conditional load of one of two fields of p becomes a load through a select of their addresses,
+// which keeps LLVM (15) from reading p in place -- the whole struct is then copied to scratch
+// memory on AMD (616 bytes a lane).
 __device__ __forceinline__ int64_t gemv_rows(const PersistentDecodeParams& p, const Op& op) {
-  return op.op == kOpLinearSiluMul ? 2 * p.dims.intermediate : buffer_width(p, op.out);
+  const int64_t glu = 2 * p.dims.intermediate, router = schedule::router_rows(p.dims), width = buffer_width(p, op.out);
+  return op.op == kOpLinearSiluMul ? glu : op.op == schedule::kOpRouterGemv ? router : width;
 }
 
 // Bytes of one weight row of a GEMV op over k inputs: FP8 weights take one byte an element,
@@ -90,6 +97,7 @@ __device__ inline int64_t parts_per_row(const PersistentDecodeParams& p, const O
     case int32_t(Opcode::kRope): return ceil_div(p.dims.n_q_heads + p.dims.n_kv_heads, kRopeHeads);
     case int32_t(Opcode::kKvAppend): return p.dims.n_kv_heads;
     case int32_t(Opcode::kSiluMul): return ceil_div(p.dims.intermediate, kRowChunk);
+    case schedule::kOpMoeCombine: return ceil_div(p.dims.hidden, kRowChunk);
     default: return 1;  // SAMPLE: one item per sequence
   }
 }
@@ -100,7 +108,10 @@ __device__ inline int64_t items_of(const PersistentDecodeParams& p, const Op& op
     case kOpLinearSamplePartial:
     case kOpLinearSiluMul:  // fused: a pair of rows per warp
     case kOpLinearRopeKv:
+    case schedule::kOpRouterGemv:
       return linear_items(gemv_rows(p, op), op.op == kOpLinearSiluMul || op.op == kOpLinearRopeKv);
+    case schedule::kOpMoeGateUp: return moe_groups(p) * moe_gate_up_items_per_group(p);
+    case schedule::kOpMoeDown: return moe_groups(p) * moe_down_items_per_group(p);
     case int32_t(Opcode::kAttnDecode): return int64_t(p.batch) * p.dims.n_kv_heads * p.max_parts;
     default: return int64_t(p.batch) * parts_per_row(p, op);
   }
@@ -159,15 +170,22 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
     case int32_t(Opcode::kLinear):
     case kOpLinearSamplePartial:  // the LM head, then (last item of a chunk) SAMPLE's first phase
     case kOpLinearRopeKv:      // QKV's rows, a RoPE pair per warp -> QKV (q, k rotated) and the cache
-    case kOpLinearSiluMul: {   // GATE_UP's rows [2 * inter, hidden] -> ACT [B, inter]
+    case kOpLinearSiluMul:     // GATE_UP's rows [2 * inter, hidden] -> ACT [B, inter]
+    case schedule::kOpRouterGemv: {  // the router's rows -> the MoE scratch's logits (T)
       const int64_t k = buffer_width(p, op.in);
+      const bool router = op.op == schedule::kOpRouterGemv;
+      T* const logits = static_cast<T*>(p.moe.logits);  // both loaded: see gemv_rows
+      T* const to_buffer = buf(op.out);
+      const int64_t rows = gemv_rows(p, op), width = buffer_width(p, op.out);
+      T* out = router ? logits : to_buffer;
+      const int64_t out_w = router ? rows : width;
       const GemvPrologue<T> pro{static_cast<const T*>(op.w2), p.dims.rms_eps};  // x = rmsnorm(in) * w2
       if constexpr (kQuant) {
         // uniform over the grid: one op's weights
         auto quant_gemv = [&](auto wtag) {
           using W = decltype(wtag);
           linear_item<T, T, kStagedVecs>(static_cast<const W*>(op.w0), op.w_scale, static_cast<const T*>(op.w1),
-                                         buf(op.in), k, buf(op.out), buffer_width(p, op.out), p.batch,
+                                         buf(op.in), k, out, out_w, p.batch,
                                          gemv_rows(p, op), k, item, st, stage, gemv_epilogue<T>(p, op, kv_layer), pro);
         };
         if (op.w_type == schedule::kWeightFp8) {
@@ -184,9 +202,8 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
         }
       }
       linear_item<T, T, kStagedVecs>(static_cast<const T*>(op.w0), static_cast<const float*>(nullptr),
-                                     static_cast<const T*>(op.w1), buf(op.in), k, buf(op.out), buffer_width(p, op.out),
-                                     p.batch, gemv_rows(p, op), k, item, st, stage, gemv_epilogue<T>(p, op, kv_layer),
-                                     pro);
+                                     static_cast<const T*>(op.w1), buf(op.in), k, out, out_w, p.batch, gemv_rows(p, op),
+                                     k, item, st, stage, gemv_epilogue<T>(p, op, kv_layer), pro);
       break;
     }
     case int32_t(Opcode::kQkNorm):
@@ -221,6 +238,13 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
     }
     case int32_t(Opcode::kSiluMul):
       silu_mul_item<T>(buf(op.in), buf(op.out), p.dims.intermediate, b, part);
+      break;
+    case schedule::kOpMoeGateUp:  // item = (group, part): the group's expert's rows
+    case schedule::kOpMoeDown:
+      moe_expert_item<T>(p, op, item);
+      break;
+    case schedule::kOpMoeCombine:
+      moe_combine_item<T>(p, buf(op.out), b, part);
       break;
     case int32_t(Opcode::kSample): {  // item = b: the draw from the partial's summaries
       const int64_t n_chunks = sample_chunks(p.dims.vocab), first = int64_t(b) * n_chunks;
@@ -377,6 +401,8 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(Persiste
         }
         if (op.op == kOpLinearSamplePartial)  // after the staging: the next weights load during the tail
           sample_partial_tail<T>(p, reinterpret_cast<const T*>(p.buffers[op.out]), item, smem);
+        if (op.op == schedule::kOpRouterGemv && last_of_group(p.moe.route_count, unsigned(n_items), smem))
+          moe_route_tail<T>(p, op, smem);  // the last router item: routes, groups, gathers
         __syncthreads();  // the next item may reuse shared memory (the signal's barrier did this)
       }
       // One signal per workgroup that ran items of the op, after its last (one release fence

@@ -97,6 +97,10 @@ __device__ __forceinline__ void gpu_copy16_async_wait() {
 __device__ __forceinline__ float gpu_shfl_up(float v, int delta) { return __shfl_up_sync(0xffffffffu, v, delta); }
 __device__ __forceinline__ int gpu_shfl_up(int v, int delta) { return __shfl_up_sync(0xffffffffu, v, delta); }
 
+// ---- values every lane holds the same (gpu/decode/moe_items.cuh) ------------------------------------
+// Equal in every lane: NVIDIA has no scalar registers to move it into (hip.h: readfirstlane).
+__device__ __forceinline__ int32_t gpu_uniform(int32_t v) { return v; }
+
 // ---- 4-bit weights (gpu/decode/int4.cuh) ------------------------------------------------------------
 // Byte i (0..3, a compile-time constant after unrolling) of `word` as an exact f32 0..255: one byte
 // permute into the mantissa of 2^23 (PRMT) and one subtraction, no integer-to-float conversion

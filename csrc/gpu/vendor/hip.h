@@ -100,6 +100,12 @@ __device__ __forceinline__ int gpu_shfl_xor(int v, int lane_mask) { return __shf
 __device__ __forceinline__ float gpu_shfl_up(float v, int delta) { return __shfl_up(v, unsigned(delta)); }
 __device__ __forceinline__ int gpu_shfl_up(int v, int delta) { return __shfl_up(v, unsigned(delta)); }
 
+// ---- values every lane holds the same (gpu/decode/moe_items.cuh) ------------------------------------
+// v, which the caller knows is equal in every lane, as a scalar register: values the kernel loads
+// from memory it wrote itself (vector loads) would otherwise keep loop bounds and addresses in
+// VGPRs (v_readfirstlane_b32).
+__device__ __forceinline__ int32_t gpu_uniform(int32_t v) { return __builtin_amdgcn_readfirstlane(v); }
+
 // ---- 4-bit weights (gpu/decode/int4.cuh) ------------------------------------------------------------
 // Byte i (0..3, a compile-time constant after unrolling) of `word` as an exact f32 0..255: CDNA
 // converts a register's byte directly (v_cvt_f32_ubyte0..3), which this shift-and-mask compiles to.

@@ -66,11 +66,18 @@ class StagedDecode:
 
 
 def kernel_runs(config: ModelConfig) -> bool:
-    """Whether the persistent decode kernel runs config's program. Not yet: mixture-of-experts
-    layers and Laneformer lanes (csrc/schedule/gpu_program.cpp refuses both); ModelRunner decodes
-    such a model on the GPU through the program interpreter (torch and kog's GPU ops, one step
-    per call)."""
-    return not config.moe_layers and (config.lanes is None or config.lanes.num_lanes == 1)
+    """Whether the persistent decode kernel runs config's program. Not yet: Laneformer lanes
+    (csrc/schedule/gpu_program.cpp refuses them), and mixture-of-experts layers past the kernel's
+    router limits (routed + shared slots per row, router rows: csrc/schedule/moe_route.h);
+    ModelRunner decodes such a model on the GPU through the program interpreter (torch and kog's
+    GPU ops, one step per call)."""
+    if config.lanes is not None and config.lanes.num_lanes > 1:
+        return False
+    if config.moe_layers:
+        slots = config.num_experts_per_tok + config.shared_expert_slots
+        router_rows = config.num_experts + (1 if config.shared_expert_slots else 0)
+        return slots <= _C.GPU_MOE_MAX_SLOTS and router_rows <= _C.GPU_MOE_MAX_ROUTER_ROWS
+    return True
 
 
 class GpuDecoder:

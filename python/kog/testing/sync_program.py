@@ -12,8 +12,9 @@ op's buffer fields alone: an attention item writes the partials scratch, and the
 each (sequence, KV head) group reads the group's partials and writes ATTN (SyncOp.group_items:
 the model runs that tail and its group counter), the last LM-head item of each vocabulary chunk
 reads the chunk's LOGITS and writes the f32 logits and the chunk summaries that SAMPLE reads
-(not LOGITS), and SAMPLE in loop mode
-writes the token, the stop flags and the next step's position, seq_len and slot.
+(not LOGITS), the last router GEMV item of an MoE layer routes every row, groups the pairs and
+gathers their rows into the MoE scratch that the expert GEMVs and the combine read, and SAMPLE in
+loop mode writes the token, the stop flags and the next step's position, seq_len and slot.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ from kog.program.opcodes import Buffer, Opcode
 LINEAR_SAMPLE_PARTIAL = _C.GPU_OP_LINEAR_SAMPLE_PARTIAL
 LINEAR_SILU_MUL = _C.GPU_OP_LINEAR_SILU_MUL
 LINEAR_ROPE_KV = _C.GPU_OP_LINEAR_ROPE_KV
+ROUTER_GEMV, MOE_GATE_UP, MOE_DOWN, MOE_COMBINE = (_C.GPU_OP_ROUTER_GEMV, _C.GPU_OP_MOE_GATE_UP, _C.GPU_OP_MOE_DOWN,
+                                                   _C.GPU_OP_MOE_COMBINE)
+GPU_OP_NAMES = {LINEAR_SAMPLE_PARTIAL: "LINEAR_SAMPLE_PARTIAL", LINEAR_SILU_MUL: "LINEAR_SILU_MUL",
+                LINEAR_ROPE_KV: "LINEAR_ROPE_KV", ROUTER_GEMV: "ROUTER_GEMV", MOE_GATE_UP: "MOE_GATE_UP",
+                MOE_DOWN: "MOE_DOWN", MOE_COMBINE: "MOE_COMBINE"}
 
 # Per-sequence state outside the activation arena (PersistentDecodeParams fields).
 POSITIONS, SEQ_LENS, SLOTS = "positions", "seq_lens", "slots"
@@ -35,6 +41,10 @@ PARTIALS = "attn_partials"  # the one scratch every layer's attention shares
 GROUP_COUNTS = "attn_group_counts"  # partial items done per (sequence, KV head), shared by every layer
 CHUNK_COUNTS = "sample_chunk_counts"  # LM-head items done per chunk of the vocabulary
 SAMPLE_SUMMARIES = "sample_summaries"  # the LM head's tails' chunk summaries and candidates
+# The MoE scratch (params.h MoeScratch), shared by every MoE layer: the router's logits, the
+# pairs' gathered x rows, their order and groups (with their weights), act and y.
+MOE_LOGITS, MOE_X, MOE_GROUPS, MOE_ACT, MOE_Y = "moe.logits", "moe.x", "moe.groups", "moe.act", "moe.y"
+ROUTE_COUNT = "moe_route_count"  # router items done; the last runs the route tail
 
 # Op index of the step's flag check (every workgroup reads `finished` at the top of a step > 0),
 # modelled as an op before op 0 with one item per workgroup.
@@ -80,6 +90,14 @@ def items_of(op: _C.Op, dims: _C.ModelDims, batch: int, max_parts: int, rows_per
     code = op.opcode
     if code in (Opcode.LINEAR, LINEAR_SAMPLE_PARTIAL):
         return ceil(dims.buffer_width(op.out), rows_per_item)
+    if code in (ROUTER_GEMV, MOE_GATE_UP, MOE_DOWN):  # schedule/moe_route.h, gpu/decode/moe_items.cuh
+        slots = dims.top_k + dims.shared_slots
+        groups = min(batch * slots, dims.n_experts + dims.shared_slots)
+        if code == ROUTER_GEMV:
+            return ceil(dims.n_experts + (1 if dims.shared_slots else 0), rows_per_item)
+        if code == MOE_GATE_UP:  # one gate/up pair of rows per warp
+            return groups * ceil(dims.expert_intermediate, rows_per_item // 2)
+        return groups * ceil(dims.hidden, rows_per_item)
     if code == LINEAR_SILU_MUL:  # one output row (a gate row and its up row) per warp
         return ceil(dims.intermediate, rows_per_item // 2)
     if code == LINEAR_ROPE_KV:  # one RoPE pair of rows per warp
@@ -88,6 +106,8 @@ def items_of(op: _C.Op, dims: _C.ModelDims, batch: int, max_parts: int, rows_per
         return batch * dims.n_kv_heads * max_parts
     if code == Opcode.RMS_NORM:
         parts = 1 if op.residual >= 0 else ceil(dims.buffer_width(op.out), ROW_CHUNK)
+    elif code == MOE_COMBINE:
+        parts = ceil(dims.hidden, ROW_CHUNK)
     else:
         parts = {Opcode.EMBED: ceil(dims.hidden, ROW_CHUNK),
                  Opcode.QK_NORM: ceil(dims.n_q_heads + dims.n_kv_heads, warps),
@@ -105,6 +125,14 @@ def accesses(op: _C.Op) -> tuple[set[str], set[str]]:
         return {i, o}, {o}
     if code == LINEAR_ROPE_KV:  # QKV (q, k rotated) and the layer's cache at the row's slot
         return {i, POSITIONS, SLOTS}, {o, kv_cache(op.layer)}
+    if code == ROUTER_GEMV:  # the items write the logits; the tail (sync_ops) routes and gathers
+        return {i}, {MOE_LOGITS}
+    if code == MOE_GATE_UP:
+        return {MOE_X, MOE_GROUPS}, {MOE_ACT}
+    if code == MOE_DOWN:
+        return {MOE_ACT, MOE_GROUPS}, {MOE_Y}
+    if code == MOE_COMBINE:
+        return {MOE_Y, MOE_GROUPS}, {o}
     if code in (Opcode.EMBED, Opcode.LINEAR, Opcode.SILU_MUL, LINEAR_SILU_MUL, LINEAR_SAMPLE_PARTIAL):
         return {i}, {o}
     if code == Opcode.RMS_NORM:  # with a residual: residual += in, out = norm(residual)
@@ -126,11 +154,10 @@ def accesses(op: _C.Op) -> tuple[set[str], set[str]]:
 
 
 def op_name(op: _C.Op) -> str:
-    code = ({LINEAR_SAMPLE_PARTIAL: "LINEAR_SAMPLE_PARTIAL", LINEAR_SILU_MUL: "LINEAR_SILU_MUL",
-             LINEAR_ROPE_KV: "LINEAR_ROPE_KV"}.get(op.opcode) or Opcode(op.opcode).name)
+    code = GPU_OP_NAMES.get(op.opcode) or Opcode(op.opcode).name
     layer = f" L{op.layer}" if op.layer >= 0 else ""
     src = Buffer(op.in_).name if op.in_ >= 0 else "-"
-    dst = Buffer(op.out).name if op.out >= 0 else f"kv.{op.layer}"
+    dst = Buffer(op.out).name if op.out >= 0 else ("-" if op.opcode in GPU_OP_NAMES else f"kv.{op.layer}")
     return f"{code}{layer} {src}->{dst}"
 
 
@@ -157,6 +184,10 @@ def sync_ops(expanded: Sequence[_C.Op], dims: _C.ModelDims, batch: int, max_part
         if op.opcode == LINEAR_SAMPLE_PARTIAL:  # a chunk's last item summarizes its logits for SAMPLE
             tail = dict(group_items=_C.SAMPLE_CHUNK // rows_per_item, group_counter=CHUNK_COUNTS,
                         tail_reads=frozenset({buffer(op.out)}), tail_writes=frozenset({LOGITS_OUT, SAMPLE_SUMMARIES}))
+        if op.opcode == ROUTER_GEMV:  # the last router item routes every row, groups the pairs, gathers x
+            n = items_of(op, dims, batch, max_parts, rows_per_item)
+            tail = dict(group_items=n, group_counter=ROUTE_COUNT, tail_reads=frozenset({MOE_LOGITS, buffer(op.in_)}),
+                        tail_writes=frozenset({buffer(op.out), MOE_GROUPS, MOE_X}))
         out.append(SyncOp(op_name(op), items_of(op, dims, batch, max_parts, rows_per_item), tuple(op.deps),
                           frozenset(reads), frozenset(writes), **tail))
     return out
