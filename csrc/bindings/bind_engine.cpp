@@ -23,7 +23,7 @@ DecodeExecutor* make_executor(const kog::schedule::ModelDims& dims, uintptr_t kv
 
 void run(DecodeExecutor& ex, int64_t batch, uintptr_t tokens, uintptr_t positions,
          uintptr_t block_tables, int64_t max_blocks, uintptr_t seq_lens, uintptr_t slots,
-         uintptr_t logits, uintptr_t sampled, int64_t stop_after) {
+         uintptr_t logits, uintptr_t sampled, int64_t stop_after, bool argmax_only) {
   kog::engine::DecodeStep s{batch,
                             reinterpret_cast<const int64_t*>(tokens),
                             reinterpret_cast<const int64_t*>(positions),
@@ -32,7 +32,8 @@ void run(DecodeExecutor& ex, int64_t batch, uintptr_t tokens, uintptr_t position
                             reinterpret_cast<const int32_t*>(seq_lens),
                             reinterpret_cast<const int64_t*>(slots),
                             reinterpret_cast<float*>(logits),
-                            reinterpret_cast<int64_t*>(sampled)};
+                            reinterpret_cast<int64_t*>(sampled),
+                            argmax_only};
   ex.run(s, stop_after);
 }
 
@@ -45,7 +46,7 @@ void bind_engine(py::module_& m) {
            arg("inv_freq"), arg("ops"))
       .def("run", &run, arg("batch"), arg("tokens"), arg("positions"), arg("block_tables"),
            arg("max_blocks"), arg("seq_lens"), arg("slots"), arg("logits"), arg("sampled"),
-           arg("stop_after") = -1, py::call_guard<py::gil_scoped_release>())
+           arg("stop_after") = -1, arg("argmax_only") = false, py::call_guard<py::gil_scoped_release>())
       .def("read_buffer",
            [](const DecodeExecutor& ex, int buffer, uintptr_t dst, int64_t nbytes) {
              ex.read_buffer(static_cast<kog::schedule::Buffer>(buffer), reinterpret_cast<void*>(dst), nbytes);
@@ -58,6 +59,7 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("num_ops", &DecodeExecutor::num_ops)
       .def_property_readonly("num_barriers", &DecodeExecutor::num_barriers)
       .def_property_readonly("num_zero_copy_publishes", &DecodeExecutor::num_zero_copy_publishes)
+      .def_property_readonly("num_argmax_gathers", &DecodeExecutor::num_argmax_gathers)
       .def("set_transport", &DecodeExecutor::set_transport, arg("transport"),
            "A tensor-parallel rank's kog._C.ShmTransport (dims.lane_ranks > 1).");
 }

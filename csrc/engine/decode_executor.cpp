@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <limits>
 
 #include "common/errors.h"
 #include "cpu/kernels.h"
@@ -98,8 +97,12 @@ void DecodeExecutor::reserve(int64_t batch) {
 
 void DecodeExecutor::validate(const DecodeStep& s) const {
   KOG_CHECK(s.batch >= 1, "decode: batch must be >= 1, got ", s.batch);
-  KOG_CHECK(s.tokens && s.positions && s.block_tables && s.seq_lens && s.slots && s.logits,
+  KOG_CHECK(s.tokens && s.positions && s.block_tables && s.seq_lens && s.slots && (s.logits || s.argmax_only),
             "decode: null input");
+  KOG_CHECK(!s.argmax_only || s.sampled, "decode: an argmax_only step needs sampled (it writes no logits)");
+  // argmax_gather exchanges ids as f32 (exact below 2^24).
+  KOG_CHECK(!s.argmax_only || d_.vocab < (int64_t(1) << 24), "decode: argmax_only over a vocabulary of ", d_.vocab,
+            " (at most 2^24 ids)");
   KOG_CHECK(s.max_blocks >= 1, "decode: block_tables has no column");
   const int64_t bs = kv_.block_size;
   for (int64_t b = 0; b < s.batch; ++b) {
@@ -173,6 +176,7 @@ void DecodeExecutor::run(const DecodeStep& s, int64_t stop_after) {
   validate(s);
   reserve(s.batch);
   batch_ = s.batch;
+  argmax_ready_ = false;
   max_seq_len_ = 0;
   for (int64_t b = 0; b < s.batch; ++b) max_seq_len_ = std::max<int64_t>(max_seq_len_, s.seq_lens[b]);
   int32_t* tokens = reinterpret_cast<int32_t*>(buf(int(Buffer::kTokens)));
@@ -284,8 +288,14 @@ void DecodeExecutor::exec(const Op& op, const DecodeStep& s) {
     case Opcode::kLaneAddPast:
     case Opcode::kLaneMean:
     case Opcode::kLaneMergeSum:
-    case Opcode::kAllReduce:
-    case Opcode::kAllGather: lane_op(op, B); break;
+    case Opcode::kAllReduce: lane_op(op, B); break;
+    case Opcode::kAllGather:
+      if (s.argmax_only && Buffer(op.in) == Buffer::kLogits) {
+        argmax_gather(op, B);
+      } else {
+        lane_op(op, B);
+      }
+      break;
     default: break;
   }
 }
@@ -408,19 +418,16 @@ void DecodeExecutor::attention(const Op& op, const DecodeStep& s) {
 }
 
 void DecodeExecutor::sample(const Op& op, const DecodeStep& s) {
-  // Logits leave the run dtype here: [B, vocab] f32 out, greedy ids into TOKENS.
+  // Logits leave the run dtype here: [B, vocab] f32 out (unless argmax_only), greedy ids into TOKENS.
   const char* logits = buf(op.in);
   int32_t* tokens = reinterpret_cast<int32_t*>(buf(op.out));
   for (int64_t b = 0; b < s.batch; ++b) {
-    float* out = s.logits + b * d_.vocab;
     const void* row = logits + b * d_.vocab * elem_;
-    float best = -std::numeric_limits<float>::infinity();
-    int64_t arg = 0;
-    for (int64_t v = 0; v < d_.vocab; ++v) {
-      const float x = load_f32(row, v, d_.dtype);
-      out[v] = x;
-      if (x > best) best = x, arg = v;
+    if (!s.argmax_only) {
+      float* out = s.logits + b * d_.vocab;
+      for (int64_t v = 0; v < d_.vocab; ++v) out[v] = load_f32(row, v, d_.dtype);
     }
+    const int64_t arg = argmax_ready_ ? argmax_[size_t(b)] : argmax_f32(row, 0, d_.vocab, d_.dtype).index;
     tokens[b] = int32_t(arg);
     if (s.sampled != nullptr) s.sampled[b] = arg;
   }

@@ -38,6 +38,11 @@ struct DecodeStep {
   const int64_t* slots;         // [B] cache slot of the new token
   float* logits;                // [B, vocab] f32 output
   int64_t* sampled;             // [B] greedy tokens (SAMPLE), or null to skip
+  // Every row greedy with nothing to adjust (no bans, no penalties): SAMPLE only writes sampled
+  // (non-null) and leaves logits untouched, and a vocabulary-parallel head's ALL_GATHER
+  // exchanges each row's best (logit, id) of the rank's slice instead of the slice itself
+  // (argmax_gather): R x B pairs instead of B x vocab floats. The ids equal a full argmax.
+  bool argmax_only = false;
 };
 
 // x stages of the quantized LINEARs (LinearQuantParams::x_stages). NOTE: 2, the residual stage
@@ -67,6 +72,8 @@ class DecodeExecutor {
   // LINEARs that write their output straight into the transport slot a LANE_GATHER publishes
   // (plan_zero_copy; 0 without a transport).
   int64_t num_zero_copy_publishes() const;
+  // ALL_GATHERs of LOGITS run as a distributed argmax (DecodeStep::argmax_only) since construction.
+  int64_t num_argmax_gathers() const { return argmax_gathers_; }
   // A tensor-parallel rank's transport (dims.lane_ranks > 1; run() refuses to start without
   // one): its lane ops and collectives reduce over every rank through it.
   void set_transport(std::shared_ptr<ShmTransport> t);
@@ -104,6 +111,10 @@ class DecodeExecutor {
   bool runs_alone(const Op& op) const;
   void attention(const Op& op, const DecodeStep& s);
   void sample(const Op& op, const DecodeStep& s);
+  // A vocabulary-parallel head's ALL_GATHER in an argmax_only step: each row's best (logit, id)
+  // over the rank's slice, every rank's pair exchanged (exact), the best of them kept (ties: the
+  // lower id, as a full argmax) into argmax_ for SAMPLE (decode_lanes.cpp).
+  void argmax_gather(const Op& op, int64_t batch);
   // Mixture of experts (decode_moe.cpp): ROUTER and MOE_EXPERTS run inside the region on
   // every thread of the team (their GEMMs split by the row queue), route() on thread 0.
   void route_part(const Op& op, int64_t batch, uint32_t epoch, int t);
@@ -120,6 +131,9 @@ class DecodeExecutor {
   KVCacheDesc kv_;
   std::shared_ptr<ShmTransport> transport_;
   std::vector<float> lane_acc_;  // [batch, max(hidden, vocab)] f32 of the cross-rank reductions
+  std::vector<int64_t> argmax_;  // [batch] ids argmax_gather found this run (argmax_ready_)
+  bool argmax_ready_ = false;
+  int64_t argmax_gathers_ = 0;
   std::vector<float> inv_freq_;
   std::vector<Op> program_;
   // Zero-copy publishes (plan_zero_copy), each [ops], -1 where none: publish_slot_[j] the slot

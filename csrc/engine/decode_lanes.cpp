@@ -42,6 +42,35 @@ void DecodeExecutor::reduce_ranks(float* acc, int64_t n) {
   if (d_.lane_ranks > 1) transport_->all_reduce(acc, n);
 }
 
+void DecodeExecutor::argmax_gather(const Op& op, int64_t batch) {
+  // pairs [R, batch, 2] f32: rank r's (best logit, id) of every row at [r]; zero elsewhere, so
+  // the all-reduce's sum is each rank's pair exactly (x + 0 = x, -inf + 0 = -inf).
+  const int64_t R = d_.lane_ranks, V = d_.vocab, lo = schedule::lane_logits_offset(d_), hi = lo + V / R;
+  const char* in = buf(op.in);
+  lane_acc_.assign(size_t(R * batch * 2), 0.f);
+  for (int64_t b = 0; b < batch; ++b) {
+    // A slice of NaN / -inf only gives its first id: rank 0's is 0, as a full argmax's.
+    const ArgMax best = argmax_f32(in + b * V * elem_, lo, hi, d_.dtype);
+    float* pair = &lane_acc_[size_t((d_.lane_rank * batch + b) * 2)];
+    pair[0] = best.value;
+    pair[1] = float(best.index);
+  }
+  reduce_ranks(lane_acc_.data(), R * batch * 2);
+  argmax_.resize(size_t(batch));
+  for (int64_t b = 0; b < batch; ++b) {
+    // Ranks in vocabulary order, a later one only when strictly greater: ties keep the lower id.
+    float best = lane_acc_[size_t(b * 2)];
+    int64_t arg = int64_t(lane_acc_[size_t(b * 2 + 1)]);
+    for (int64_t r = 1; r < R; ++r) {
+      const float* pair = &lane_acc_[size_t((r * batch + b) * 2)];
+      if (pair[0] > best) best = pair[0], arg = int64_t(pair[1]);
+    }
+    argmax_[size_t(b)] = arg;
+  }
+  argmax_ready_ = true;
+  ++argmax_gathers_;
+}
+
 // NOTE: on a tensor-parallel rank (lane_ranks > 1) every cross-lane sum is this rank's lanes
 // summed in f32, then the ranks' partial sums added in rank order (ShmTransport::all_reduce):
 // lanes in their global order, as one process sums them. LANE_GATHER publishes the rank's

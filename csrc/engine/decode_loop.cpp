@@ -24,6 +24,12 @@ void sample_sequences(float* logits, int64_t batch, int64_t vocab, SequenceSampl
   cpu::kernels().sample(p);
 }
 
+// A row whose draw is the argmax of its raw logits: greedy, nothing banned, no penalty.
+static bool plain_greedy(const SampleRowParams& r) {
+  return !(r.temperature > 0.f) && r.n_banned == 0 && r.repetition_penalty == 1.f && r.presence_penalty == 0.f &&
+         r.frequency_penalty == 0.f;
+}
+
 DecodeLoop::DecodeLoop(DecodeExecutor& executor, int64_t vocab, int64_t block_size)
     : ex_(executor), vocab_(vocab), block_size_(block_size) {
   KOG_CHECK(vocab_ > 0 && block_size_ > 0, "decode loop: bad vocab / block size");
@@ -61,6 +67,7 @@ void DecodeLoop::run(const LoopBatch& b) {
   for (int64_t r = 0; r < B; ++r) active_[size_t(r)] = r, tokens_[size_t(r)] = b.tokens[r], positions_[size_t(r)] = b.positions[r];
   std::vector<SequenceSampling*> rows(static_cast<size_t>(B));
   std::vector<int32_t> sampled(static_cast<size_t>(B));
+  std::vector<int64_t> argmax(static_cast<size_t>(B));
 
   for (int64_t step = 0; step < b.n_steps && !active_.empty(); ++step) {
     const int64_t n = int64_t(active_.size());
@@ -76,9 +83,17 @@ void DecodeLoop::run(const LoopBatch& b) {
       slots_[size_t(i)] = int64_t(table[pos / block_size_]) * block_size_ + pos % block_size_;
       rows[size_t(i)] = b.rows[r];
     }
+    // Every row plain greedy: the executor's argmax is the draw (on a tensor-parallel rank, a
+    // distributed one: no logits exchanged). Every rank decides alike (equal sampling states).
+    bool argmax_only = true;
+    for (int64_t i = 0; i < n && argmax_only; ++i) argmax_only = plain_greedy(rows[size_t(i)]->row());
     ex_.run(DecodeStep{n, tokens_.data(), positions_.data(), tables_.data(), mb, seq_lens_.data(), slots_.data(),
-                       logits_.data(), nullptr});
-    sample_sequences(logits_.data(), n, vocab_, rows.data(), sampled.data());
+                       logits_.data(), argmax_only ? argmax.data() : nullptr, argmax_only});
+    if (argmax_only) {
+      for (int64_t i = 0; i < n; ++i) sampled[size_t(i)] = int32_t(argmax[size_t(i)]);
+    } else {
+      sample_sequences(logits_.data(), n, vocab_, rows.data(), sampled.data());
+    }
     int64_t kept = 0;  // compaction of the rows still going
     for (int64_t i = 0; i < n; ++i) {
       const int64_t r = active_[size_t(i)];

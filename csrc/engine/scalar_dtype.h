@@ -56,4 +56,19 @@ inline float round_to(float v, DType t) {
   return load_f32(&h, 0, t);
 }
 
+// The greedy pick over p[lo, hi): the first strictly greatest element (ties keep the lower
+// index; NaN never wins). A range of -inf / NaN only gives (-inf, lo).
+struct ArgMax {
+  float value;
+  int64_t index;
+};
+inline ArgMax argmax_f32(const void* p, int64_t lo, int64_t hi, DType t) {
+  ArgMax best{-__builtin_inff(), lo};
+  for (int64_t i = lo; i < hi; ++i) {
+    const float x = load_f32(p, i, t);
+    if (x > best.value) best = {x, i};
+  }
+  return best;
+}
+
 }  // namespace kog::engine
