@@ -86,6 +86,16 @@ void bind_gpu_decode(py::module_& m) {
       "expand_gpu_program",
       &kog::schedule::expand_gpu_program, arg("ops"), arg("dims"),
       "The program as the GPU persistent kernel runs it (ATTN_DECODE split into partial + combine, deps renumbered).");
+  m.def(
+      "lane_of_rows",
+      [](const kog::schedule::ModelDims& d, const kog::schedule::Op& op) {
+        KOG_CHECK(op.lanes > 1 && op.out >= 0, "lane_of_rows: op is not a lane LINEAR");
+        const auto m = kog::schedule::LaneRows::of(d, op);
+        std::vector<int64_t> lanes(size_t(kog::schedule::buffer_width(d, op.out)));
+        for (size_t r = 0; r < lanes.size(); ++r) lanes[r] = m.lane_of(int64_t(r));
+        return lanes;
+      },
+      arg("dims"), arg("op"), "The lane each output row of a lane LINEAR reads x from (schedule::LaneRows).");
   m.def("program_sinks", &kog::schedule::program_sinks, arg("ops"),
         "Ops no later op depends on (a new GPU step waits on these).");
   m.attr("GPU_OP_LINEAR_SAMPLE_PARTIAL") = kog::schedule::kOpLinearSamplePartial;

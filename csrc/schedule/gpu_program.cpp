@@ -99,8 +99,9 @@ void rope_kv_fusions(const std::vector<Op>& ops, const ModelDims& dims, std::vec
 // with no residual of its own, not writing the norm's input; nothing in (i, j) writes the
 // norm's input (j reads it later than the norm did) or depends on i (i's completion is now j's,
 // which comes after them); nothing after j reads the norm's output before it is written again
-// (it is never written now).
-std::vector<int32_t> rmsnorm_prologue_fusions(std::vector<Op>& ops) {
+// (it is never written now). Not with lanes: a lane LINEAR (each row reads its lane's slice of x)
+// or a lane-wide norm (each lane normalized on its own) keeps its RMS_NORM op.
+std::vector<int32_t> rmsnorm_prologue_fusions(std::vector<Op>& ops, const ModelDims& dims) {
   const int n = int(ops.size());
   std::vector<int32_t> consumer(ops.size(), -1);
   for (int i = 0; i < n; ++i) {
@@ -115,7 +116,7 @@ std::vector<int32_t> rmsnorm_prologue_fusions(std::vector<Op>& ops) {
     if (!ok || j >= n) continue;
     const Op& lin = ops[size_t(j)];
     if (Opcode(lin.op) != Opcode::kLinear || lin.in != norm.out || lin.residual >= 0 || lin.out == norm.in ||
-        lin.out == norm.out)
+        lin.out == norm.out || lin.lanes > 1 || (dims.n_lanes > 1 && buffer_width(dims, norm.out) != dims.hidden))
       continue;
     int k = j + 1;
     while (k < n && !touches(ops[size_t(k)], norm.out)) ++k;
@@ -161,12 +162,19 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
               " (", name, "): ", moe_slots(dims), " slots per row (top_k + shared_slots, at most ", kMaxMoeSlots,
               ") and ", router_rows(dims), " router rows (at most ", kMaxRouterRows, ") for the GPU kernel");
   }
-  // NOTE: nor Laneformer's lanes (issue 19's first slice is CPU only).
-  KOG_CHECK(dims.n_lanes == 1, "GPU decode program: a model of ", dims.n_lanes,
-            " lanes (Laneformer), which the GPU kernel does not run yet; run it on the CPU");
+  // Laneformer's lanes: on one device (the kernel has no transport between GPUs yet), and in the
+  // float kernels only (the quantized one has no registers left for them: docs/GPU.md).
+  KOG_CHECK(dims.lane_ranks == 1, "GPU decode program: tensor-parallel rank ", dims.lane_rank, " of ",
+            dims.lane_ranks, "; the GPU kernel runs a whole model on one device (no transport between GPUs yet)");
+  if (dims.n_lanes > 1) {
+    for (size_t i = 0; i < ops_in.size(); ++i)
+      KOG_CHECK(!is_gpu_weight_format(ops_in[i].w_type), "GPU decode program: op ", i,
+                " reads an FP8 or 4-bit weight in a model of ", dims.n_lanes,
+                " lanes; the GPU kernel runs lanes with run-dtype weights only");
+  }
   std::vector<Op> ops = ops_in;
   fuse_residual_adds(ops);
-  const std::vector<int32_t> norm_consumer = rmsnorm_prologue_fusions(ops);
+  const std::vector<int32_t> norm_consumer = rmsnorm_prologue_fusions(ops, dims);
   std::vector<int32_t> folded_norm(ops.size(), -1);  // the inverse: LINEAR j -> the norm in its prologue
   for (size_t i = 0; i < ops.size(); ++i)
     if (norm_consumer[i] >= 0) folded_norm[size_t(norm_consumer[i])] = int32_t(i);

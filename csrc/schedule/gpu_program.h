@@ -68,6 +68,9 @@ KOG_HOST_DEVICE inline bool is_gemv(const Op& o) {
 // deps) and its MOE_EXPERTS kOpMoeGateUp (MOE_EXPERTS' deps), kOpMoeDown (on the gate/up) and
 // kOpMoeCombine (on the down; ops that depended on MOE_EXPERTS depend on it): a chain, so waits
 // stay transitive. MoE needs run-dtype experts, one rank, and the limits of moe_route.h.
+// Laneformer's lanes run as they are (lane LINEARs read their lane's slice of x per row, lane-wide
+// norms normalize each lane, the LANE_* ops run as small items) on one rank with run-dtype
+// weights; no RMS_NORM folds into a lane LINEAR or out of a lane-wide buffer.
 // Deps are renumbered to the expanded indices. Throws kog::Error(kInvalidArgument) naming the
 // first bad op of the input program.
 std::vector<Op> expand_gpu_program(const std::vector<Op>& ops, const ModelDims& dims);

@@ -12,6 +12,7 @@
 // executor that starts an op only after its deps completed computes what the sequential order
 // computes (kog/program/schedule.py derives deps from reads and writes: RAW, WAW and WAR).
 #pragma once
+#include <climits>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -187,6 +188,33 @@ KOG_HOST_DEVICE inline int lane_segments(const ModelDims& d, int32_t out, int64_
   seg[0] = out == int32_t(Buffer::kLogits) ? d.vocab / d.lane_ranks : buffer_width(d, out);
   return 1;
 }
+
+// The lane whose slice of the input each output row of a lane LINEAR reads (op.lanes > 1): the
+// row's segment (lane_segments) cut into op.lanes equal ranges; range l reads columns
+// [l k, (l + 1) k), k = width(in) / lanes. The GPU kernel's lane GEMV rows (gpu/decode/linear_item.cuh);
+// the CPU executor's lane matrices are the same ranges. 32-bit and constant-indexed, so that it
+// stays in five registers.
+struct LaneRows {
+  int32_t seg_end[2] = {INT32_MAX, INT32_MAX};  // rows up to the end of segment s (past the last: INT32_MAX)
+  int32_t lane_rows[3] = {1, 1, 1};             // rows of one lane in segment s
+
+  KOG_HOST_DEVICE static LaneRows of(const ModelDims& d, const Op& op) {
+    LaneRows m;
+    int64_t seg[3];
+    const int n = lane_segments(d, op.out, seg);
+    for (int s = 0; s < 3; ++s) {  // unrolled: constant indices
+      if (s < n) m.lane_rows[s] = int32_t(seg[s] / op.lanes);
+      if (s < 2 && s + 1 < n) m.seg_end[s] = int32_t((s > 0 ? m.seg_end[s - 1] : 0) + seg[s]);
+    }
+    return m;
+  }
+  KOG_HOST_DEVICE int64_t lane_of(int64_t row) const {
+    int32_t r = int32_t(row), start = 0, rows = lane_rows[0];
+    if (r >= seg_end[0]) start = seg_end[0], rows = lane_rows[1];
+    if (r >= seg_end[1]) start = seg_end[1], rows = lane_rows[2];
+    return (r - start) / rows;
+  }
+};
 
 // First LOGITS column a rank's lane LINEAR into LOGITS writes (its vocabulary slice; 0 on one rank).
 KOG_HOST_DEVICE inline int64_t lane_logits_offset(const ModelDims& d) { return d.lane_rank * (d.vocab / d.lane_ranks); }

@@ -243,17 +243,6 @@ def test_lane_ops_run_on_thread_zero_and_meet_only_where_a_dependency_crosses_th
     assert ex.num_barriers == barriers_by_the_rule(r.program) < len(r.program)
 
 
-def test_the_gpu_program_refuses_lanes_by_name():
-    from kog import _C
-    from kog.errors import InvalidRequest
-    from kog.models.decode import lower_program, model_dims
-
-    config = lane_model_config(**VARIANTS["delay1"])
-    r = runner(config, random_weights(config))
-    with pytest.raises(InvalidRequest, match="lanes"):
-        _C.expand_gpu_program(lower_program(r.program, r.weights), model_dims(config, torch.float32))
-
-
 @pytest.mark.parametrize("field, value, match", [("lanes", 3, "lanes=3"), ("slot", 99, "slot 99")])
 def test_validate_program_refuses_a_bad_lane_field_naming_the_op(field, value, match):
     from kog import _C

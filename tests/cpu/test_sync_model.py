@@ -17,7 +17,7 @@ from kog.testing.sync_model import CounterReuse, Deadlock, Hazard, Launch, Proto
 from kog.testing.sync_program import PARTIALS, SyncOp, kv_cache, sync_ops, with_dep, without_dep
 from kog.testing.tiny_models import random_weights, tiny_config
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "laneformer_tp"]
 # Tiny configs: 400-token vocab -> 25 LM-head items at 16 rows per item; every grid below is
 # smaller, so every workgroup owns an item of some op (see the flag-check finding at the end).
 GRIDS = [1, 2, 3, 7, 24]
@@ -103,7 +103,7 @@ def test_dropping_the_o_proj_wait_on_the_attention_is_a_hazard():
     assert not violations(broken, Launch(grid=1, n_steps=1, batch=1))  # one workgroup runs in program order
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "qwen2_moe", "laneformer_tp"])
 def test_every_dep_the_model_needs_is_caught_when_dropped(arch):
     # Each dep is either implied by another dep of the same op (waits are transitive), and then
     # dropping it must change nothing, or the model must report a hazard without it.

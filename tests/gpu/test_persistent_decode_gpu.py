@@ -1,6 +1,8 @@
 """The persistent decode kernel (one launch per step, or per n_steps tokens) against the CPU
 executor on the same tiny random-weight models, fresh inputs each run."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -97,6 +99,53 @@ def test_moe_one_step_logits_match_cpu_executor(device, arch, dtype, rtol, lens)
     r = cpu_runner(arch, dtype, max_position_embeddings=1024)
     got, expected = decode_step_vs_cpu(r, {k: v.to(device) for k, v in r.weights.items()}, device, lens)
     assert (got - expected).abs().max() <= rtol * expected.abs().max()
+
+
+def lane_runner(variant: str, dtype: torch.dtype, num_blocks: int = 256) -> ModelRunner:
+    """A tiny Laneformer (tests/cpu/test_laneformer.py's variants) on the CPU."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "cpu"))
+    from test_laneformer import VARIANTS, lane_model_config
+
+    config = dataclasses.replace(lane_model_config(**VARIANTS[variant]), max_position_embeddings=1024)
+    weights = {k: v.to(dtype) for k, v in random_weights(config, seed=7).items()}
+    model = LoadedModel(path=None, config=config, weights=weights, dtype=dtype, tokenizer=None,
+                        chat_template=None, stop_token_ids=())
+    return ModelRunner(model, num_kv_blocks=num_blocks, block_size=BS)
+
+
+LANE_GPU_VARIANTS = ["delay1", "delay2_4lanes_lane_scale_lane_head", "no_comm", "no_early_comm", "pre_norm_agg",
+                     "vocab_parallel", "delay0_tied", "window_first_layers"]
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("variant", LANE_GPU_VARIANTS)
+@pytest.mark.parametrize("lens", [[5], [300, 17, 600]])
+def test_lane_one_step_logits_match_cpu_executor(device, variant, dtype, rtol, lens):
+    """Laneformer in the persistent kernel: lane GEMVs (each row its lane's slice of x, fused
+    gate/up and RoPE/cache forms), lane-wide norms, LANE_SCALE / SUM / GATHER / ADD_PAST / MEAN /
+    MERGE_SUM, the four head layouts: the CPU executor's logits."""
+    r = lane_runner(variant, dtype)
+    got, expected = decode_step_vs_cpu(r, {k: v.to(device) for k, v in r.weights.items()}, device, lens)
+    assert (got - expected).abs().max() <= rtol * expected.abs().max()
+
+
+@pytest.mark.parametrize("variant", ["delay1", "delay2_4lanes_lane_scale_lane_head"])
+def test_lane_loop_mode_greedy_tokens_match_cpu(device, variant):
+    r = lane_runner(variant, torch.float32)
+    prompt = torch.randint(0, r.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    tables = prefill(r, [prompt])
+    dec = gpu_decoder(r, device)
+    expected, tok = [], np.array([prompt[-1]])
+    for i in range(24):
+        p = len(prompt) + i
+        slot = tables[0, p // BS] * BS + p % BS
+        r.decode(tok, [p], tables, [p + 1], [slot], sampled=tok)
+        expected.append(int(tok[0]))
+    res = dec.decode([prompt[-1]], [len(prompt)], tables, n_steps=24)
+    assert res.tokens[:, 0].cpu().tolist() == expected
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])

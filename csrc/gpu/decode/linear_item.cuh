@@ -23,6 +23,7 @@
 #include "gpu/decode/fp8.cuh"
 #include "gpu/decode/int4.cuh"
 #include "gpu/decode/weight_stage.cuh"
+#include "schedule/program.h"
 
 namespace kog::gpu::decode {
 
@@ -130,6 +131,11 @@ __device__ __forceinline__ void fma_chunk(WVec<W> wv, GroupAffine g, const T* __
     }
   }
 }
+
+// A lane LINEAR's input slices (Laneformer, Op::lanes > 1): row r reads x columns
+// [l k, (l + 1) k) of the buffer, l = lane_of(r) (schedule::LaneRows), k the weight row's length
+// (width(in) / lanes); every other GEMV reads x from column 0 (linear_item without kLanes).
+using GemvLanes = schedule::LaneRows;
 
 // What a GEMV item does with its products (+ bias): store them; add them into out (a residual
 // add fused into its producer, schedule::fuse_residual_adds), each rounded to OutT first as the
@@ -259,13 +265,16 @@ __device__ __forceinline__ void linear_row(const WVec<W>* __restrict__ wr, const
 }
 
 // The rows of one item for one batch class (kB rows of x at most); kNorm: x through pro's norm.
+// kLanes: a lane LINEAR (lanes: its slices); a separate instantiation, so that every other GEMV's
+// code holds nothing of it.
 template <typename T, typename W, typename OutT, int kStaged, int kB, int kUnroll, bool kFusable, bool kNorm,
-          typename Stages>
+          bool kLanes = false, typename Stages>
 __device__ __forceinline__ void linear_item_rows(const W* __restrict__ w, const void* __restrict__ w_scale,
                                                  const T* __restrict__ bias, const T* x,
                                                  int64_t x_stride, OutT* out, int64_t out_stride, int batch, int64_t n,
                                                  int64_t k, int64_t item, const Stages& st, int stage,
-                                                 const GemvEpilogueArgs<T>& ep, const GemvPrologue<T>& pro) {
+                                                 const GemvEpilogueArgs<T>& ep, const GemvPrologue<T>& pro,
+                                                 const GemvLanes& lanes = {}) {
   const GemvRows rows = kFusable ? ep.rows() : GemvRows{};
   const int64_t chunks = k / kWeightElems16<W>;
   const int64_t first_col = gemv_weight_row(item, 0, n, rows);
@@ -285,7 +294,11 @@ __device__ __forceinline__ void linear_item_rows(const W* __restrict__ w, const 
     if constexpr (std::is_same<W, Int4Q4K>::value) groups = static_cast<const char*>(w_scale) + row * (k / 256) * 16;
     const float bv = bias != nullptr ? gpu_to_float(bias[row]) : 0.f;
     const int64_t out_col = rows.kind == GemvRows::kGlu ? first_col : row;
-    linear_row<T, W, kB, kUnroll, kStaged, kFusable, kNorm>(wr, x, x_stride, out, out_stride, batch, chunks, out_col,
+    // A lane row reads its lane's slice of x (a fused pair's two rows are in one lane). The
+    // prologue's norm never meets lanes: expand_gpu_program folds no norm into a lane LINEAR.
+    const T* xr = x;
+    if constexpr (kLanes) xr += lanes.lane_of(row) * k;
+    linear_row<T, W, kB, kUnroll, kStaged, kFusable, kNorm>(wr, xr, x_stride, out, out_stride, batch, chunks, out_col,
                                                             rs, groups, bv, st, stage, rr, ep, first, first_col,
                                                             pro.norm_w, inv);
   }
@@ -308,13 +321,23 @@ constexpr int kLinearUnrollOf =
 template <typename W>
 constexpr int kLinearUnrollBatch1Of = kInt4Weights<W> ? kLinearUnrollBatch1 / 2 : kLinearUnrollBatch1;
 
-template <typename T, typename OutT, int kStaged, bool kFusable = true, typename W, typename Stages>
+template <typename T, typename OutT, int kStaged, bool kFusable = true, bool kLanes = false, typename W,
+          typename Stages>
 __device__ __forceinline__ void linear_item(const W* __restrict__ w, const void* __restrict__ w_scale,
                             const T* __restrict__ bias, const T* x, int64_t x_stride,
                             OutT* out, int64_t out_stride, int batch, int64_t n, int64_t k, int64_t item,
                             const Stages& st, int stage, const GemvEpilogueArgs<T>& ep,
-                            const GemvPrologue<T>& pro = {}) {
+                            const GemvPrologue<T>& pro = {}, const GemvLanes& lanes = {}) {
   // batch and the norm are uniform over the grid
+  if constexpr (kLanes) {  // no prologue norm (expand_gpu_program folds none into a lane LINEAR)
+    if (batch == 1)
+      linear_item_rows<T, W, OutT, kStaged, 1, kLinearUnrollBatch1Of<W>, kFusable, false, true>(
+          w, w_scale, bias, x, x_stride, out, out_stride, batch, n, k, item, st, stage, ep, pro, lanes);
+    else
+      linear_item_rows<T, W, OutT, kStaged, kMaxBatch, kLinearUnrollOf<T, W>, kFusable, false, true>(
+          w, w_scale, bias, x, x_stride, out, out_stride, batch, n, k, item, st, stage, ep, pro, lanes);
+    return;
+  }
   if (kFusable && pro.norm_w != nullptr) {
     if (batch == 1)
       linear_item_rows<T, W, OutT, kStaged, 1, kLinearUnrollBatch1Of<W>, kFusable, kFusable>(

@@ -46,6 +46,9 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
                 "gpu decode: a GEMV weight is neither the run dtype nor a GPU format (FP8, 4-bit) with its scales");
       KOG_CHECK(o.w_type != schedule::kWeightQ4K || reinterpret_cast<uintptr_t>(o.w_scale) % 16 == 0,
                 "gpu decode: Q4_K headers must be 16-byte aligned");
+      // A lane LINEAR's rows read x slices of width(in) / lanes: whole 16-byte vectors.
+      KOG_CHECK(o.lanes <= 1 || (schedule::buffer_width(dims, o.in) / o.lanes) % vec == 0, "gpu decode: a lane LINEAR ",
+                "reads slices of ", schedule::buffer_width(dims, o.in) / o.lanes, " elements, not a multiple of ", vec);
     }
   }
   const bool moe = dims.n_experts > 0;

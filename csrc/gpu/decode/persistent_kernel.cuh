@@ -25,6 +25,7 @@
 
 #include "gpu/decode/attention_item.cuh"
 #include "gpu/decode/executor.h"
+#include "gpu/decode/lane_items.cuh"
 #include "gpu/decode/linear_item.cuh"
 #include "gpu/decode/moe_items.cuh"
 #include "gpu/decode/sample_item.cuh"
@@ -56,6 +57,15 @@ __host__ __device__ __forceinline__ int64_t buffer_width(const PersistentDecodeP
 __device__ __forceinline__ int64_t gemv_rows(const PersistentDecodeParams& p, const Op& op) {
   const int64_t glu = 2 * p.dims.intermediate, router = schedule::router_rows(p.dims), width = buffer_width(p, op.out);
   return op.op == kOpLinearSiluMul ? glu : op.op == schedule::kOpRouterGemv ? router : width;
+}
+
+// Length of a GEMV op's weight rows: its input's width, or a lane LINEAR's slice of it
+// (GemvLanes: width(in) / lanes). kQuant: a quantized program, which has no lanes
+// (expand_gpu_program), so its kernel does not look.
+template <bool kQuant>
+__device__ __forceinline__ int64_t gemv_k(const PersistentDecodeParams& p, const Op& op) {
+  const int64_t w = buffer_width(p, op.in);
+  return !kQuant && op.lanes > 1 ? w / op.lanes : w;
 }
 
 // Bytes of one weight row of a GEMV op over k inputs: FP8 weights take one byte an element,
@@ -91,8 +101,18 @@ __device__ __forceinline__ GemvEpilogueArgs<T> gemv_epilogue(const PersistentDec
 __device__ inline int64_t parts_per_row(const PersistentDecodeParams& p, const Op& op) {
   auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
   switch (op.op) {
-    case int32_t(Opcode::kEmbed): return ceil_div(p.dims.hidden, kRowChunk);
-    case int32_t(Opcode::kRmsNorm): return op.residual >= 0 ? 1 : ceil_div(buffer_width(p, op.out), kRowChunk);
+    case int32_t(Opcode::kEmbed): return ceil_div(buffer_width(p, op.out), kRowChunk);
+    case int32_t(Opcode::kRmsNorm): {
+      const int64_t w = buffer_width(p, op.out);  // lane-wide: n_lanes rows of hidden per batch row
+      const int64_t rows = lane_wide(p, w) ? p.dims.n_lanes : 1, row_w = w / rows;
+      return rows * (op.residual >= 0 ? 1 : ceil_div(row_w, kRowChunk));
+    }
+    case int32_t(Opcode::kLaneScale):
+    case int32_t(Opcode::kLaneSum):
+    case int32_t(Opcode::kLaneGather):
+    case int32_t(Opcode::kLaneAddPast):
+    case int32_t(Opcode::kLaneMean):
+    case int32_t(Opcode::kLaneMergeSum): return lane_op_parts(p);
     case int32_t(Opcode::kQkNorm): return ceil_div(p.dims.n_q_heads + p.dims.n_kv_heads, kThreads / KOG_WARP_SIZE);
     case int32_t(Opcode::kRope): return ceil_div(p.dims.n_q_heads + p.dims.n_kv_heads, kRopeHeads);
     case int32_t(Opcode::kKvAppend): return p.dims.n_kv_heads;
@@ -157,9 +177,22 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
   switch (op.op) {
     case int32_t(Opcode::kEmbed):
       embed_item<T>(static_cast<const T*>(op.w0), reinterpret_cast<const int32_t*>(p.buffers[op.in]), buf(op.out),
-                    p.dims.hidden, b, part);
+                    p.dims.hidden, buffer_width(p, op.out), b, part);
       break;
     case int32_t(Opcode::kRmsNorm):
+      if constexpr (!kQuant) {  // (a quantized program has no lanes: expand_gpu_program)
+        const int64_t w = buffer_width(p, op.out), h = p.dims.hidden;
+        if (lane_wide(p, w)) {  // lane l of row b is row b n_lanes + l of hidden, its own weight row or the shared one
+          const int64_t per_lane = op.residual >= 0 ? 1 : (h + kRowChunk - 1) / kRowChunk;
+          const int l = int(part / per_lane), lpart = int(part % per_lane), row = b * int(p.dims.n_lanes) + l;
+          const T* nw = static_cast<const T*>(op.w0) + (p.dims.lane_norm_weights ? l * h : 0);
+          if (op.residual >= 0)
+            rmsnorm_item<T>(buf(op.in), buf(op.residual), nw, buf(op.out), h, p.dims.rms_eps, row, smem);
+          else
+            rmsnorm_chunk_item<T>(buf(op.in), nw, buf(op.out), h, p.dims.rms_eps, row, lpart, smem);
+          break;
+        }
+      }
       if (op.residual >= 0)
         rmsnorm_item<T>(buf(op.in), buf(op.residual), static_cast<const T*>(op.w0), buf(op.out),
                         buffer_width(p, op.out), p.dims.rms_eps, b, smem);
@@ -172,7 +205,8 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
     case kOpLinearRopeKv:      // QKV's rows, a RoPE pair per warp -> QKV (q, k rotated) and the cache
     case kOpLinearSiluMul:     // GATE_UP's rows [2 * inter, hidden] -> ACT [B, inter]
     case schedule::kOpRouterGemv: {  // the router's rows -> the MoE scratch's logits (T)
-      const int64_t k = buffer_width(p, op.in);
+      // x rows are width(in) apart, and so long are the weight rows (a lane LINEAR's: width(in) / lanes)
+      const int64_t x_stride = buffer_width(p, op.in);
       const bool router = op.op == schedule::kOpRouterGemv;
       T* const logits = static_cast<T*>(p.moe.logits);  // both loaded: see gemv_rows
       T* const to_buffer = buf(op.out);
@@ -185,8 +219,9 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
         auto quant_gemv = [&](auto wtag) {
           using W = decltype(wtag);
           linear_item<T, T, kStagedVecs>(static_cast<const W*>(op.w0), op.w_scale, static_cast<const T*>(op.w1),
-                                         buf(op.in), k, out, out_w, p.batch,
-                                         gemv_rows(p, op), k, item, st, stage, gemv_epilogue<T>(p, op, kv_layer), pro);
+                                         buf(op.in), x_stride, out, out_w, p.batch,
+                                         gemv_rows(p, op), x_stride, item, st, stage, gemv_epilogue<T>(p, op, kv_layer),
+                                         pro);
         };
         if (op.w_type == schedule::kWeightFp8) {
           quant_gemv(Fp8E4M3{});
@@ -201,9 +236,19 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
           break;
         }
       }
+      if constexpr (!kQuant) {  // (a quantized program has no lanes: expand_gpu_program)
+        if (op.lanes > 1) {  // uniform over the grid: a lane LINEAR, its own instantiation
+          const GemvLanes lanes = GemvLanes::of(p.dims, op);
+          linear_item<T, T, kStagedVecs, true, true>(static_cast<const T*>(op.w0), static_cast<const float*>(nullptr),
+                                                     static_cast<const T*>(op.w1), buf(op.in), x_stride, out, out_w,
+                                                     p.batch, gemv_rows(p, op), x_stride / op.lanes, item, st, stage,
+                                                     gemv_epilogue<T>(p, op, kv_layer), pro, lanes);
+          break;
+        }
+      }
       linear_item<T, T, kStagedVecs>(static_cast<const T*>(op.w0), static_cast<const float*>(nullptr),
-                                     static_cast<const T*>(op.w1), buf(op.in), k, out, out_w, p.batch, gemv_rows(p, op),
-                                     k, item, st, stage, gemv_epilogue<T>(p, op, kv_layer), pro);
+                                     static_cast<const T*>(op.w1), buf(op.in), x_stride, out, out_w, p.batch,
+                                     gemv_rows(p, op), x_stride, item, st, stage, gemv_epilogue<T>(p, op, kv_layer), pro);
       break;
     }
     case int32_t(Opcode::kQkNorm):
@@ -245,6 +290,16 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
       break;
     case schedule::kOpMoeCombine:
       moe_combine_item<T>(p, buf(op.out), b, part);
+      break;
+    case int32_t(Opcode::kLaneScale):
+    case int32_t(Opcode::kLaneSum):
+    case int32_t(Opcode::kLaneGather):
+    case int32_t(Opcode::kLaneAddPast):
+    case int32_t(Opcode::kLaneMean):
+    case int32_t(Opcode::kLaneMergeSum):
+      if constexpr (!kQuant)
+        lane_op_item<T>(p, op, buf(op.in), buf(op.out), op.residual >= 0 ? buf(op.residual) : nullptr,
+                        buf(int32_t(Buffer::kLaneHist)), b, part);
       break;
     case int32_t(Opcode::kSample): {  // item = b: the draw from the partial's summaries
       const int64_t n_chunks = sample_chunks(p.dims.vocab), first = int64_t(b) * n_chunks;
@@ -331,7 +386,7 @@ __device__ inline bool next_linear_item(const PersistentDecodeParams& p, int32_t
 
 // Fills the free stages with the next GEMV items from (op j, item cand) on, in the order this
 // workgroup will run them (items already staged are skipped, not reloaded).
-template <typename T>
+template <typename T, bool kQuant>
 __device__ inline void stage_next(const PersistentDecodeParams& p, WeightStages<T>& st, int32_t j, int64_t cand,
                                   int step) {
   bool wrap = step + 1 < p.n_steps, wrapped = false;
@@ -343,7 +398,7 @@ __device__ inline void stage_next(const PersistentDecodeParams& p, WeightStages<
       const int s = st.free_stage();
       if (s < 0) return;
       const Op& l = p.program[o];
-      st.issue(s, o, i, l.w0, gemv_rows(p, l), gemv_row_bytes<T>(l, buffer_width(p, l.in)),
+      st.issue(s, o, i, l.w0, gemv_rows(p, l), gemv_row_bytes<T>(l, gemv_k<kQuant>(p, l)),
                gemv_epilogue<T>(p, l, nullptr).rows());
     }
     j = o, cand = i + gridDim.x;
@@ -376,7 +431,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(Persiste
       bool ready = op.n_deps == 0;  // deps are ops of this step: the step's start waited for the last
       // The next LINEAR item's weights load while this op waits and runs (weights never depend
       // on activations); a workgroup with no item here runs ahead to its next op.
-      stage_next<T>(p, st, j, blockIdx.x, step);
+      stage_next<T, kQuant>(p, st, j, blockIdx.x, step);
       for (int64_t item = blockIdx.x; item < n_items; item += gridDim.x) {
         if (!ready) {
           wait_for_ops(p, op.deps, op.n_deps, int64_t(step) * p.n_ops);
@@ -388,16 +443,16 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(Persiste
           if (stage < 0) {           // not reached (the next item is staged whenever a stage frees)
             st.reset();
             stage = 0;
-            st.issue(stage, j, item, op.w0, gemv_rows(p, op), gemv_row_bytes<T>(op, buffer_width(p, op.in)),
+            st.issue(stage, j, item, op.w0, gemv_rows(p, op), gemv_row_bytes<T>(op, gemv_k<kQuant>(p, op)),
                      gemv_epilogue<T>(p, op, nullptr).rows());
           }
-          stage_next<T>(p, st, j, item + gridDim.x, step);  // NVIDIA: the next items load while this runs
+          stage_next<T, kQuant>(p, st, j, item + gridDim.x, step);  // NVIDIA: the next items load while this runs
           st.wait(stage);
         }
         run_item<T, kQuant>(p, op, item, step, st, stage, smem);
         if (stage >= 0) {
           st.release(stage);
-          stage_next<T>(p, st, j, item + gridDim.x, step);  // into the stage just freed (AMD: the only one)
+          stage_next<T, kQuant>(p, st, j, item + gridDim.x, step);  // into the stage just freed (AMD: the only one)
         }
         if (op.op == kOpLinearSamplePartial)  // after the staging: the next weights load during the tail
           sample_partial_tail<T>(p, reinterpret_cast<const T*>(p.buffers[op.out]), item, smem);

@@ -18,14 +18,15 @@ __device__ __forceinline__ void row_chunk(int64_t width, int part, int64_t& begi
   end = begin + kRowChunk < width ? begin + kRowChunk : width;
 }
 
-// out[b] = embed[token[b]] (a row copy), chunk `part`.
+// out[b] = embed[token[b]] (a row copy), chunk `part` of out's `width`: hidden, or a lane-wide
+// buffer's n_lanes hidden (Laneformer: every lane starts from the embedding).
 template <typename T>
-__device__ void embed_item(const T* __restrict__ table, const int32_t* tokens, T* out, int64_t hidden, int b,
-                           int part) {
+__device__ void embed_item(const T* __restrict__ table, const int32_t* tokens, T* out, int64_t hidden, int64_t width,
+                           int b, int part) {
   const T* src = table + int64_t(tokens[b]) * hidden;
   int64_t i0, i1;
-  row_chunk(hidden, part, i0, i1);
-  for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) out[b * hidden + i] = src[i];
+  row_chunk(width, part, i0, i1);
+  for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) out[b * width + i] = src[i % hidden];
 }
 
 // out[b] = rmsnorm(x[b]) * w over chunk `part` of the row: every item sums the squares of the

@@ -22,7 +22,9 @@ from kog import _C
 from kog.config import ModelConfig
 from kog.errors import BackendError, InvalidRequest
 from kog.models.decode import lower_program, model_dims, schedule_for
-from kog.int4 import to_gpu_weights
+from kog.fp8 import Fp8Weight
+from kog.int4 import Int4Weight, to_gpu_weights
+from kog.quantized import QuantizedWeight
 
 # The field types of csrc/schedule/sampling_row.h SamplingRow; offsets and size come from C++.
 SAMPLING_ROW_FORMATS = {"temperature": "<f4", "top_k": "<i4", "top_p": "<f4", "min_p": "<f4", "seed": "<u8"}
@@ -65,14 +67,19 @@ class StagedDecode:
     result: GpuDecodeResult
 
 
-def kernel_runs(config: ModelConfig) -> bool:
-    """Whether the persistent decode kernel runs config's program. Not yet: Laneformer lanes
-    (csrc/schedule/gpu_program.cpp refuses them), and mixture-of-experts layers past the kernel's
+def kernel_runs(config: ModelConfig, weights: dict | None = None) -> bool:
+    """Whether the persistent decode kernel runs config's program (with `weights`, when given:
+    prepared weights as GpuDecoder takes them). Not yet: Laneformer lanes split over
+    tensor-parallel ranks or with FP8 / 4-bit weights (the kernel runs lanes on one device in the
+    run dtype: csrc/schedule/gpu_program.cpp), and mixture-of-experts layers past the kernel's
     router limits (routed + shared slots per row, router rows: csrc/schedule/moe_route.h);
     ModelRunner decodes such a model on the GPU through the program interpreter (torch and kog's
     GPU ops, one step per call)."""
-    if config.lanes is not None and config.lanes.num_lanes > 1:
+    if config.shard.size > 1:
         return False
+    if config.lanes is not None and config.lanes.num_lanes > 1:
+        quantized = (Fp8Weight, Int4Weight, QuantizedWeight)
+        return weights is None or not any(isinstance(w, quantized) for w in weights.values())
     if config.moe_layers:
         slots = config.num_experts_per_tok + config.shared_expert_slots
         router_rows = config.num_experts + (1 if config.shared_expert_slots else 0)

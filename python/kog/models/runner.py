@@ -111,11 +111,12 @@ class ModelRunner:
         elif self.device.type == "cuda":
             from kog.models.gpu_decode import GpuDecoder, kernel_runs
 
-            if kernel_runs(c):
+            if kernel_runs(c, self.weights):
                 self._gpu = GpuDecoder(c, self.weights, self.kv.kv, block_size, self.inv_freq)
             else:
-                log.info("%s: the persistent decode kernel does not run its program yet (mixture of experts or "
-                         "lanes): decode goes through the program interpreter on the GPU, one step per call",
+                log.info("%s: the persistent decode kernel does not run its program yet (mixture of experts past "
+                         "its router limits, or quantized lanes): decode goes through the program interpreter on "
+                         "the GPU, one step per call",
                          c.architecture)
         else:
             self._executor = build_executor(c, self.weights, self.kv.kv, block_size, self.inv_freq)

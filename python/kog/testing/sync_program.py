@@ -78,6 +78,16 @@ def kv_cache(layer: int) -> str:
     return f"kv.{layer}"
 
 
+def lane_hist(slot: int) -> str:
+    """One LANE_HIST slot: a resource of its own (a delayed reduction reads one slot, while other
+    layers write the others)."""
+    return f"lane_hist.{slot}"
+
+
+LANE_OPS = (Opcode.LANE_SCALE, Opcode.LANE_SUM, Opcode.LANE_GATHER, Opcode.LANE_ADD_PAST, Opcode.LANE_MEAN,
+            Opcode.LANE_MERGE_SUM)
+
+
 ROW_CHUNK, ROPE_HEADS = 512, 4  # kRowChunk, kRopeHeads (csrc/gpu/decode/tuning.cuh)
 
 
@@ -104,13 +114,16 @@ def items_of(op: _C.Op, dims: _C.ModelDims, batch: int, max_parts: int, rows_per
         return ceil(dims.buffer_width(op.out) // 2, rows_per_item // 2)
     if code == Opcode.ATTN_DECODE:  # (sequence, KV head, partition): the head's GQA group
         return batch * dims.n_kv_heads * max_parts
-    if code == Opcode.RMS_NORM:
-        parts = 1 if op.residual >= 0 else ceil(dims.buffer_width(op.out), ROW_CHUNK)
-    elif code == MOE_COMBINE:
+    if code == Opcode.RMS_NORM:  # a lane-wide row: each lane normalized on its own
+        width = dims.buffer_width(op.out)
+        rows = dims.n_lanes if dims.n_lanes > 1 and width == dims.n_lanes * dims.hidden else 1
+        parts = rows * (1 if op.residual >= 0 else ceil(width // rows, ROW_CHUNK))
+    elif code in (MOE_COMBINE, *LANE_OPS):  # chunks of hidden (a lane op: over every lane)
         parts = ceil(dims.hidden, ROW_CHUNK)
+    elif code == Opcode.EMBED:  # chunks of its output (a lane-wide one: the row in every lane)
+        parts = ceil(dims.buffer_width(op.out), ROW_CHUNK)
     else:
-        parts = {Opcode.EMBED: ceil(dims.hidden, ROW_CHUNK),
-                 Opcode.QK_NORM: ceil(dims.n_q_heads + dims.n_kv_heads, warps),
+        parts = {Opcode.QK_NORM: ceil(dims.n_q_heads + dims.n_kv_heads, warps),
                  Opcode.ROPE: ceil(dims.n_q_heads + dims.n_kv_heads, ROPE_HEADS),
                  Opcode.KV_APPEND: dims.n_kv_heads,
                  Opcode.SILU_MUL: ceil(dims.intermediate, ROW_CHUNK)}.get(Opcode(code), 1)
@@ -146,6 +159,14 @@ def accesses(op: _C.Op) -> tuple[set[str], set[str]]:
         return {i, SLOTS}, {kv_cache(op.layer)}
     if code == Opcode.ATTN_DECODE:  # the partial phase: q from `in`, keys and values of its layer
         return {i, kv_cache(op.layer), SEQ_LENS}, {PARTIALS}
+    if code == Opcode.LANE_GATHER:  # the lanes into one LANE_HIST slot
+        return {i}, {lane_hist(op.slot)}
+    if code == Opcode.LANE_ADD_PAST:  # in place, plus the kept lanes of one slot
+        return {i, lane_hist(op.slot)}, {i}
+    if code == Opcode.LANE_MERGE_SUM:
+        return {i, buffer(op.residual)}, {o}
+    if code in LANE_OPS:  # SCALE, SUM (in place), MEAN
+        return {i}, {o}
     if code == Opcode.SAMPLE:
         # NOTE: the position/seq_len/slot advance happens only when another step follows; the
         # model counts it as written every step, which only adds hazards to look for.
