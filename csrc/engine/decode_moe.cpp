@@ -165,16 +165,21 @@ void DecodeExecutor::experts_part(const Op& op, int64_t batch, int t, int nt) {
   uint32_t epoch = epoch_base_ + program_epochs_ + moe_epochs_;
   float* scratch = scratch_.data() + t * scratch_stride_;
   // One GEMM per group of pairs (an expert's, or one pair when not merging): out rows
-  // [first, first + m) = in rows [first, first + m) @ expert e's [n, k] matrix of the stack w.
+  // [first, first + m) = in rows [first, first + m) @ expert e's [n, k] matrix of the stack w,
+  // the stack's matrix `local`: with a placement the stacks hold this rank's experts only, in
+  // ascending expert order (program.h Op::expert_ranks).
   auto gemms = [&](const void* w, int32_t w_type, char* out, const char* in, int64_t n, int64_t k) {
     const int64_t expert_bytes = n * expert_row_bytes(w_type, k);
-    for (int64_t e = 0; e < E; ++e)
+    for (int64_t e = 0, local = 0; e < E; ++e) {
+      if (!mine(int32_t(e))) continue;
       for (int64_t first = moe_start_[size_t(e)], end = moe_start_[size_t(e + 1)]; first < end;) {
         const int64_t m = merge ? end - first : 1;
-        expert_gemm(static_cast<const char*>(w) + e * expert_bytes, w_type, out + first * n * elem_,
+        expert_gemm(static_cast<const char*>(w) + local * expert_bytes, w_type, out + first * n * elem_,
                     in + first * k * elem_, m, n, k, scratch, epoch++, t);
         first += m;
       }
+      ++local;
+    }
   };
   gemms(op.w0, op.w_type, gu, x, 2 * I, H);
   pool.barrier();

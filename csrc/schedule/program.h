@@ -146,7 +146,8 @@ struct Op {
   int32_t vocab_slice = 0;
   // MOE_EXPERTS: null, or [n_experts + shared_slots] the tensor-parallel rank each expert runs on
   // (expert parallelism): a rank computes only the pairs routed to its experts, and the LANE_SUM
-  // after the block adds the ranks' partial outputs. On one rank every expert must be its own.
+  // after the block adds the ranks' partial outputs; w0 / w1 then stack only this rank's experts
+  // ([local experts, ...], in ascending expert order). On one rank every expert must be its own.
   const int32_t* expert_ranks = nullptr;
   // A GPU weight format's scales (else null): kWeightFp8 [rows] f32 per row; kWeightQ4Groups
   // [rows, k / 32] (f16, f16) per group; kWeightQ4K [rows, k / 256] 16-byte super-block headers.

@@ -217,6 +217,30 @@ def test_moe_families_with_experts_placed_on_two_ranks_equal_the_plain_model(arc
     assert expert_ranks(local).tolist() == [0, 0, 1, 1] + ([0, 1] if arch == "qwen2_moe" else [])
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_a_rank_keeps_only_its_experts_matrices(arch):
+    # Rank r's stacks hold its experts, in ascending order (MOE_EXPERTS indexes them so): half of
+    # the experts' bytes per rank at 2 ranks, the routers whole.
+    from kog.models.weights import expert_ranks, prepare_weights, weight_bytes
+
+    config = lane_form(tiny_config(arch, num_hidden_layers=3), 2)
+    w = random_weights(tiny_config(arch, num_hidden_layers=3), seed=8)
+    full = prepare_weights(tiny_config(arch, num_hidden_layers=3), w, torch.float32)
+    layer = f"model.layers.{config.moe_layers[0]}.mlp."
+    sizes = []
+    for rank in range(2):
+        local = shard_config(config, rank, 2)
+        prepared = prepare_weights(local, shard_weights(local, w), torch.float32)
+        mine = (expert_ranks(local) == rank).nonzero().flatten()
+        for name in ("experts.gate_up_proj", "experts.down_proj"):
+            assert torch.equal(prepared[layer + name], full[layer + name][mine])
+        assert torch.equal(prepared[layer + "gate.weight"], full[layer + "gate.weight"])
+        sizes.append(sum(prepared[layer + n].nbytes for n in ("experts.gate_up_proj", "experts.down_proj")))
+    stacked = sum(full[layer + n].nbytes for n in ("experts.gate_up_proj", "experts.down_proj"))
+    assert sizes == [stacked // 2, stacked // 2]
+    assert weight_bytes(prepared) < weight_bytes(full)
+
+
 @pytest.mark.parametrize("arch", ["llama", "laneformer_tp"])
 def test_kog_llm_with_two_ranks_generates_what_one_rank_generates(tmp_path, arch):
     import kog

@@ -99,7 +99,17 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
                 if name in out:
                     out[name] = lane_columns(out[name], config.lanes.num_lanes)
             if n in config.moe_layers and config.shard.size > 1:  # expert parallelism
-                out[m + "experts.ranks"] = expert_ranks(config)
+                ranks = expert_ranks(config)
+                out[m + "experts.ranks"] = ranks
+                # The rank keeps its experts' matrices only, in ascending expert order (what
+                # MOE_EXPERTS reads with a placement: csrc/schedule/program.h Op::expert_ranks).
+                mine = (ranks == config.shard.rank).nonzero().flatten()
+                for name in ("experts.gate_up_proj", "experts.down_proj"):
+                    stack = out[m + name]
+                    if not isinstance(stack, torch.Tensor):
+                        raise ModelLoadError(f"{m + name}: expert parallelism needs float expert weights, got "
+                                             f"{type(stack).__name__}")
+                    out[m + name] = stack[mine].contiguous()
     return out
 
 

@@ -237,15 +237,21 @@ def _moe_experts(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: t
     counts = torch.bincount(ids, minlength=n_stack).tolist()
     acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     start = 0
-    placement = w[2].tolist() if len(w) > 2 else None  # expert parallelism: this rank's experts only
+    # Expert parallelism: this rank's experts only, its stacks holding just them in ascending order.
+    placement = w[2].tolist() if len(w) > 2 else None
+    local = -1  # e's place in this rank's stacks
     for e, m in enumerate(counts):
-        if m == 0 or (placement is not None and placement[e] != it.config.shard.rank):
+        if placement is not None and placement[e] != it.config.shard.rank:
             start += m
+            continue
+        local += 1
+        if m == 0:
             continue
         pairs = order[start:start + m]
         rows = pairs // k
-        y = _expert_mm(ops.silu_and_mul(_expert_mm(x[rows], w[0], e, n_stack)), w[1], e, n_stack)  # [m, hidden]
-        acc.index_add_(0, rows, y.float() * weights[pairs, None])
+        n_local = n_stack if placement is None else placement.count(it.config.shard.rank)
+        y = _expert_mm(ops.silu_and_mul(_expert_mm(x[rows], w[0], local, n_local)), w[1], local, n_local)
+        acc.index_add_(0, rows, y.float() * weights[pairs, None])  # y [m, hidden]
         start += m
     s.write(ins.writes[0], acc.to(x.dtype), ins.rows)
 
