@@ -241,12 +241,12 @@ def test_a_rank_keeps_only_its_experts_matrices(arch):
     assert weight_bytes(prepared) < weight_bytes(full)
 
 
-@pytest.mark.parametrize("arch", ["llama", "laneformer_tp"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "laneformer_tp"])
 def test_kog_llm_with_two_ranks_generates_what_one_rank_generates(tmp_path, arch):
     import kog
     from kog.testing.tiny_models import write_hf_model
 
-    config = tiny_config(arch, num_hidden_layers=3) if arch == "llama" else lane_model_config(
+    config = tiny_config(arch, num_hidden_layers=3) if arch != "laneformer_tp" else lane_model_config(
         **VARIANTS["delay2_4lanes_lane_scale_lane_head"])
     folder = write_hf_model(tmp_path / arch, config, random_weights(config, seed=6))
     prompts = [{"prompt_token_ids": [5, 17, 99, 3, 250, 8, 41]}, {"prompt_token_ids": list(range(30, 52))}]
@@ -440,3 +440,49 @@ def test_a_follower_whose_sampling_state_disagrees_with_rank_0_stops_before_deco
     tables = np.zeros((1, 1), dtype=np.int32)
     with pytest.raises(TransportError, match="counted 1 outputs, rank 0's 2"):
         follower.run([(key, args, np.array([9], np.int32), 2)], np.array([9]), np.array([3]), tables, 1)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per_expert"])
+def test_a_rank_reads_only_its_routed_experts_from_safetensors(tmp_path, monkeypatch, layout):
+    # qwen2_moe: 4 routed experts (2 per rank) and a shared expert (whole on every rank, its
+    # slices placed round-robin later). Stored stacked, the rank's rows are sliced out of the file;
+    # stored one tensor per expert, only its experts' tensors are read at all.
+    from safetensors.torch import save_file
+
+    from kog.loader import load_model
+    from kog.loader import safetensors as st
+    from kog.testing.tiny_models import write_hf_model
+
+    config = tiny_config("qwen2_moe", num_hidden_layers=2)
+    w = random_weights(config, seed=5)
+    folder = write_hf_model(tmp_path / "m", config, w)
+    if layout == "per_expert":  # save_pretrained's names: mlp.experts.<e>.{gate,up,down}_proj.weight
+        ie, stored = config.moe_intermediate_size, {}
+        for name, t in w.items():
+            if name.endswith("mlp.experts.gate_up_proj"):
+                p = name[: -len("gate_up_proj")]
+                for e in range(config.num_experts):
+                    stored[f"{p}{e}.gate_proj.weight"] = t[e, :ie].clone()
+                    stored[f"{p}{e}.up_proj.weight"] = t[e, ie:].clone()
+            elif name.endswith("mlp.experts.down_proj"):
+                p = name[: -len("down_proj")]
+                for e in range(config.num_experts):
+                    stored[f"{p}{e}.down_proj.weight"] = t[e].clone()
+            else:
+                stored[name] = t
+        save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    parts_read = []
+    combine = st.combine
+    monkeypatch.setattr(st, "combine", lambda name, parts, tensors: parts_read.append(len(parts)) or
+                        combine(name, parts, tensors))
+    full = load_model(folder, "float32")
+    layer = f"model.layers.{config.moe_layers[0]}.mlp.experts."
+    for rank in range(2):
+        parts_read.clear()
+        local = load_model(folder, "float32", shard=lambda c, r=rank: shard_config(lane_form(c, 2), r, 2))
+        for name in ("gate_up_proj", "down_proj"):
+            assert torch.equal(local.weights[layer + name], full.weights[layer + name][2 * rank:2 * rank + 2])
+        if layout == "per_expert":  # per MoE layer: 2 experts' gate and up, then their down
+            assert parts_read and set(parts_read) <= {2 * 2, 2} and 2 * 2 in parts_read
+        else:
+            assert not parts_read  # sliced straight from the stored stacks

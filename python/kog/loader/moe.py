@@ -55,6 +55,11 @@ def stored_experts(names: set[str], config: ModelConfig, layer: int) -> dict[str
     }
 
 
+def is_expert_stack(canonical: str) -> bool:
+    """Whether `canonical` is one of the [E, ...] expert stacks (not the router)."""
+    return canonical.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+
+
 def source_shape(canonical: str, stored: str, config: ModelConfig, expected: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
     """The shape stored tensor `stored` must have to make `canonical` (one expert's matrix, or
     the canonical shape itself)."""

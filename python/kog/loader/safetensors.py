@@ -21,7 +21,7 @@ from kog.errors import ModelLoadError
 from kog.loader.fp8_checkpoint import fp8_matrix, read_fp8_checkpoint
 from kog.loader.int4_checkpoint import SUFFIXES as INT4_SUFFIXES
 from kog.loader.int4_checkpoint import int4_matrix, read_int4_checkpoint
-from kog.loader.moe import combine, source_shape
+from kog.loader.moe import combine, is_expert_stack, source_shape
 from kog.loader.weights import Weights, check_shape, expected_shapes, progress_bar, select_names, stored_sources
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -132,8 +132,13 @@ def load_safetensors(
                 bar.update()
                 continue
             stored_whole = sources[name] == [name]
-            w = read(name, name, index) if stored_whole else combine(name, sources[name],
-                                                                     [read(name, n) for n in sources[name]])
+            parts = sources[name]
+            if not stored_whole and index is not None and is_expert_stack(name):
+                # one tensor per expert (kog.loader.moe): read only the experts index keeps
+                per = len(parts) // config.num_experts  # gate_up: gate and up; down: one
+                experts = index[0]
+                parts, index = parts[experts.start * per:experts.stop * per], index[1:] or None
+            w = read(name, name, index) if stored_whole else combine(name, parts, [read(name, n) for n in parts])
             if not stored_whole and index is not None:
                 w = w[index]
             if w.dtype == torch.float8_e4m3fn or (fp8 is not None and scale_of(name) is not None):

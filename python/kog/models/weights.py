@@ -103,13 +103,18 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
                 out[m + "experts.ranks"] = ranks
                 # The rank keeps its experts' matrices only, in ascending expert order (what
                 # MOE_EXPERTS reads with a placement: csrc/schedule/program.h Op::expert_ranks).
-                mine = (ranks == config.shard.rank).nonzero().flatten()
+                # The routed ones are all it read (shard_index); of the shared expert's slices,
+                # appended after them, it keeps its own.
+                routed = len(rank_routed_experts(config))
+                shared = (ranks[config.num_experts:] == config.shard.rank).nonzero().flatten()
+                keep = torch.cat([torch.arange(routed), routed + shared])
                 for name in ("experts.gate_up_proj", "experts.down_proj"):
                     stack = out[m + name]
-                    if not isinstance(stack, torch.Tensor):
-                        raise ModelLoadError(f"{m + name}: expert parallelism needs float expert weights, got "
-                                             f"{type(stack).__name__}")
-                    out[m + name] = stack[mine].contiguous()
+                    if not isinstance(stack, torch.Tensor) or stack.shape[0] != routed + config.shared_expert_slots:
+                        raise ModelLoadError(f"{m + name}: a rank's expert stack must be its {routed} routed "
+                                             f"experts (+ shared slices) in a float type, got "
+                                             f"{type(stack).__name__} {tuple(stack.shape)}")
+                    out[m + name] = stack[keep].contiguous()
     return out
 
 
@@ -142,6 +147,13 @@ def expert_ranks(config: ModelConfig) -> torch.Tensor:
     routed experts (expert e on rank e N / E), the shared expert's slices round-robin."""
     E, S, N = config.num_experts, config.shared_expert_slots, config.shard.size
     return torch.tensor([e * N // E for e in range(E)] + [s % N for s in range(S)], dtype=torch.int32)
+
+
+def rank_routed_experts(config: ModelConfig) -> range:
+    """The routed experts config's rank runs (expert_ranks: one contiguous block), which is all a
+    rank reads of the stored expert tensors (kog.parallel.shard.shard_index)."""
+    E, N, r = config.num_experts, config.shard.size, config.shard.rank
+    return range(-(-r * E // N), -(-(r + 1) * E // N))  # {e : e N // E == r}
 
 
 def lane_columns(w: torch.Tensor, lanes: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 from kog.config import ModelConfig
 from kog.errors import ModelLoadError
 from kog.lane_config import LaneConfig, LaneShard
+from kog.models.weights import rank_routed_experts
 from kog.program.lanes import splits_replicated_head
 
 
@@ -111,8 +112,9 @@ def shard_index(config: ModelConfig, name: str, ndim: int) -> tuple[slice, ...] 
     the LM head as its type needs (lane: the columns of the rank's lanes; vocab_parallel: its
     lanes' vocabulary rows; replicate: whole). Other families (HF Llama names): the rank's rows
     of q/k/v (and biases) and gate/up, its columns of o_proj and down_proj, its vocabulary rows of
-    a vocabulary-parallel head; experts, routers and shared experts whole (kog.models.weights.expert_ranks
-    places them)."""
+    a vocabulary-parallel head; of the stacked experts, the rank's routed ones
+    (kog.models.weights.rank_routed_experts); routers and shared experts whole (expert_ranks
+    places the shared expert's slices)."""
     lanes, shard = config.lanes, config.shard
     assert lanes is not None
     if shard.size == 1:
@@ -133,7 +135,10 @@ def shard_index(config: ModelConfig, name: str, ndim: int) -> tuple[slice, ...] 
     q, kv, units = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
     rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": units, "up_proj": units}  # per rank
     cols = {"o_proj": q, "down_proj": units}
-    expert = "shared_expert" in name or ".experts." in name or name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+    if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):  # [E, ...]: the rank's routed experts
+        mine = rank_routed_experts(config)
+        return (slice(mine.start, mine.stop),)
+    expert = "shared_expert" in name or ".experts." in name
     kind = name.split(".")[-2] if name.startswith("model.layers.") and not expert else None
     if kind in ("k_proj", "v_proj") and lanes.kv_repeat > 1:  # the stored heads of the rank's replicated ones
         local = config.num_key_value_heads
