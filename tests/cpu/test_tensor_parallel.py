@@ -486,3 +486,58 @@ def test_a_rank_reads_only_its_routed_experts_from_safetensors(tmp_path, monkeyp
             assert parts_read and set(parts_read) <= {2 * 2, 2} and 2 * 2 in parts_read
         else:
             assert not parts_read  # sliced straight from the stored stacks
+
+
+def test_a_quantized_model_is_refused_by_type_and_leaves_no_group_behind(tmp_path):
+    # Q8_0 blocks are kept by default (dtype auto): refused before any rank starts, as an
+    # InvalidRequest; the same file at float32 then splits fine in the same process.
+    from kog.testing.tiny_models import write_gguf_model
+
+    config = tiny_config("qwen3_moe", num_hidden_layers=2, intermediate_size=256)
+    path = write_gguf_model(tmp_path / "m.gguf", config, random_weights(config, seed=6), "Q8_0")
+    with pytest.raises(kog.InvalidRequest, match="tensor parallelism needs float weights"):
+        kog.LLM(str(path), tensor_parallel_size=2)
+    greedy = kog.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [5, 17, 99, 3]}]
+    want = kog.LLM(str(path), dtype="float32").generate(prompt, greedy)[0].outputs[0].token_ids
+    llm = kog.LLM(str(path), dtype="float32", tensor_parallel_size=2)
+    try:
+        assert llm.generate(prompt, greedy)[0].outputs[0].token_ids == want
+    finally:
+        llm.engine.runner.close()
+
+
+def test_shard_weights_refuses_quantized_blocks_by_name():
+    from kog.quantized import QuantizedWeight
+
+    config = lane_form(tiny_config("llama"), 2)
+    local = shard_config(config, 0, 2)
+    w = random_weights(tiny_config("llama"), seed=1)
+    w["model.layers.0.self_attn.q_proj.weight"] = QuantizedWeight.__new__(QuantizedWeight)  # only its type is looked at
+    with pytest.raises(kog.InvalidRequest, match=r"q_proj.weight is QuantizedWeight"):
+        shard_weights(local, w)
+
+
+def test_a_rank_0_that_fails_to_build_kills_the_workers_and_leaves_the_group(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    from kog.parallel import ranks
+    from kog.testing.tiny_models import write_hf_model
+
+    folder = write_hf_model(tmp_path / "m", tiny_config("llama"))
+    real = ranks.build_rank_runner
+
+    def fails(*args, **kwargs):
+        raise ModelLoadError("rank 0 cannot build (test)")
+
+    monkeypatch.setattr(ranks, "build_rank_runner", fails)
+    with pytest.raises(ModelLoadError, match="cannot build"):
+        kog.LLM(str(folder), dtype="float32", tensor_parallel_size=2)
+    assert not dist.is_initialized()
+    monkeypatch.setattr(ranks, "build_rank_runner", real)
+    llm = kog.LLM(str(folder), dtype="float32", tensor_parallel_size=2)  # a fresh group, new workers
+    try:
+        greedy = kog.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert len(llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy)[0].outputs[0].token_ids) == 4
+    finally:
+        llm.engine.runner.close()

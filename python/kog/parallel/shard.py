@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from kog.config import ModelConfig
-from kog.errors import ModelLoadError
+from kog.errors import InvalidRequest, ModelLoadError
 from kog.lane_config import LaneConfig, LaneShard
 from kog.models.weights import rank_routed_experts
 from kog.program.lanes import splits_replicated_head
@@ -73,11 +73,23 @@ def shard_config(config: ModelConfig, rank: int, size: int) -> ModelConfig:
         lanes=dataclasses.replace(lanes, num_lanes=lanes.num_lanes // size), shard=LaneShard(rank, size))
 
 
+# Why a quantized model is refused (kog.parallel.ranks too): its blocks are not cut by rows or
+# columns of elements.
+FLOAT_WEIGHTS_ONLY = ("tensor parallelism needs float weights: load a quantized GGUF with dtype='float32' or "
+                      "'bfloat16'")
+
+
 def shard_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The full checkpoint's tensors cut to config's shard (a shard_config view), as
-    shard_index says. Views, no copies."""
+    shard_index says. Views, no copies.
+
+    Raises:
+        InvalidRequest: a weight is not a float tensor (FLOAT_WEIGHTS_ONLY).
+    """
     out = {}
     for name, w in weights.items():
+        if not isinstance(w, torch.Tensor):
+            raise InvalidRequest(f"{FLOAT_WEIGHTS_ONLY} ({name} is {type(w).__name__})")
         index = shard_index(config, name, w.dim())
         out[name] = w if index is None else w[index]
     return replicate_kv_heads(config, out)
