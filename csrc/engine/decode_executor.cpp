@@ -364,10 +364,15 @@ LinearParams DecodeExecutor::linear_params(const Op& op, int64_t batch) {
 }
 
 LinearQuantParams DecodeExecutor::linear_quant_params(const Op& op, int64_t batch, float* scratch) {
-  // f32 run (validate_program), so out is the f32 buffer itself and the bias f32.
-  const int64_t n = width(Buffer(op.out)), kdim = width(Buffer(op.in));
-  LinearQuantParams p{reinterpret_cast<float*>(out_of(op)), buf(op.in), static_cast<const uint8_t*>(op.w0),
-                      scratch, batch, n, kdim, kdim, n, d_.dtype, QuantType(op.w_type)};
+  // f32 run (validate_program), so out is the f32 buffer itself and the bias f32. A rank's
+  // vocabulary slice of LOGITS (program.h): its rows' columns, as linear_params places them.
+  const int64_t w = width(Buffer(op.out)), kdim = width(Buffer(op.in));
+  const bool slice = op.vocab_slice && op.lanes == 1;
+  const int64_t n = slice ? d_.vocab / d_.lane_ranks : w;
+  float* out = slice ? reinterpret_cast<float*>(buf(op.out)) + schedule::lane_logits_offset(d_)
+                     : reinterpret_cast<float*>(out_of(op));
+  LinearQuantParams p{out, buf(op.in), static_cast<const uint8_t*>(op.w0), scratch, batch, n, kdim, kdim, w,
+                      d_.dtype, QuantType(op.w_type)};
   p.bias = static_cast<const float*>(op.w1);
   p.x_stages = kQuantXStages;
   return p;

@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run dtype; auto: bfloat16 for bf16 checkpoints, else float32 (half is float16)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU build of kog)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="split the model over N ranks (processes on this host; CPU, float weights)")
+                   help="split the model over N ranks (processes on this host; CPU)")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: round the linear matrices to FP8 e4m3 with per-channel scales at load "
                         "(default: none, 'as stored')")

@@ -66,6 +66,25 @@ class QuantizedWeight:
         """The same matrix over other bytes (a copy elsewhere, rows reordered)."""
         return QuantizedWeight(data, self.qtype, self.cols)
 
+    def take(self, index: tuple[slice, ...]) -> QuantizedWeight:
+        """Part of a file-form matrix as a torch index on [rows, cols] takes it: (rows,) or
+        (rows, cols) with cols in whole blocks (a tensor-parallel rank's share), copied.
+
+        Raises:
+            InvalidRequest: a packed matrix, a step, or columns that cut a block.
+        """
+        from kog.ops import quant_row_bytes
+
+        if self.packed or len(index) > 2 or any(s.step not in (None, 1) for s in index):
+            raise InvalidRequest(f"cannot take {index} of a {self.type_name} matrix")
+        data = self.data[index[0]]
+        if len(index) == 1 or index[1] == slice(None):
+            return self.with_data(data.clone())  # its own bytes (a view would share the whole's address)
+        lo, hi, _ = index[1].indices(self.cols)
+        start = quant_row_bytes(self.qtype, lo) if lo else 0  # InvalidRequest when lo or hi cuts a block
+        return QuantizedWeight(data[:, start:start + quant_row_bytes(self.qtype, hi - lo)].contiguous(), self.qtype,
+                               hi - lo)
+
     @property
     def file_type_name(self) -> str:
         """The GGUF type of the blocks: type_name without the packed form's `_R8`."""

@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "once the weights are loaded (default: unset, --kv-cache-gib's default applies)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="split the model over N ranks (processes on this host; CPU, float weights)")
+                   help="split the model over N ranks (processes on this host; CPU)")
     p.add_argument("--nnodes", type=int, default=1, help="hosts the ranks run on (SGLang's flag)")
     p.add_argument("--node-rank", type=int, default=0,
                    help="this host's index: 0 serves (rank 0); others only run their ranks")

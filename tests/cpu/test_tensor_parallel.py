@@ -294,17 +294,19 @@ def test_a_dead_rank_fails_the_request_with_a_transport_error_instead_of_hanging
 
 
 @pytest.mark.slow
-def test_smollm2_over_three_ranks_generates_what_one_process_generates():
+@pytest.mark.parametrize("dtype", ["float32", None], ids=["dequantized", "q4_1_blocks"])
+def test_smollm2_over_three_ranks_generates_what_one_process_generates(dtype):
     # SmolLM2-135M: 9 query heads over 3 KV heads, so 3 ranks (3 heads and 1 KV head each);
-    # its tied head is replicated. fp32 from the Q4_1 GGUF dequantized at load.
+    # its tied head is replicated. fp32 from the Q4_1 GGUF dequantized at load, or its blocks
+    # kept (dtype None): each rank holds its rows / whole blocks of columns of each matrix.
     import kog
 
     prompts = ["The capital of France is", "def fibonacci(n):"]
     greedy = kog.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    one = kog.LLM(None, dtype="float32", max_num_seqs=2)
+    one = kog.LLM(None, dtype=dtype, max_num_seqs=2)
     want = [o.outputs[0].token_ids for o in one.generate(prompts, greedy)]
     del one
-    llm = kog.LLM(None, dtype="float32", max_num_seqs=2, tensor_parallel_size=3)
+    llm = kog.LLM(None, dtype=dtype, max_num_seqs=2, tensor_parallel_size=3)
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     finally:
@@ -488,34 +490,57 @@ def test_a_rank_reads_only_its_routed_experts_from_safetensors(tmp_path, monkeyp
             assert not parts_read  # sliced straight from the stored stacks
 
 
-def test_a_quantized_model_is_refused_by_type_and_leaves_no_group_behind(tmp_path):
-    # Q8_0 blocks are kept by default (dtype auto): refused before any rank starts, as an
-    # InvalidRequest; the same file at float32 then splits fine in the same process.
+@pytest.mark.parametrize("quant,tie", [("Q8_0", True), ("Q4_1", False)])
+def test_gguf_blocks_split_over_two_ranks_generate_what_one_process_generates(tmp_path, quant, tie):
+    # The blocks kept (dtype auto): q/k/v/gate/up by byte rows, o/down by whole blocks of
+    # columns, a tied head's vocabulary rows copied from the quantized embedding.
+    from kog.quantized import QuantizedWeight
+    from kog.testing.tiny_models import write_gguf_model
+
+    config = tiny_config("llama", num_hidden_layers=3, intermediate_size=256, tie_word_embeddings=tie)
+    path = write_gguf_model(tmp_path / "m.gguf", config, random_weights(config, seed=6), quant)
+    greedy = kog.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3, 250, 8, 41]}, {"prompt_token_ids": list(range(30, 52))}]
+    want = [o.outputs[0].token_ids for o in kog.LLM(str(path)).generate(prompts, greedy)]
+    llm = kog.LLM(str(path), tensor_parallel_size=2)
+    try:
+        local = llm.engine.runner.local.weights
+        assert isinstance(local["model.layers.0.self_attn.o_proj.weight"], QuantizedWeight)
+        assert local["model.layers.0.mlp.down_proj.weight"].shape == (config.hidden_size, 128)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want
+    finally:
+        llm.engine.runner.close()
+
+
+def test_quantized_moe_experts_are_refused_before_any_rank_starts(tmp_path):
     from kog.testing.tiny_models import write_gguf_model
 
     config = tiny_config("qwen3_moe", num_hidden_layers=2, intermediate_size=256)
     path = write_gguf_model(tmp_path / "m.gguf", config, random_weights(config, seed=6), "Q8_0")
-    with pytest.raises(kog.InvalidRequest, match="tensor parallelism needs float weights"):
+    with pytest.raises(kog.InvalidRequest, match="quantized MoE experts"):
         kog.LLM(str(path), tensor_parallel_size=2)
     greedy = kog.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompt = [{"prompt_token_ids": [5, 17, 99, 3]}]
     want = kog.LLM(str(path), dtype="float32").generate(prompt, greedy)[0].outputs[0].token_ids
-    llm = kog.LLM(str(path), dtype="float32", tensor_parallel_size=2)
+    llm = kog.LLM(str(path), dtype="float32", tensor_parallel_size=2)  # dequantized: splits, same process
     try:
         assert llm.generate(prompt, greedy)[0].outputs[0].token_ids == want
     finally:
         llm.engine.runner.close()
 
 
-def test_shard_weights_refuses_quantized_blocks_by_name():
-    from kog.quantized import QuantizedWeight
+def test_a_split_that_cuts_a_quantized_block_is_refused_by_name():
+    from kog.quantized import quantize_q8_0
 
-    config = lane_form(tiny_config("llama"), 2)
+    config = lane_form(tiny_config("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
+                                   head_dim=16), 2)
     local = shard_config(config, 0, 2)
-    w = random_weights(tiny_config("llama"), seed=1)
-    w["model.layers.0.self_attn.q_proj.weight"] = QuantizedWeight.__new__(QuantizedWeight)  # only its type is looked at
-    with pytest.raises(kog.InvalidRequest, match=r"q_proj.weight is QuantizedWeight"):
+    w = {"model.layers.0.self_attn.q_proj.weight": quantize_q8_0(torch.randn(96, 96)),
+         "model.layers.0.self_attn.o_proj.weight": quantize_q8_0(torch.randn(96, 96))}
+    with pytest.raises(kog.InvalidRequest, match=r"o_proj.weight: its 2-way split: 48 columns do not fill Q8_0"):
         shard_weights(local, w)
+    q = shard_weights(local, {k: v for k, v in w.items() if "q_proj" in k})["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(q.dequantize(), w["model.layers.0.self_attn.q_proj.weight"].dequantize()[:48])
 
 
 def test_a_rank_0_that_fails_to_build_kills_the_workers_and_leaves_the_group(tmp_path, monkeypatch):

@@ -71,7 +71,9 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
         out["lm_head.weight"] = _contiguous(get("lm_head.weight"))
     elif splits_replicated_head(config):  # a rank's slice of a tied head: the embedding's rows, copied
         n = config.vocab_size // config.shard.size
-        out["lm_head.weight"] = out["model.embed_tokens.weight"][config.shard.rank * n:(config.shard.rank + 1) * n].clone()
+        rows = slice(config.shard.rank * n, (config.shard.rank + 1) * n)
+        embed = out["model.embed_tokens.weight"]
+        out["lm_head.weight"] = embed.take((rows,)) if isinstance(embed, QuantizedWeight) else embed[rows].clone()
     for n in range(config.num_hidden_layers):
         p = f"model.layers.{n}."
         a, m = p + "self_attn.", p + "mlp."
@@ -96,7 +98,7 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
             # A model's lane form: o_proj and down_proj as lane-column matrices [L hidden, k / L]
             # (lane l: the columns of its heads / units), what a lane LINEAR into HIDDEN reads.
             for name in (a + "o_proj.weight", m + "down_proj.weight"):
-                if name in out:
+                if name in out and config.lanes.num_lanes > 1:  # (one lane a rank: the matrix as it is)
                     out[name] = lane_columns(out[name], config.lanes.num_lanes)
             if n in config.moe_layers and config.shard.size > 1:  # expert parallelism
                 ranks = expert_ranks(config)
@@ -128,14 +130,14 @@ def pack_quantized(config: ModelConfig, weights: dict[str, Tensor]) -> dict[str,
 
     if os.environ.get("KOG_PACK_QUANT", "1") == "0":
         return weights
-    done: dict[int, QuantizedWeight] = {}
+    done: dict[tuple, QuantizedWeight] = {}
     out = dict(weights)
     for name, w in weights.items():
         if not isinstance(w, QuantizedWeight):
             continue
         stack = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
         rows = w.shape[0] // (config.num_experts + config.shared_expert_slots) if stack else None
-        key = w.data.data_ptr()
+        key = (w.data.data_ptr(), tuple(w.data.shape))  # the same bytes under two names, not a view of part
         if key not in done and can_pack(w, rows):
             done[key] = pack_rows(w)
         out[name] = done.get(key, w)

@@ -33,7 +33,7 @@ import torch
 from kog import _C
 from kog.engine.decode_loop import CpuLoop
 from kog.errors import InvalidRequest
-from kog.parallel.shard import FLOAT_WEIGHTS_ONLY, lane_form, shard_config, shard_weights
+from kog.parallel.shard import lane_form, shard_config, shard_weights
 from kog.parallel.transport import ShmRankTransport, TorchDistTransport, TransportError
 
 # Seconds a collective may wait for the slowest rank before it fails (TransportError).
@@ -77,8 +77,6 @@ def build_rank_runner(spec: RankSpec, rank: int, transport, loaded=None):
     else:
         local = view(loaded.config)
         model = dataclasses.replace(loaded, config=local, weights=shard_weights(local, loaded.weights))
-    if any(not isinstance(w, torch.Tensor) for w in model.weights.values()):
-        raise InvalidRequest(FLOAT_WEIGHTS_ONLY)
     if spec.shm_name is not None:  # ranks on one host: shared memory for prefill and native decode
         transport = shm_transport(spec, model.config, rank)
     return ModelRunner(model, num_kv_blocks=spec.num_kv_blocks, block_size=spec.block_size,
@@ -263,10 +261,8 @@ def start_ranks(spec: RankSpec, loaded=None, placement: Placement = Placement())
     collective goes through gloo (and decode through the interpreter)."""
     if placement.node_rank != 0:
         raise InvalidRequest("the engine (rank 0) runs on --node-rank 0; other hosts run their ranks only")
-    if loaded is not None:  # a bad split or quantized weights fail here, before any process starts
+    if loaded is not None:  # a bad split fails here, before any process starts
         shard_config(lane_form(loaded.config, spec.size) if loaded.config.lanes is None else loaded.config, 0, spec.size)
-        if any(not isinstance(w, torch.Tensor) for w in loaded.weights.values()):
-            raise InvalidRequest(FLOAT_WEIGHTS_ONLY)
     addr, port = placement.master_addr, placement.master_port or _free_port()
     spec = dataclasses.replace(spec, shm_name=f"/kog-tp-{os.getpid()}-{port}" if placement.nnodes == 1 else None)
     procs = _spawn(placement.local_ranks(spec.size)[1:], spec.size, addr, port)

@@ -17,6 +17,7 @@ from kog.config import ModelConfig
 from kog.errors import InvalidRequest, ModelLoadError
 from kog.lane_config import LaneConfig, LaneShard
 from kog.models.weights import rank_routed_experts
+from kog.quantized import QuantizedWeight
 from kog.program.lanes import splits_replicated_head
 
 
@@ -73,23 +74,30 @@ def shard_config(config: ModelConfig, rank: int, size: int) -> ModelConfig:
         lanes=dataclasses.replace(lanes, num_lanes=lanes.num_lanes // size), shard=LaneShard(rank, size))
 
 
-# Why a quantized model is refused (kog.parallel.ranks too): its blocks are not cut by rows or
-# columns of elements.
-FLOAT_WEIGHTS_ONLY = ("tensor parallelism needs float weights: load a quantized GGUF with dtype='float32' or "
-                      "'bfloat16'")
-
-
 def shard_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The full checkpoint's tensors cut to config's shard (a shard_config view), as
-    shard_index says. Views, no copies.
+    shard_index says: float tensors as views, GGUF blocks (QuantizedWeight) by whole byte rows,
+    or by whole blocks of columns (copies).
 
     Raises:
-        InvalidRequest: a weight is not a float tensor (FLOAT_WEIGHTS_ONLY).
+        InvalidRequest: a quantized MoE expert stack or FP8 matrix (not split over ranks), or a
+            column split that cuts a quantized block (kog.quantized.QuantizedWeight.take).
     """
     out = {}
     for name, w in weights.items():
+        if isinstance(w, QuantizedWeight):
+            if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                raise InvalidRequest(f"tensor parallelism over quantized MoE experts is not supported ({name} is "
+                                     f"{w.type_name}): load the GGUF with dtype='float32' or 'bfloat16'")
+            index = shard_index(config, name, 2)
+            try:
+                out[name] = w if index is None else w.take(index)
+            except InvalidRequest as e:
+                raise InvalidRequest(f"{name}: its {config.shard.size}-way split: {e}") from None
+            continue
         if not isinstance(w, torch.Tensor):
-            raise InvalidRequest(f"{FLOAT_WEIGHTS_ONLY} ({name} is {type(w).__name__})")
+            raise InvalidRequest(f"tensor parallelism needs float or GGUF-block weights ({name} is "
+                                 f"{type(w).__name__}): load the model with dtype='float32' or 'bfloat16'")
         index = shard_index(config, name, w.dim())
         out[name] = w if index is None else w[index]
     return replicate_kv_heads(config, out)
@@ -112,7 +120,10 @@ def replicate_kv_heads(config: ModelConfig, weights: dict[str, torch.Tensor]) ->
     out = dict(weights)
     for name, w in weights.items():
         if name.startswith("model.layers.") and name.endswith(_KV_PROJECTIONS):
-            out[name] = w.reshape(-1, hd, *w.shape[1:])[heads].reshape(local * hd, *w.shape[1:])
+            if isinstance(w, QuantizedWeight):  # whole byte rows, head_dim of them a head
+                out[name] = w.with_data(w.data.reshape(-1, hd, w.data.shape[1])[heads].reshape(local * hd, -1))
+            else:
+                out[name] = w.reshape(-1, hd, *w.shape[1:])[heads].reshape(local * hd, *w.shape[1:])
     return out
 
 
