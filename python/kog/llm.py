@@ -76,7 +76,7 @@ class LLM:
         tensor_parallel_size: ranks to split the model over (kog.parallel): ranks 1 .. N-1 run as
             processes on this host, each with its share of the heads, MLP units (or Laneformer
             lanes) and KV heads; N must divide the KV heads (Laneformer: the lanes). CPU only;
-            float weights or a GGUF's blocks (not quantized MoE experts); on one host decode runs natively on every rank (the multi-token loop
+            float weights or a GGUF's blocks; on one host decode runs natively on every rank (the multi-token loop
             included), across hosts through the program interpreter.
         nnodes, master_addr, master_port: ranks over several hosts (this one is host 0 and runs
             rank 0; every other host runs `python -m kog.parallel.worker --size N --nnodes H

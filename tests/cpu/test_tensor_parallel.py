@@ -512,21 +512,52 @@ def test_gguf_blocks_split_over_two_ranks_generate_what_one_process_generates(tm
         llm.engine.runner.close()
 
 
-def test_quantized_moe_experts_are_refused_before_any_rank_starts(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_quantized_moe_experts_split_over_two_ranks_generate_what_one_process_generates(tmp_path, arch):
+    # Q8_0 expert stacks kept as blocks: each rank reads its experts' byte rows.
+    from kog.quantized import QuantizedWeight
     from kog.testing.tiny_models import write_gguf_model
 
-    config = tiny_config("qwen3_moe", num_hidden_layers=2, intermediate_size=256)
+    config = tiny_config(arch, num_hidden_layers=2, **({} if arch == "mixtral" else {"intermediate_size": 256}))
     path = write_gguf_model(tmp_path / "m.gguf", config, random_weights(config, seed=6), "Q8_0")
-    with pytest.raises(kog.InvalidRequest, match="quantized MoE experts"):
-        kog.LLM(str(path), tensor_parallel_size=2)
-    greedy = kog.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    prompt = [{"prompt_token_ids": [5, 17, 99, 3]}]
-    want = kog.LLM(str(path), dtype="float32").generate(prompt, greedy)[0].outputs[0].token_ids
-    llm = kog.LLM(str(path), dtype="float32", tensor_parallel_size=2)  # dequantized: splits, same process
+    greedy = kog.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3, 250, 8, 41]}, {"prompt_token_ids": list(range(30, 52))}]
+    want = [o.outputs[0].token_ids for o in kog.LLM(str(path)).generate(prompts, greedy)]
+    llm = kog.LLM(str(path), tensor_parallel_size=2)
     try:
-        assert llm.generate(prompt, greedy)[0].outputs[0].token_ids == want
+        stack = llm.engine.runner.local.weights["model.layers.0.mlp.experts.gate_up_proj"]
+        assert isinstance(stack, QuantizedWeight)
+        assert stack.shape[0] == 2 * 2 * config.moe_intermediate_size  # 2 of the 4 experts
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want
     finally:
         llm.engine.runner.close()
+
+
+def test_quantized_expert_stacks_with_a_shared_expert_keep_the_ranks_experts():
+    # qwen2_moe's shared expert (two slices, one per rank) appended after the routed experts in
+    # blocks: rank r's stacks are the full stacks' rows of its experts, routed then shared.
+    from kog.models.weights import expert_ranks, prepare_weights
+    from kog.quantized import QuantizedWeight, quantize_q8_0
+
+    base = tiny_config("qwen2_moe", num_hidden_layers=2, intermediate_size=256, shared_expert_intermediate_size=64)
+    w = random_weights(base, seed=3)
+    for name in list(w):  # every expert matrix as Q8_0 blocks ([E n, k] stacks)
+        if ".experts." in name or ("shared_expert." in name and name.endswith("proj.weight")):
+            t = w[name]
+            w[name] = quantize_q8_0(t.reshape(-1, t.shape[-1]))
+    config = lane_form(base, 2)
+    full = prepare_weights(base, w, torch.float32)
+    layer = f"model.layers.{base.moe_layers[0]}.mlp."
+    for rank in range(2):
+        local = shard_config(config, rank, 2)
+        prepared = prepare_weights(local, shard_weights(local, w), torch.float32)
+        mine = (expert_ranks(local) == rank).nonzero().flatten()
+        for name, rows in (("experts.gate_up_proj", 2 * base.moe_intermediate_size),
+                           ("experts.down_proj", base.hidden_size)):
+            got, whole = prepared[layer + name], full[layer + name]
+            assert isinstance(got, QuantizedWeight) and got.shape[0] == len(mine) * rows
+            want = whole.dequantize().view(-1, rows, whole.shape[1])[mine].reshape(-1, whole.shape[1])
+            assert torch.equal(got.dequantize(), want)
 
 
 def test_a_split_that_cuts_a_quantized_block_is_refused_by_name():

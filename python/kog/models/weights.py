@@ -112,11 +112,18 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
                 keep = torch.cat([torch.arange(routed), routed + shared])
                 for name in ("experts.gate_up_proj", "experts.down_proj"):
                     stack = out[m + name]
-                    if not isinstance(stack, torch.Tensor) or stack.shape[0] != routed + config.shared_expert_slots:
-                        raise ModelLoadError(f"{m + name}: a rank's expert stack must be its {routed} routed "
-                                             f"experts (+ shared slices) in a float type, got "
-                                             f"{type(stack).__name__} {tuple(stack.shape)}")
-                    out[m + name] = stack[keep].contiguous()
+                    n_stack = routed + config.shared_expert_slots
+                    if isinstance(stack, QuantizedWeight):  # [n_stack n, k] blocks: whole experts' byte rows
+                        data = stack.data
+                        if data.shape[0] % n_stack == 0:
+                            out[m + name] = stack.with_data(
+                                data.view(n_stack, -1, data.shape[1])[keep].reshape(-1, data.shape[1]).contiguous())
+                            continue
+                    elif isinstance(stack, torch.Tensor) and stack.shape[0] == n_stack:
+                        out[m + name] = stack[keep].contiguous()
+                        continue
+                    raise ModelLoadError(f"{m + name}: a rank's expert stack must be its {routed} routed experts "
+                                         f"(+ shared slices), got {type(stack).__name__} {tuple(stack.shape)}")
     return out
 
 
@@ -135,8 +142,9 @@ def pack_quantized(config: ModelConfig, weights: dict[str, Tensor]) -> dict[str,
     for name, w in weights.items():
         if not isinstance(w, QuantizedWeight):
             continue
-        stack = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
-        rows = w.shape[0] // (config.num_experts + config.shared_expert_slots) if stack else None
+        # an expert stack's rows per expert (however many experts a tensor-parallel rank holds)
+        rows = (2 * config.moe_intermediate_size if name.endswith("experts.gate_up_proj")
+                else config.hidden_size if name.endswith("experts.down_proj") else None)
         key = (w.data.data_ptr(), tuple(w.data.shape))  # the same bytes under two names, not a view of part
         if key not in done and can_pack(w, rows):
             done[key] = pack_rows(w)

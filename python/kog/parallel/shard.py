@@ -80,16 +80,16 @@ def shard_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict
     or by whole blocks of columns (copies).
 
     Raises:
-        InvalidRequest: a quantized MoE expert stack or FP8 matrix (not split over ranks), or a
-            column split that cuts a quantized block (kog.quantized.QuantizedWeight.take).
+        InvalidRequest: an FP8 matrix (not split over ranks), or a column split that cuts a
+            quantized block (kog.quantized.QuantizedWeight.take).
     """
     out = {}
     for name, w in weights.items():
         if isinstance(w, QuantizedWeight):
-            if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-                raise InvalidRequest(f"tensor parallelism over quantized MoE experts is not supported ({name} is "
-                                     f"{w.type_name}): load the GGUF with dtype='float32' or 'bfloat16'")
             index = shard_index(config, name, 2)
+            if index is not None and name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                per = w.shape[0] // config.num_experts  # [E n, k] blocks: the experts' byte rows
+                index = (slice(index[0].start * per, index[0].stop * per),)
             try:
                 out[name] = w if index is None else w.take(index)
             except InvalidRequest as e:
