@@ -28,7 +28,6 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
-import torch
 
 from kog import _C
 from kog.engine.decode_loop import CpuLoop
