@@ -17,7 +17,7 @@ from kog.models.decode import lower_program, model_dims, schedule_for
 from kog.models.gpu_decode import kernel_runs
 from kog.models.weights import prepare_weights
 from kog.program import Buffer, Opcode
-from kog.testing.programs import with_op
+from kog.testing.programs import lowered_program, with_op
 from kog.testing.sync_model import Launch, Protocol, run_launches
 from kog.testing.sync_program import LANE_OPS, lane_hist, sync_ops
 from kog.testing.tiny_models import random_weights
@@ -30,8 +30,8 @@ LANE_VARIANTS = sorted(v for v in VARIANTS if VARIANTS[v]["num_lanes"] > 1)
 
 def lowered(variant: str):
     c = lane_model_config(**VARIANTS[variant])
-    w = prepare_weights(c, random_weights(c, seed=4), torch.float32)
-    return lower_program(schedule_for(c), w), model_dims(c, torch.float32), c
+    ops, dims, _ = lowered_program(c, seed=4)  # nothing here reads the weights
+    return ops, dims, c
 
 
 @pytest.mark.parametrize("variant", LANE_VARIANTS)

@@ -9,12 +9,11 @@ import torch
 
 import kog
 from kog import _C
-from kog.models.decode import lower_program, model_dims, schedule_for
 from kog.models.gpu_decode import kernel_runs
 from kog.models.weights import prepare_weights
 from kog.program import Opcode
 from kog.program.interpreter import _expert_mm
-from kog.testing.programs import with_op
+from kog.testing.programs import lowered_program, with_op
 from kog.testing.tiny_models import random_weights, tiny_config
 
 MOE_ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral"]
@@ -22,8 +21,8 @@ MOE_ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral"]
 
 def lowered(arch: str, **overrides):
     c = tiny_config(arch, **overrides)
-    w = prepare_weights(c, random_weights(c, seed=3), torch.float32)
-    return lower_program(schedule_for(c), w), model_dims(c, torch.float32), c
+    ops, dims, _ = lowered_program(c, seed=3)  # nothing here reads the weights
+    return ops, dims, c
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

@@ -137,51 +137,34 @@ def test_lane_one_step_logits_match_cpu_executor(device, variant, dtype, rtol, l
     assert (got - expected).abs().max() <= rtol * expected.abs().max()
 
 
-@pytest.mark.parametrize("variant", ["delay1", "delay2_4lanes_lane_scale_lane_head"])
-def test_lane_loop_mode_greedy_tokens_match_cpu(device, variant):
-    r = lane_runner(variant, torch.float32)
-    prompt = torch.randint(0, r.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+def assert_loop_mode_greedy_tokens_match_cpu(r: ModelRunner, device, seed: int, steps: int) -> None:
+    """One launch of `steps` decode steps (the kernel's loop mode) after a random 40-token prompt:
+    the CPU executor's greedy tokens, one step at a time."""
+    prompt = torch.randint(0, r.vocab_size, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
     tables = prefill(r, [prompt])
     dec = gpu_decoder(r, device)
     expected, tok = [], np.array([prompt[-1]])
-    for i in range(24):
+    for i in range(steps):
         p = len(prompt) + i
         slot = tables[0, p // BS] * BS + p % BS
         r.decode(tok, [p], tables, [p + 1], [slot], sampled=tok)
         expected.append(int(tok[0]))
-    res = dec.decode([prompt[-1]], [len(prompt)], tables, n_steps=24)
+    res = dec.decode([prompt[-1]], [len(prompt)], tables, n_steps=steps)
     assert res.tokens[:, 0].cpu().tolist() == expected
+
+
+@pytest.mark.parametrize("variant", ["delay1", "delay2_4lanes_lane_scale_lane_head"])
+def test_lane_loop_mode_greedy_tokens_match_cpu(device, variant):
+    assert_loop_mode_greedy_tokens_match_cpu(lane_runner(variant, torch.float32), device, seed=3, steps=24)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 def test_moe_loop_mode_greedy_tokens_match_cpu(device, arch):
-    r = cpu_runner(arch, torch.float32)
-    prompt = torch.randint(0, r.vocab_size, (40,), generator=torch.Generator().manual_seed(2)).tolist()
-    tables = prefill(r, [prompt])
-    dec = gpu_decoder(r, device)
-    expected, tok = [], np.array([prompt[-1]])
-    for i in range(24):
-        p = len(prompt) + i
-        slot = tables[0, p // BS] * BS + p % BS
-        r.decode(tok, [p], tables, [p + 1], [slot], sampled=tok)
-        expected.append(int(tok[0]))
-    res = dec.decode([prompt[-1]], [len(prompt)], tables, n_steps=24)
-    assert res.tokens[:, 0].cpu().tolist() == expected
+    assert_loop_mode_greedy_tokens_match_cpu(cpu_runner(arch, torch.float32), device, seed=2, steps=24)
 
 
 def test_loop_mode_greedy_tokens_match_cpu(device):
-    r = cpu_runner("llama", torch.float32)
-    prompt = torch.randint(0, r.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    tables = prefill(r, [prompt])
-    dec = gpu_decoder(r, device)
-    expected, tok = [], np.array([prompt[-1]])
-    for i in range(32):
-        p = len(prompt) + i
-        slot = tables[0, p // BS] * BS + p % BS
-        r.decode(tok, [p], tables, [p + 1], [slot], sampled=tok)
-        expected.append(int(tok[0]))
-    res = dec.decode([prompt[-1]], [len(prompt)], tables, n_steps=32)
-    assert res.tokens[:, 0].cpu().tolist() == expected
+    assert_loop_mode_greedy_tokens_match_cpu(cpu_runner("llama", torch.float32), device, seed=1, steps=32)
 
 
 def test_stop_ids_finish_a_sequence_on_the_device(device):
