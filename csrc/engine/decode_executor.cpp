@@ -354,25 +354,24 @@ void DecodeExecutor::qk_norm(const Op& op, int64_t batch) {
   }
 }
 
+DecodeExecutor::LinearOut DecodeExecutor::linear_out(const Op& op) const {
+  if (op.vocab_slice && op.lanes == 1)  // a rank's vocabulary slice of LOGITS (program.h)
+    return {buf(op.out) + schedule::lane_logits_offset(d_) * elem_, d_.vocab / d_.lane_ranks};
+  return {out_of(op), width(Buffer(op.out))};
+}
+
 LinearParams DecodeExecutor::linear_params(const Op& op, int64_t batch) {
   const int64_t w = width(Buffer(op.out)), kdim = width(Buffer(op.in));
-  if (op.vocab_slice && op.lanes == 1) {  // a rank's vocabulary slice of LOGITS (program.h)
-    return LinearParams{buf(op.out) + schedule::lane_logits_offset(d_) * elem_, buf(op.in), op.w0, op.w1, batch,
-                        d_.vocab / d_.lane_ranks, kdim, kdim, w, d_.dtype};
-  }
-  return LinearParams{out_of(op), buf(op.in), op.w0, op.w1, batch, w, kdim, kdim, w, d_.dtype};
+  const LinearOut o = linear_out(op);
+  return LinearParams{o.out, buf(op.in), op.w0, op.w1, batch, o.rows, kdim, kdim, w, d_.dtype};
 }
 
 LinearQuantParams DecodeExecutor::linear_quant_params(const Op& op, int64_t batch, float* scratch) {
-  // f32 run (validate_program), so out is the f32 buffer itself and the bias f32. A rank's
-  // vocabulary slice of LOGITS (program.h): its rows' columns, as linear_params places them.
+  // f32 run (validate_program), so out is the f32 buffer itself and the bias f32.
   const int64_t w = width(Buffer(op.out)), kdim = width(Buffer(op.in));
-  const bool slice = op.vocab_slice && op.lanes == 1;
-  const int64_t n = slice ? d_.vocab / d_.lane_ranks : w;
-  float* out = slice ? reinterpret_cast<float*>(buf(op.out)) + schedule::lane_logits_offset(d_)
-                     : reinterpret_cast<float*>(out_of(op));
-  LinearQuantParams p{out, buf(op.in), static_cast<const uint8_t*>(op.w0), scratch, batch, n, kdim, kdim, w,
-                      d_.dtype, QuantType(op.w_type)};
+  const LinearOut o = linear_out(op);
+  LinearQuantParams p{reinterpret_cast<float*>(o.out), buf(op.in), static_cast<const uint8_t*>(op.w0), scratch, batch,
+                      o.rows, kdim, kdim, w, d_.dtype, QuantType(op.w_type)};
   p.bias = static_cast<const float*>(op.w1);
   p.x_stages = kQuantXStages;
   return p;

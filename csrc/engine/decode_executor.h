@@ -97,6 +97,13 @@ class DecodeExecutor {
   // LINEAR as thread `part` of the region's team, rows from row_queue_ (epoch: see run).
   void linear_part(const Op& op, int64_t batch, uint32_t epoch, int part);
   LinearParams linear_params(const Op& op, int64_t batch);
+  // Where a (non-lane) LINEAR writes its rows: out_of(op) and all width(out) of them, or a rank's
+  // vocabulary slice of LOGITS (Op::vocab_slice): its columns of buf(LOGITS), vocab / lane_ranks.
+  struct LinearOut {
+    char* out;
+    int64_t rows;
+  };
+  LinearOut linear_out(const Op& op) const;
   // A lane LINEAR (op.lanes > 1) is lane_matrices(op) matrices, one per (output segment, lane)
   // in output-row order; lane_matrix(op, batch, i) is the i-th (decode_lanes.cpp).
   int64_t lane_matrices(const Op& op) const;

@@ -67,6 +67,13 @@ __device__ __forceinline__ void store_f32(T* p, float v) {
   gpu_from_float(v, t);
   *p = t;
 }
+// v rounded to T, back in f32: what a store_f32 and a load_f32 of v give.
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  T t;
+  store_f32(&t, v);
+  return load_f32(&t);
+}
 
 // N elements moved as one 16-byte (or smaller) access; pointers must be aligned to sizeof(Vec).
 template <typename T, int N>

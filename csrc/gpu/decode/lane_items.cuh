@@ -14,14 +14,6 @@ namespace kog::gpu::decode {
 
 using schedule::Opcode;
 
-// v rounded to T, back in f32 (what a store and a load of v give).
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {
-  T t;
-  store_f32(&t, v);
-  return load_f32(&t);
-}
-
 // Items per batch row of a lane op: chunks of the hidden width.
 __device__ __forceinline__ int64_t lane_op_parts(const PersistentDecodeParams& p) {
   return (p.dims.hidden + kRowChunk - 1) / kRowChunk;

@@ -110,9 +110,9 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Tensor], dtype: torc
                 routed = len(rank_routed_experts(config))
                 shared = (ranks[config.num_experts:] == config.shard.rank).nonzero().flatten()
                 keep = torch.cat([torch.arange(routed), routed + shared])
+                n_stack = routed + config.shared_expert_slots
                 for name in ("experts.gate_up_proj", "experts.down_proj"):
                     stack = out[m + name]
-                    n_stack = routed + config.shared_expert_slots
                     if isinstance(stack, QuantizedWeight):  # [n_stack n, k] blocks: whole experts' byte rows
                         data = stack.data
                         if data.shape[0] % n_stack == 0:

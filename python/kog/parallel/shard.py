@@ -16,6 +16,7 @@ import torch
 from kog.config import ModelConfig
 from kog.errors import InvalidRequest, ModelLoadError
 from kog.lane_config import LaneConfig, LaneShard
+from kog.loader.moe import is_expert_stack
 from kog.models.weights import rank_routed_experts
 from kog.quantized import QuantizedWeight
 from kog.program.lanes import splits_replicated_head
@@ -87,7 +88,7 @@ def shard_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict
     for name, w in weights.items():
         if isinstance(w, QuantizedWeight):
             index = shard_index(config, name, 2)
-            if index is not None and name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            if index is not None and is_expert_stack(name):
                 per = w.shape[0] // config.num_experts  # [E n, k] blocks: the experts' byte rows
                 index = (slice(index[0].start * per, index[0].stop * per),)
             try:
@@ -158,7 +159,7 @@ def shard_index(config: ModelConfig, name: str, ndim: int) -> tuple[slice, ...] 
     q, kv, units = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
     rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": units, "up_proj": units}  # per rank
     cols = {"o_proj": q, "down_proj": units}
-    if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):  # [E, ...]: the rank's routed experts
+    if is_expert_stack(name):  # [E, ...]: the rank's routed experts
         mine = rank_routed_experts(config)
         return (slice(mine.start, mine.stop),)
     expert = "shared_expert" in name or ".experts." in name

@@ -239,6 +239,7 @@ def _moe_experts(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: t
     start = 0
     # Expert parallelism: this rank's experts only, its stacks holding just them in ascending order.
     placement = w[2].tolist() if len(w) > 2 else None
+    n_local = n_stack if placement is None else placement.count(it.config.shard.rank)
     local = -1  # e's place in this rank's stacks
     for e, m in enumerate(counts):
         if placement is not None and placement[e] != it.config.shard.rank:
@@ -249,7 +250,6 @@ def _moe_experts(it: ProgramInterpreter, s: ProgramState, ins: Instruction, w: t
             continue
         pairs = order[start:start + m]
         rows = pairs // k
-        n_local = n_stack if placement is None else placement.count(it.config.shard.rank)
         y = _expert_mm(ops.silu_and_mul(_expert_mm(x[rows], w[0], local, n_local)), w[1], local, n_local)
         acc.index_add_(0, rows, y.float() * weights[pairs, None])  # y [m, hidden]
         start += m
