@@ -20,7 +20,7 @@ import torch
 from kog.engine import EngineConfig, LLMEngine, RequestOutput, StreamDelta
 from kog.errors import InvalidRequest
 from kog.fp8 import gpu_format
-from kog.loader import ChatTemplate, Tokenizer, load_model
+from kog.loader import ChatTemplate, Tokenizer, load_config, load_model
 from kog.loader.chat_encoding import encode_conversation
 from kog.loader.chat_template import read_chat_template
 from kog.sampling_params import SamplingParams
@@ -100,19 +100,26 @@ class LLM:
             raise InvalidRequest("give kv_cache_gib or gpu_memory_utilization, not both")
         template_source = read_chat_template(chat_template) if chat_template is not None else None
         on_gpu = str(device) != "cpu"
-        loaded = load_model(model, dtype, progress, template_source, quantization=quantization, device=device,
-                            fp8_format=gpu_format() if on_gpu else None)
-        if loaded.chat_template is not None:
-            loaded.chat_template.allow_special_tokens_in_content = allow_special_tokens_in_content
-        cfg = loaded.config
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise InvalidRequest(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
         if tensor_parallel_size > 1 and device != "cpu":
             raise InvalidRequest("tensor_parallel_size > 1 runs on the CPU only for now")
+        if tensor_parallel_size > 1 and quantization is not None:
+            # NOTE: per-output-channel scales of a rank's columns are not the whole rows' scales
+            raise InvalidRequest(f"quantization={quantization!r} with tensor_parallel_size > 1 is not supported "
+                                 "(load the checkpoint as stored, or quantize it first: kog convert)")
+        shard = None
+        if tensor_parallel_size > 1:  # this process is rank 0: it reads only its share of the weights
+            from kog.parallel.ranks import rank_view
+
+            shard = rank_view(0, tensor_parallel_size)
+        loaded = load_model(model, dtype, progress, template_source, quantization=quantization, device=device,
+                            fp8_format=gpu_format() if on_gpu else None, shard=shard)
+        if loaded.chat_template is not None:
+            loaded.chat_template.allow_special_tokens_in_content = allow_special_tokens_in_content
+        cfg = loaded.config  # rank 0's view under tensor parallelism: its KV heads
         context = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        # a rank's KV holds its share of the KV heads
-        layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads // tensor_parallel_size, cfg.head_dim,
-                          block_size, loaded.dtype)
+        layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, loaded.dtype)
         num_blocks = _num_kv_blocks(layout.bytes_per_block, max_num_seqs * -(-context // block_size), kv_cache_gib,
                                     gpu_memory_utilization, device, loaded.weights)
         if swap_space_gib < 0:
@@ -135,7 +142,7 @@ class LLM:
         self._init(engine, loaded.tokenizer, loaded.chat_template)
         # NOTE: the runner holds its own (prepared, possibly huge-page) copy of the weights;
         # the loader's are released so that the model is in memory once.
-        self.model = dataclasses.replace(loaded, weights={})
+        self.model = dataclasses.replace(loaded, weights={}, config=load_config(loaded.path) if shard else cfg)
         if speculative_model is not None:
             from kog.engine.draft import load_draft_model
 

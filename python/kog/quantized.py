@@ -23,6 +23,17 @@ import torch
 from kog.errors import InvalidRequest
 
 
+def block_columns(qtype: int, lo: int, hi: int) -> tuple[int, int]:
+    """(first byte, byte count) of columns [lo, hi) in a byte row of qtype's blocks.
+
+    Raises:
+        InvalidRequest: lo or hi inside a block, or a type without kernels.
+    """
+    from kog.ops import quant_row_bytes
+
+    return (quant_row_bytes(qtype, lo) if lo else 0), quant_row_bytes(qtype, hi - lo)
+
+
 @dataclass(frozen=True)
 class QuantizedWeight:
     """data: uint8 [rows, row_bytes], contiguous; qtype: ggml type id (kog.ops.QUANT_TYPES); cols: k."""
@@ -73,17 +84,14 @@ class QuantizedWeight:
         Raises:
             InvalidRequest: a packed matrix, a step, or columns that cut a block.
         """
-        from kog.ops import quant_row_bytes
-
         if self.packed or len(index) > 2 or any(s.step not in (None, 1) for s in index):
             raise InvalidRequest(f"cannot take {index} of a {self.type_name} matrix")
         data = self.data[index[0]]
         if len(index) == 1 or index[1] == slice(None):
             return self.with_data(data.clone())  # its own bytes (a view would share the whole's address)
         lo, hi, _ = index[1].indices(self.cols)
-        start = quant_row_bytes(self.qtype, lo) if lo else 0  # InvalidRequest when lo or hi cuts a block
-        return QuantizedWeight(data[:, start:start + quant_row_bytes(self.qtype, hi - lo)].contiguous(), self.qtype,
-                               hi - lo)
+        start, n = block_columns(self.qtype, lo, hi)
+        return QuantizedWeight(data[:, start:start + n].contiguous(), self.qtype, hi - lo)
 
     @property
     def file_type_name(self) -> str:

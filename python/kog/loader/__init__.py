@@ -66,8 +66,8 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
         fp8_format: keep FP8 matrices as kog.fp8.Fp8Weight in this encoding (the GPU kernel's,
             kog.fp8.gpu_format()); None: their values in the run dtype (what the CPU runs).
         shard: full config -> a tensor-parallel rank's view (kog.parallel); the model is then
-            that rank's: its config, and only its part of each tensor (read as such from
-            safetensors; a GGUF is read whole, then cut).
+            that rank's: its config, and only its part of each tensor (only those bytes are
+            read, from safetensors and GGUF alike).
         device: where the model will run ("cpu", "cuda", "cuda:N"); only picks the defaults above
             (nothing is moved here).
     Raises:
@@ -86,12 +86,15 @@ def load_model(name_or_path: str | os.PathLike[str] | None = None, dtype: torch.
         # dtype None/"auto" keeps a quantized file's matrices as stored.
         keep = dtype in (None, "auto") and ckpt.is_quantized
         dt = kept_dtype if keep else run_dtype(dtype, config)
-        weights = ckpt.load_weights(config, dt, progress, keep_quantized=keep)
-        if shard is not None:
-            from kog.parallel.shard import shard_weights
+        if shard is None:
+            weights = ckpt.load_weights(config, dt, progress, keep_quantized=keep)
+        else:
+            from kog.parallel.shard import replicate_kv_heads, shard_index
 
-            config = shard(config)
-            weights = shard_weights(config, weights)
+            local = shard(config)
+            weights = replicate_kv_heads(local, ckpt.load_weights(config, dt, progress, keep_quantized=keep,
+                                                                  part=lambda n, ndim: shard_index(local, n, ndim)))
+            config = local
         tokenizer = tokenizer_from_gguf(ckpt.metadata, source=str(path))
         source = ckpt.get("tokenizer.chat_template")
         extra_stops: list[int] = []

@@ -17,15 +17,15 @@ import re
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from kog.config import ModelConfig
-from kog.errors import ModelLoadError
+from kog.errors import InvalidRequest, ModelLoadError
 from kog.loader.gguf_file import GGUFFile, TensorInfo
-from kog.quantized import QuantizedWeight, quantize_q8_0
+from kog.quantized import QuantizedWeight, block_columns, quantize_q8_0
 from kog.loader.weights import Weights, check_shape, expected_shapes, progress_bar, select_names
 
 log = logging.getLogger("kog")
@@ -172,15 +172,22 @@ class GGUFCheckpoint:
         return any(t.qtype not in _FLOAT_TYPES for t in self.tensors.values())
 
     def load_weights(self, config: ModelConfig, dtype: torch.dtype, progress: bool | None = None,
-                     keep_quantized: bool = False) -> Weights:
+                     keep_quantized: bool = False,
+                     part: Callable[[str, int], tuple[slice, ...] | None] | None = None) -> Weights:
         """Every tensor under HF names, in HF's layout: in the run dtype, or with keep_quantized
         each block-quantized matrix as a QuantizedWeight in its file layout (rows un-permuted
         like the float ones); float tensors (norms, biases, F16 matrices) in the run dtype.
+
+        part(name, ndim): the index of the tensor's HF form to keep (None: all of it), e.g. a
+        tensor-parallel rank's share (kog.parallel.shard.shard_index): leading slices and the
+        columns; only those bytes are read and decoded (columns that cut a block are decoded
+        whole rows and then cut, or refused with keep_quantized).
 
         Raises:
             ModelLoadError: naming the file and tensor that is missing, misshapen, of a
                 quantization gguf cannot decode, or unknown. With keep_quantized, a block type
                 without Kog kernels is re-encoded as Q8_0 (one warning logged, with the bytes).
+            InvalidRequest: with keep_quantized, a part whose columns cut a block (naming it).
         """
         by_hf: dict[str, list[str]] = {}  # HF name -> its GGUF tensors (two for gate_up_proj)
         for name in self.tensors:
@@ -188,9 +195,9 @@ class GGUFCheckpoint:
                 continue
             m = _BLOCK_RE.fullmatch(name)
             if m and m.group(2) in _EXPERT_NAMES:
-                target, part = _EXPERT_NAMES[m.group(2)]
+                target, which = _EXPERT_NAMES[m.group(2)]
                 parts = by_hf.setdefault(f"model.layers.{m.group(1)}.{target}", ["", ""] if "gate_up" in target else [""])
-                parts[part] = name
+                parts[which] = name
                 continue
             by_hf[hf_name(name) or f"<gguf tensor {name}>"] = [name]
         for hf, parts in by_hf.items():
@@ -211,7 +218,8 @@ class GGUFCheckpoint:
         # NOTE: numpy releases the GIL inside dequantization, so threads use every core.
         with progress_bar(len(names), f"loading {self.path.name}", progress) as bar, \
                 ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            futures = {pool.submit(self._load_parts, name, by_hf[name], config, dtype, keep_quantized): name
+            futures = {pool.submit(self._load_parts, name, by_hf[name], config, dtype, keep_quantized,
+                                   None if part is None else part(name, len(expected[name]))): name
                        for name in names}
             for future in as_completed(futures):
                 weights[futures[future]] = future.result()
@@ -235,26 +243,31 @@ class GGUFCheckpoint:
                     self.path.name, len(odd), "/".join(types), file_mb, q8_mb)
 
     def _load_parts(self, name: str, gguf_names: list[str], config: ModelConfig, dtype: torch.dtype,
-                    keep_quantized: bool) -> torch.Tensor | QuantizedWeight:
+                    keep_quantized: bool, index: tuple[slice, ...] | None) -> torch.Tensor | QuantizedWeight:
         infos = [self.tensors[g] for g in gguf_names]
-        if len(infos[0].torch_shape) == 3:  # stacked experts [E, rows, cols]
-            if keep_quantized and all(i.qtype not in _FLOAT_TYPES for i in infos):
-                return self._quantized_experts(infos)
-            parts = [self._load_one(name, g, config, dtype, False) for g in gguf_names]
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [E, gate; up, hidden]
-        return self._load_one(name, gguf_names[0], config, dtype, keep_quantized)
+        try:
+            if len(infos[0].torch_shape) == 3:  # stacked experts [E, rows, cols]
+                if keep_quantized and all(i.qtype not in _FLOAT_TYPES for i in infos):
+                    return self._quantized_experts(infos, index)
+                parts = [self._load_one(name, g, config, dtype, False, index) for g in gguf_names]
+                return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [E, gate; up, hidden]
+            return self._load_one(name, gguf_names[0], config, dtype, keep_quantized, index)
+        except InvalidRequest as e:
+            cut = ", ".join(f"{s.start or 0}:{'' if s.stop is None else s.stop}" for s in index or ())
+            raise InvalidRequest(f"{name}: its part [{cut}]: {e}") from None
 
     def _load_one(self, name: str, gguf_name: str, config: ModelConfig, dtype: torch.dtype,
-                  keep_quantized: bool) -> torch.Tensor | QuantizedWeight:
+                  keep_quantized: bool, index: tuple[slice, ...] | None = None) -> torch.Tensor | QuantizedWeight:
         info = self.tensors[gguf_name]
         if keep_quantized and info.qtype not in _FLOAT_TYPES:
-            w: torch.Tensor | QuantizedWeight = self._quantized(info)
+            w: torch.Tensor | QuantizedWeight = self._quantized(info, index=index)
         else:
-            w = self._dequantize(info, info.torch_shape).to(dtype)
+            w = self._dequantize(info, index).to(dtype)
         heads = {".self_attn.q_proj.": config.num_attention_heads, ".self_attn.k_proj.": config.num_key_value_heads}
         for part, n_heads in heads.items():
             if config.architecture in ("llama", "mixtral") and part in name:
-                # The permutation moves whole rows: on blocks it moves whole byte rows.
+                # The permutation moves whole rows within a head; a part holds whole heads.
+                n_heads = n_heads * w.shape[0] // info.torch_shape[0]
                 if isinstance(w, QuantizedWeight):
                     return w.with_data(_unpermute_rows(w.data, n_heads))
                 return _unpermute_rows(w, n_heads)
@@ -262,13 +275,16 @@ class GGUFCheckpoint:
 
     # ------------------------------------------------------------------ internal helpers
 
-    def _quantized(self, info: TensorInfo, stacked: bool = False) -> QuantizedWeight:
-        """A block-quantized matrix as stored (a copy: the mapping is read-only); stacked: an
-        [E, rows, cols] tensor as E rows block rows."""
+    def _quantized(self, info: TensorInfo, stacked: bool = False,
+                   index: tuple[slice, ...] | None = None) -> QuantizedWeight:
+        """A block-quantized matrix (its part `index`, see _read) as stored (a copy: the mapping
+        is read-only); stacked: an [E, rows, cols] tensor as E rows block rows.
+
+        Raises:
+            InvalidRequest: columns of index that cut a block."""
         from kog.ops import QUANT_TYPES
 
-        *lead, cols = info.torch_shape
-        rows = int(np.prod(lead))
+        cols = info.torch_shape[-1]
         if len(info.torch_shape) != (3 if stacked else 2):
             raise ModelLoadError(f"{self.path}: tensor {info.name!r} has a {len(info.torch_shape)}-D shape, which "
                                  f"Kog cannot keep quantized (2-D matrices or stacked experts); load it with "
@@ -281,42 +297,51 @@ class GGUFCheckpoint:
                                      f"has no kernels for, and {cols} columns, not whole Q8_0 blocks of 32 to "
                                      f"re-encode it in (native types: {', '.join(sorted(QUANT_TYPES))}); load it "
                                      f"with dtype='float32' to dequantize")
-            return quantize_q8_0(self._dequantize(info, info.torch_shape).reshape(rows, cols))
-        raw = self.file.data(info).reshape(rows, -1)  # uint8 [rows, row_bytes]
-        return QuantizedWeight(torch.from_numpy(raw.copy()), int(info.qtype), int(cols))
+            rows_only = None if index is None else index[:-1] if len(index) == len(info.torch_shape) else index
+            q8 = quantize_q8_0(self._dequantize(info, rows_only).reshape(-1, cols))
+            return q8 if index is None or len(index) < len(info.torch_shape) else q8.take((slice(None), index[-1]))
+        raw, shape, cut = self._read(info, index)  # uint8 [rows, row_bytes]
+        if cut is not None:
+            block_columns(int(info.qtype), cut.start, cut.stop)  # raises: the columns cut a block
+        return QuantizedWeight(torch.from_numpy(raw.copy()), int(info.qtype), int(shape[-1]))
 
-    def _quantized_experts(self, infos: list[TensorInfo]) -> QuantizedWeight:
+    def _quantized_experts(self, infos: list[TensorInfo], index: tuple[slice, ...] | None = None) -> QuantizedWeight:
         """Stacked experts kept in their blocks: [E, rows, cols] (gate and up: concatenated per
         expert, [E, 2 rows, cols]) as a QuantizedWeight of E rows (2 rows) block rows, expert e's
-        matrix first at row e rows (kog.models.moe_weights).
+        matrix first at row e rows (kog.models.moe_weights); index: the experts to keep (a
+        slice of E), or None.
 
         NOTE: gate and up of different types (a mixed quantization) are re-encoded together as
         Q8_0, as kog.quantized.cat_rows does for a dense layer's fused gate/up.
         """
-        parts = [self._quantized(info, stacked=True) for info in infos]
-        E, rows, cols = infos[0].torch_shape
+        parts = [self._quantized(info, stacked=True, index=index) for info in infos]
+        _, rows, cols = infos[0].torch_shape
+        E = parts[0].shape[0] // rows
         if len(parts) == 1 or parts[0].qtype == parts[1].qtype:
             data = torch.cat([p.data.view(E, rows, -1) for p in parts], dim=1).reshape(E * rows * len(parts), -1)
             return parts[0].with_data(data.contiguous())
         per_expert = [p.dequantize().view(E, rows, cols) for p in parts]
         return quantize_q8_0(torch.cat(per_expert, dim=1).reshape(-1, cols))
 
-    def _dequantize(self, info: TensorInfo, shape: tuple[int, ...]) -> torch.Tensor:
+    def _dequantize(self, info: TensorInfo, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The tensor (its part `index`, see _read) decoded, in its torch shape (f32, or the
+        file's f16 / bf16)."""
         import gguf
 
-        raw = self.file.data(info)  # uint8 [nbytes], read-only view of the file
+        raw, shape, cut = self._read(info, index)
+        raw = raw.copy()  # the part's bytes, contiguous: the mapping is read-only
         qtype = info.qtype
         try:
             if qtype == gguf.GGMLQuantizationType.F32:
-                array = raw.view(np.float32).copy()  # copy: the mapping is read-only
+                t = torch.from_numpy(raw.view(np.float32))
             elif qtype == gguf.GGMLQuantizationType.F16:
-                array = raw.view(np.float16).copy()
+                t = torch.from_numpy(raw.view(np.float16))
             elif qtype == gguf.GGMLQuantizationType.BF16:
-                return torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16).reshape(shape)
+                t = torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
             else:
-                rows = int(np.prod(shape[:-1], dtype=np.int64))
-                array = gguf.quants.dequantize(raw.reshape(rows, -1), qtype)
-            return torch.from_numpy(array).reshape(shape)
+                t = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+            t = t.reshape(shape)
+            return t if cut is None else t[..., cut].contiguous()
         except NotImplementedError:
             from kog.ops import QUANT_TYPES
 
@@ -325,6 +350,33 @@ class GGUFCheckpoint:
                                  f"types that gguf decodes (IQ*, Q2_K, Q3_K, ...) as Q8_0") from None
         except (ValueError, RuntimeError) as e:
             raise ModelLoadError(f"{self.path}: tensor {info.name!r} is corrupt: {e}") from None
+
+    def _read(self, info: TensorInfo, index: tuple[slice, ...] | None) -> tuple[np.ndarray, tuple[int, ...],
+                                                                                 slice | None]:
+        """The stored bytes of the part of `info` that index takes on its torch shape (None:
+        all; a slice of the first dim, whole in the middle ones, a slice of the columns): uint8
+        [rows, row_bytes], a read-only view of the file; the part's shape when decoded; and the
+        columns still to cut after decoding (None, unless they cut a block: whole rows then)."""
+        import gguf
+
+        shape = info.torch_shape
+        raw = self.file.data(info).reshape(int(np.prod(shape[:-1], dtype=np.int64)), -1)
+        index = tuple(index or ()) + (slice(None),) * (len(shape) - len(index or ()))
+        if len(index) != len(shape) or any(s.step not in (None, 1) for s in index) or \
+                any(s != slice(None) for s in index[1:-1]):
+            raise ValueError(f"{info.name}: cannot read part {index} of a {shape} tensor")
+        lead = shape[:-1]
+        if lead:
+            a, b, _ = index[0].indices(shape[0])
+            per = int(np.prod(shape[1:-1], dtype=np.int64))  # byte rows per index of the first dim
+            raw, lead = raw[a * per : b * per], (b - a, *shape[1:-1])
+        lo, hi, _ = index[-1].indices(shape[-1])
+        if (lo, hi) == (0, shape[-1]):
+            return raw, (*lead, shape[-1]), None
+        block, block_bytes = gguf.GGML_QUANT_SIZES[info.qtype]
+        if lo % block or hi % block:
+            return raw, (*lead, shape[-1]), slice(lo, hi)
+        return raw[:, lo // block * block_bytes : hi // block * block_bytes], (*lead, hi - lo), None
 
     def _rope_scaling(self, arch: str, head_dim: int) -> dict[str, Any] | None:
         kind = self.get(f"{arch}.rope.scaling.type")
@@ -336,7 +388,7 @@ class GGUFCheckpoint:
             return scaling
         if _ROPE_FREQS in self.tensors:
             return _llama3_scaling_from_factors(
-                self._dequantize(self.tensors[_ROPE_FREQS], self.tensors[_ROPE_FREQS].torch_shape).float(),
+                self._dequantize(self.tensors[_ROPE_FREQS]).float(),
                 float(self.get(f"{arch}.rope.freq_base", 10000.0)), head_dim, self.path,
             )
         if kind not in (None, "none"):

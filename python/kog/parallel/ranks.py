@@ -25,11 +25,12 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from kog import _C
+from kog.config import ModelConfig
 from kog.engine.decode_loop import CpuLoop
 from kog.errors import InvalidRequest
 from kog.parallel.shard import lane_form, shard_config, shard_weights
@@ -62,17 +63,26 @@ class PlainMoves:
     cow: np.ndarray
 
 
+def rank_view(rank: int, size: int) -> Callable[[ModelConfig], ModelConfig]:
+    """full config -> rank `rank` of `size`'s view (its lane form's shard): load_model's `shard`."""
+    def view(config: ModelConfig) -> ModelConfig:
+        return shard_config(lane_form(config, size) if config.lanes is None else config, rank, size)
+
+    return view
+
+
 def build_rank_runner(spec: RankSpec, rank: int, transport, loaded=None):
     """This rank's ModelRunner: the model loaded as the rank's share (only its part of each
-    tensor read from safetensors), or cut from `loaded` (rank 0 already holds the whole model)."""
+    tensor read), or `loaded`: the rank's share already loaded (kog.LLM's rank 0), or the whole
+    model, cut here."""
     from kog.loader import load_model
     from kog.models.runner import ModelRunner
 
-    def view(config):
-        return shard_config(lane_form(config, spec.size) if config.lanes is None else config, rank, spec.size)
-
+    view = rank_view(rank, spec.size)
     if loaded is None:
         model = load_model(spec.model, spec.dtype, shard=view)
+    elif loaded.config.shard.size == spec.size:
+        model = loaded
     else:
         local = view(loaded.config)
         model = dataclasses.replace(loaded, config=local, weights=shard_weights(local, loaded.weights))
@@ -260,8 +270,8 @@ def start_ranks(spec: RankSpec, loaded=None, placement: Placement = Placement())
     collective goes through gloo (and decode through the interpreter)."""
     if placement.node_rank != 0:
         raise InvalidRequest("the engine (rank 0) runs on --node-rank 0; other hosts run their ranks only")
-    if loaded is not None:  # a bad split fails here, before any process starts
-        shard_config(lane_form(loaded.config, spec.size) if loaded.config.lanes is None else loaded.config, 0, spec.size)
+    if loaded is not None and loaded.config.shard.size == 1:  # a bad split fails here, before any process starts
+        rank_view(0, spec.size)(loaded.config)
     addr, port = placement.master_addr, placement.master_port or _free_port()
     spec = dataclasses.replace(spec, shm_name=f"/kog-tp-{os.getpid()}-{port}" if placement.nnodes == 1 else None)
     procs = _spawn(placement.local_ranks(spec.size)[1:], spec.size, addr, port)

@@ -211,14 +211,14 @@ def write_gguf_model(path: str | Path, config: ModelConfig, weights: Weights | N
     """
     import gguf
 
+    from kog.loader.gguf_write import GGUF_ARCH_OF, add_value
+
     path = Path(path)
     weights = random_weights(config) if weights is None else weights
-    arch = {"mistral": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(config.architecture, config.architecture)
+    arch = GGUF_ARCH_OF.get(config.architecture, config.architecture)
     writer = gguf.GGUFWriter(str(path), arch)
     metadata = _gguf_metadata(config, arch, tokenizer_metadata or tiny_tokenizer_metadata(default_pre(config)))
     metadata["general.file_type"] = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9}[qtype]
-    from kog.loader.gguf_write import add_value
-
     for key, value in metadata.items():
         add_value(writer, key, value)
     if chat_template is not None:
