@@ -164,6 +164,38 @@ def test_detokenizer_emits_whole_characters(smollm2_tokenizer, text):
     assert not any("\ufffd" in d for d in deltas)
 
 
+def assert_runs_detokenize_like_steps(tok, ids, seed, skip_special_tokens=False):
+    """steps() over random runs of ids gives, after each run, a prefix of what step() gave
+    after the same tokens (all of it when the run ends on a whole character), and the same
+    text in the end."""
+    import random
+
+    rng = random.Random(seed)
+    one, runs = tok.detokenizer(skip_special_tokens), tok.detokenizer(skip_special_tokens)
+    want = got = ""
+    i = 0
+    while i < len(ids):
+        n = rng.randint(1, 16)
+        run = ids[i : i + n]
+        want += "".join(one.step(t) for t in run)
+        got += runs.steps(run)
+        assert want.startswith(got), (i, want, got)
+        i += n
+    assert got + runs.flush() == want + one.flush()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_detokenizer_runs_equal_steps(smollm2_tokenizer, seed):
+    import random
+
+    tok = smollm2_tokenizer
+    for text in STREAMED + TRICKY:
+        assert_runs_detokenize_like_steps(tok, tok.encode(text), seed)
+    rng = random.Random(seed)  # any ids: bytes that never complete a character, specials
+    assert_runs_detokenize_like_steps(tok, [rng.randrange(tok.vocab_size) for _ in range(300)], seed)
+    assert_runs_detokenize_like_steps(tok, [rng.randrange(tok.vocab_size) for _ in range(300)], seed, True)
+
+
 def test_detokenizer_holds_back_split_characters(smollm2_tokenizer):
     tok = smollm2_tokenizer
     ids = tok.encode("😀")

@@ -79,6 +79,18 @@ def test_streaming(spm, text):
     assert "".join(deltas) + stream.flush() == spm.decode(ids, skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_streaming_runs_equal_steps(spm, seed):
+    import random
+
+    from test_tokenizer import assert_runs_detokenize_like_steps
+
+    for text in ["Hello wörld, 東京 😀!", "  two  spaces\nnew line", "Привет [INST] hi", *TRICKY_STRINGS]:
+        assert_runs_detokenize_like_steps(spm, spm.encode(text), seed, skip_special_tokens=True)
+    rng = random.Random(seed)
+    assert_runs_detokenize_like_steps(spm, [rng.randrange(spm.vocab_size) for _ in range(300)], seed)
+
+
 def test_gguf_load_and_transformers_agree(tmp_path):
     """transformers' own GGUF conversion agrees wherever its space convention is llama.cpp's
     (it puts no extra '▁' before text that starts with a space or follows a control token)."""

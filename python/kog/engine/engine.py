@@ -297,10 +297,20 @@ class LLMEngine:
         deltas = []
         for seq, tokens in zip(seqs, rows):
             base, delta = seq.num_computed, None
-            for j, token in enumerate(tokens):
-                seq.num_computed = base + j + 1  # the tokens fed so far have KV
+            # The native loop ended the row at its only finishing token, the last: without stop
+            # strings the ones before it need no per-token check, only their ids and text.
+            head = tokens[:-1] if not seq.params.stop else []
+            if head:
+                seq.token_ids.extend(head)
+                seq.num_computed = base + len(head)  # the tokens fed so far have KV
+                seq.num_forward_passes += len(head)
+                if seq.detok is not None:
+                    seq.text += seq.detok.steps(head)
+                delta = StreamDelta(seq.request_id, seq.index, "", head, None)
+            for j in range(len(head), len(tokens)):
+                seq.num_computed = base + j + 1
                 seq.num_forward_passes += 1
-                delta = merge_deltas(delta, self._append_token(seq, token, None, None, now))
+                delta = merge_deltas(delta, self._append_token(seq, tokens[j], None, None, now))
                 if seq.finish_reason is not None:
                     break
             self.decode_loop.release_unused(seq)

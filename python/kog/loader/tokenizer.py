@@ -94,6 +94,14 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.hf.id_to_token(token_id)
 
+    @cached_property
+    def prefix_stable_decode(self) -> bool:
+        """Whether decode(a + b) extends decode(a) whenever decode(a) ends on a whole character:
+        true of the byte-level decoder (the tokens' bytes joined, then UTF-8 with U+FFFD for
+        invalid bytes); not of SentencePiece's byte fallback, which makes a run of byte tokens
+        that is not valid UTF-8 one U+FFFD per token (<0x3B> is ";", <0x3B><0xBE> two U+FFFD)."""
+        return isinstance(self.hf.decoder, decoders.ByteLevel)
+
     def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)
 
@@ -174,6 +182,24 @@ class IncrementalDetokenizer:
         seen = self._decode(self.ids[self.prefix:self.read])
         text = self._decode(self.ids[self.prefix:])
         # NOTE: U+FFFD at the end means the last token ends inside a UTF-8 character.
+        if len(text) > len(seen) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(seen):]
+        return ""
+
+    def steps(self, token_ids: list[int]) -> str:
+        """Adds several token ids; returns the text they complete: the concatenation of step()'s
+        returns for each, or less while a character is incomplete at their end (held back, as
+        step() would hold back its last token's part). Two decodes, whatever the count, where
+        the tokenizer's decoding is prefix-stable (Tokenizer.prefix_stable_decode: the text is
+        then exactly step()'s, since the window starts where step()'s would and every earlier
+        emission ended on a whole character); else one step() per id.
+        """
+        if len(token_ids) == 1 or not getattr(self.tokenizer, "prefix_stable_decode", False):
+            return "".join(self.step(t) for t in token_ids)
+        self.ids.extend(token_ids)
+        seen = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
         if len(text) > len(seen) and not text.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
             return text[len(seen):]
