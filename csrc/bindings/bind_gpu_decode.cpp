@@ -26,6 +26,9 @@ using kog::gpu::decode::GpuDecodeExecutor;
 
 std::unique_ptr<GpuDecodeExecutor> make_executor(const ModelDims& dims, uintptr_t kv_base, int64_t num_blocks,
                                                  int64_t block_size, uintptr_t inv_freq, const std::vector<Op>& ops) {
+  // NOTE: expand_gpu_program splits a rank's cross-rank ops; the kernel does not run them yet.
+  KOG_CHECK(dims.lane_ranks == 1, "GPU decode: tensor-parallel rank ", dims.lane_rank, " of ", dims.lane_ranks,
+            "; the persistent kernel has no transport between GPUs yet (docs/GPU.md)");
   return std::make_unique<GpuDecodeExecutor>(
       dims, kog::schedule::KVCacheDesc{reinterpret_cast<void*>(kv_base), num_blocks, block_size},
       reinterpret_cast<const float*>(inv_freq), kog::schedule::expand_gpu_program(ops, dims));
@@ -96,6 +99,17 @@ void bind_gpu_decode(py::module_& m) {
         return lanes;
       },
       arg("dims"), arg("op"), "The lane each output row of a lane LINEAR reads x from (schedule::LaneRows).");
+  m.def(
+      "comm_layout",
+      [](const std::vector<Op>& ops, const ModelDims& dims, int64_t batch) {
+        const auto l = kog::schedule::comm_layout(ops, dims, batch);
+        py::dict out;
+        out["offset"] = l.offset, out["part"] = l.part, out["parity_bytes"] = l.parity_bytes;
+        return out;
+      },
+      arg("ops"), arg("dims"), arg("batch"),
+      "Where each channel of an expanded rank program lives in a rank's inbox (schedule::comm_layout): "
+      "{'offset': [channels], 'part': [channels], 'parity_bytes': int}.");
   m.def("program_sinks", &kog::schedule::program_sinks, arg("ops"),
         "Ops no later op depends on (a new GPU step waits on these).");
   m.attr("GPU_OP_LINEAR_SAMPLE_PARTIAL") = kog::schedule::kOpLinearSamplePartial;

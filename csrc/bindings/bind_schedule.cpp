@@ -37,12 +37,13 @@ ModelDims make_dims(int64_t n_layers, int64_t hidden, int64_t n_q_heads, int64_t
 
 Op make_op(int op, int layer, int in, int residual, int out, uintptr_t w0, uintptr_t w1,
            const std::vector<int>& deps, uintptr_t w2, int w_type, int w1_type, int lanes, int slot, int window,
-           int vocab_slice, uintptr_t expert_ranks, uintptr_t w_scale) {
+           int vocab_slice, uintptr_t expert_ranks, uintptr_t w_scale, int comm, int comm_push) {
   KOG_CHECK(deps.size() <= size_t(kog::schedule::kMaxDeps), "Op: ", deps.size(), " deps (at most ",
             kog::schedule::kMaxDeps, ")");
   Op o{op, layer, in, residual, out, int32_t(deps.size()), reinterpret_cast<const void*>(w0),
        reinterpret_cast<const void*>(w1), {}, reinterpret_cast<const void*>(w2), w_type, w1_type, lanes, slot, window,
-       vocab_slice, reinterpret_cast<const int32_t*>(expert_ranks), reinterpret_cast<const void*>(w_scale)};
+       vocab_slice, reinterpret_cast<const int32_t*>(expert_ranks), reinterpret_cast<const void*>(w_scale), comm,
+       comm_push};
   for (size_t k = 0; k < deps.size(); ++k) o.deps[k] = deps[k];
   return o;
 }
@@ -92,7 +93,7 @@ void bind_schedule(py::module_& m) {
       .def(py::init(&make_op), arg("opcode"), arg("layer"), arg("in_"), arg("residual"), arg("out"), arg("w0"),
            arg("w1"), arg("deps"), arg("w2") = 0, arg("w_type") = kog::schedule::kWeightRunDtype,
            arg("w1_type") = kog::schedule::kWeightRunDtype, arg("lanes") = 1, arg("slot") = -1, arg("window") = 0,
-           arg("vocab_slice") = 0, arg("expert_ranks") = 0, arg("w_scale") = 0)
+           arg("vocab_slice") = 0, arg("expert_ranks") = 0, arg("w_scale") = 0, arg("comm") = -1, arg("comm_push") = 0)
       .def_readonly("opcode", &Op::op)
       .def_readonly("layer", &Op::layer)
       .def_readonly("in_", &Op::in)
@@ -109,6 +110,8 @@ void bind_schedule(py::module_& m) {
       .def_readonly("slot", &Op::slot)
       .def_readonly("window", &Op::window)
       .def_readonly("vocab_slice", &Op::vocab_slice)
+      .def_readonly("comm", &Op::comm, "A cross-rank op's channel (expanded GPU programs of a rank only), else -1.")
+      .def_readonly("comm_push", &Op::comm_push, "1: the push half of a cross-rank op; 0: its finish (or none).")
       .def_property_readonly("w_scale", [](const Op& o) { return reinterpret_cast<uintptr_t>(o.w_scale); },
                              "A GPU weight format's scales (w_type WEIGHT_FP8: [rows] f32; WEIGHT_Q4_GROUPS: "
                              "[rows, k / 32] f16 pairs; WEIGHT_Q4_K: [rows, k / 256] 16-byte headers), else 0.")

@@ -162,15 +162,13 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
               " (", name, "): ", moe_slots(dims), " slots per row (top_k + shared_slots, at most ", kMaxMoeSlots,
               ") and ", router_rows(dims), " router rows (at most ", kMaxRouterRows, ") for the GPU kernel");
   }
-  // Laneformer's lanes: on one device (the kernel has no transport between GPUs yet), and in the
-  // float kernels only (the quantized one has no registers left for them: docs/GPU.md).
-  KOG_CHECK(dims.lane_ranks == 1, "GPU decode program: tensor-parallel rank ", dims.lane_rank, " of ",
-            dims.lane_ranks, "; the GPU kernel runs a whole model on one device (no transport between GPUs yet)");
-  if (dims.n_lanes > 1) {
+  // Lanes (and tensor-parallel ranks, which are lanes on ranks) in the float kernels only (the
+  // quantized one has no registers left for them: docs/GPU.md).
+  if (dims.n_lanes > 1 || dims.lane_ranks > 1) {
     for (size_t i = 0; i < ops_in.size(); ++i)
       KOG_CHECK(!is_gpu_weight_format(ops_in[i].w_type), "GPU decode program: op ", i,
-                " reads an FP8 or 4-bit weight in a model of ", dims.n_lanes,
-                " lanes; the GPU kernel runs lanes with run-dtype weights only");
+                " reads an FP8 or 4-bit weight in a model of ", dims.n_lanes * dims.lane_ranks, " lanes over ",
+                dims.lane_ranks, " ranks; the GPU kernel runs lanes with run-dtype weights only");
   }
   std::vector<Op> ops = ops_in;
   fuse_residual_adds(ops);
@@ -199,6 +197,8 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
   std::vector<Op> out;
   out.reserve(ops.size() + 1);
   int32_t last_attn = -1;
+  int32_t n_channels = 0;
+  std::vector<int32_t> slot_channel(size_t(std::max<int64_t>(dims.lane_hist_slots, 0)), -1);  // LANE_HIST slot -> its gather's
   for (size_t i = 0; i < ops.size(); ++i) {
     if (fused_into[i] >= 0) {  // folded into an earlier LINEAR: its dependents wait for that one
       produced[i] = produced[size_t(fused_into[i])];
@@ -231,14 +231,41 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
     }
     const bool attn = Opcode(o.op) == Opcode::kAttnDecode;
     if (attn && last_attn >= 0) add_dep(o, last_attn);
+    const auto opc = Opcode(o.op);
+    if (dims.lane_ranks > 1 && (opc == Opcode::kLaneSum || opc == Opcode::kLaneMean || opc == Opcode::kLaneMergeSum ||
+                                opc == Opcode::kAllReduce || opc == Opcode::kAllGather || opc == Opcode::kLaneGather)) {
+      Op push = o;  // reads what the op reads; writes only the channel's inboxes
+      push.comm = n_channels++, push.comm_push = 1, push.out = -1;
+      out.push_back(push);
+      if (opc == Opcode::kLaneGather) {  // the LANE_ADD_PAST reading its slot finishes it
+        KOG_CHECK(o.slot >= 0 && o.slot < int32_t(slot_channel.size()), "GPU decode program: op ", i,
+                  " (LANE_GATHER) writes slot ", o.slot, " of ", slot_channel.size());
+        slot_channel[size_t(o.slot)] = push.comm;
+        produced[i] = int32_t(out.size()) - 1;
+        continue;
+      }
+      o.comm = push.comm;  // the finish: the op's own deps and the push
+      add_dep(o, int32_t(out.size()) - 1);
+    }
+    if (dims.lane_ranks > 1 && opc == Opcode::kLaneAddPast) {
+      const int32_t c = o.slot >= 0 && o.slot < int32_t(slot_channel.size()) ? slot_channel[size_t(o.slot)] : -1;
+      KOG_CHECK(c >= 0, "GPU decode program: op ", i, " (LANE_ADD_PAST) reads slot ", o.slot,
+                " before any LANE_GATHER wrote it");
+      o.comm = c;
+    }
     if (Opcode(o.op) == Opcode::kSample) {  // its first phase runs in the tails of the LM head's items
       int32_t head = int32_t(out.size()) - 1;
       while (head >= 0 && out[size_t(head)].out != o.in) --head;
       bool waits = false;
       for (int k = 0; k < o.n_deps; ++k) waits |= o.deps[k] == head;
-      KOG_CHECK(head >= 0 && Opcode(out[size_t(head)].op) == Opcode::kLinear && out[size_t(head)].residual < 0 && waits,
-                "GPU decode program: op ", i, " (SAMPLE) must read the output of a LINEAR it depends on (the LM head)");
-      out[size_t(head)].op = kOpLinearSamplePartial;
+      const Op* h = head >= 0 ? &out[size_t(head)] : nullptr;
+      // (a tensor-parallel rank: in the finish of the logits' gather or reduce, which runs it itself)
+      const bool finish = h != nullptr && h->comm >= 0 && !h->comm_push &&
+                          (Opcode(h->op) == Opcode::kAllGather || Opcode(h->op) == Opcode::kAllReduce);
+      KOG_CHECK(h != nullptr && waits && (finish || (Opcode(h->op) == Opcode::kLinear && h->residual < 0)),
+                "GPU decode program: op ", i, " (SAMPLE) must read the output of a LINEAR it depends on (the LM head)",
+                dims.lane_ranks > 1 ? " or of the logits' ALL_GATHER / ALL_REDUCE" : "");
+      if (!finish) out[size_t(head)].op = kOpLinearSamplePartial;
     }
     out.push_back(o);
     produced[i] = int32_t(out.size()) - 1;
@@ -246,6 +273,21 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
     if (attn) last_attn = produced[i];
   }
   return out;
+}
+
+CommLayout comm_layout(const std::vector<Op>& ops, const ModelDims& dims, int64_t batch) {
+  CommLayout l;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const Op& o = ops[i];
+    if (o.comm < 0 || !o.comm_push) continue;
+    KOG_CHECK(o.comm == int32_t(l.part.size()), "comm_layout: op ", i, " pushes channel ", o.comm, " where channel ",
+              l.part.size(), " comes next");
+    const int64_t part = (comm_part_bytes(dims, o, batch) + 255) / 256 * 256;
+    l.offset.push_back(l.parity_bytes);
+    l.part.push_back(part);
+    l.parity_bytes += part * dims.lane_ranks;
+  }
+  return l;
 }
 
 std::vector<int32_t> program_sinks(const std::vector<Op>& ops) {

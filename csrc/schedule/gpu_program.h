@@ -47,6 +47,44 @@ constexpr int32_t kOpMoeDown = 108;
 // ascending expert order, of the pair's weight times its y row, rounded once: MOE_EXPERTS' output.
 constexpr int32_t kOpMoeCombine = 109;
 
+// Cross-rank ops (ModelDims::lane_ranks > 1; docs/GPU.md, "Tensor parallelism inside the
+// persistent kernel"). Each op that combines every rank's data becomes two ops with one channel
+// (Op::comm): a push (Op::comm_push = 1: this rank's part into every rank's inbox of the channel,
+// then the channel's flag raised on every rank; writes no buffer) and a finish (waits for every
+// rank's flag, then combines in rank order and writes what the op writes), the finish depending
+// on the push:
+//   LANE_SUM / LANE_MEAN / LANE_MERGE_SUM: push the f32 sum over the rank's lanes of each element
+//     (MERGE_SUM: of round(residual_l + in_l)); finish: the ranks' sums added in rank order.
+//   ALL_REDUCE (a "lane" head's partial logits): push them as f32; finish: the sum in rank order.
+//   ALL_GATHER (a vocabulary-parallel head): push the rank's slice of LOGITS; finish: every slice.
+//   The logits' finish also runs SAMPLE's first phase (as kOpLinearSamplePartial's tails do on
+//   one rank): its items are the sample chunks, each writing its LOGITS chunk, the chunk's f32
+//   logits output and its summary.
+//   LANE_GATHER: only a push (its lanes, in the run dtype); the LANE_ADD_PAST that reads its slot
+//     is the finish of that channel, broadcast_delay layers later.
+// A push's channel reaches every rank by the same index: every rank's program is the same op
+// list (only the weights and dims.lane_rank differ).
+// Bytes of one rank's part of the inbox of push o (its channel) for `batch` rows.
+inline int64_t comm_part_bytes(const ModelDims& d, const Op& o, int64_t batch) {
+  const int64_t elem = dtype_size(d.dtype);
+  switch (Opcode(o.op)) {
+    case Opcode::kLaneGather: return batch * d.n_lanes * d.hidden * elem;
+    case Opcode::kAllReduce: return batch * d.vocab * 4;
+    case Opcode::kAllGather: return batch * (d.vocab / d.lane_ranks) * elem;
+    default: return batch * d.hidden * 4;  // LANE_SUM, LANE_MEAN, LANE_MERGE_SUM: f32 partials
+  }
+}
+
+// Where each channel of an expanded program lives in a rank's inbox, [2 parities][channels]
+// [lane_ranks parts]: a step writes parity step % 2 (docs/GPU.md: why two).
+struct CommLayout {
+  std::vector<int64_t> offset;  // [channels] bytes from a parity's start to the channel's rank-0 part
+  std::vector<int64_t> part;    // [channels] bytes of one rank's part (a multiple of 256)
+  int64_t parity_bytes = 0;     // one parity: every channel's lane_ranks parts
+};
+// Throws kog::Error(kInvalidArgument) when the channels are not numbered 0.. in program order.
+CommLayout comm_layout(const std::vector<Op>& ops, const ModelDims& dims, int64_t batch);
+
 // Whether the GPU kernel runs op o as a GEMV over o.w0 whose weights it stages ahead (LINEAR, its
 // fused forms, the router). The experts' GEMVs are GEMVs too, but not staged: see kOpMoeGateUp.
 KOG_HOST_DEVICE inline bool is_gemv(const Op& o) {
@@ -69,8 +107,10 @@ KOG_HOST_DEVICE inline bool is_gemv(const Op& o) {
 // kOpMoeCombine (on the down; ops that depended on MOE_EXPERTS depend on it): a chain, so waits
 // stay transitive. MoE needs run-dtype experts, one rank, and the limits of moe_route.h.
 // Laneformer's lanes run as they are (lane LINEARs read their lane's slice of x per row, lane-wide
-// norms normalize each lane, the LANE_* ops run as small items) on one rank with run-dtype
-// weights; no RMS_NORM folds into a lane LINEAR or out of a lane-wide buffer.
+// norms normalize each lane, the LANE_* ops run as small items) with run-dtype weights; no
+// RMS_NORM folds into a lane LINEAR or out of a lane-wide buffer. On a tensor-parallel rank
+// (lane_ranks > 1) each cross-rank op becomes a push and a finish (above; dependents wait for the
+// finish, LANE_GATHER's for its push), and SAMPLE's first phase runs in the logits' finish.
 // Deps are renumbered to the expanded indices. Throws kog::Error(kInvalidArgument) naming the
 // first bad op of the input program.
 std::vector<Op> expand_gpu_program(const std::vector<Op>& ops, const ModelDims& dims);

@@ -152,6 +152,12 @@ struct Op {
   // A GPU weight format's scales (else null): kWeightFp8 [rows] f32 per row; kWeightQ4Groups
   // [rows, k / 32] (f16, f16) per group; kWeightQ4K [rows, k / 256] 16-byte super-block headers.
   const void* w_scale = nullptr;
+  // GPU expanded program of a tensor-parallel rank only (gpu_program.h, "cross-rank ops"): the
+  // channel, 0.., of a cross-rank op's half, -1 on every other op; comm_push 1: the push half
+  // (this rank's part stored into every rank's inbox of the channel, then its flag raised on every
+  // rank), 0: the finish half (waits for every rank's flag of the channel, then combines).
+  int32_t comm = -1;
+  int32_t comm_push = 0;
 };
 
 // Elements per batch row of buffer b (TOKENS: one int32 id; LOGITS: vocab in the run dtype).

@@ -12,7 +12,7 @@ from kog.config import ModelConfig
 
 # The Op constructor's arguments that read back as attributes of the same name (expert_ranks does not).
 _FIELDS = ("opcode", "layer", "in_", "residual", "out", "w0", "w1", "deps", "w2", "w_type", "w1_type", "lanes",
-           "slot", "window", "vocab_slice", "w_scale")
+           "slot", "window", "vocab_slice", "w_scale", "comm", "comm_push")
 
 
 def with_op(ops: Sequence[_C.Op], i: int, **fields) -> list[_C.Op]:

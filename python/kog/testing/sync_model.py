@@ -113,10 +113,16 @@ def run_launches(protocol: Protocol, launch: Launch, seed: int, n_launches: int 
 
 
 class _Run:
-    """One launch: workgroup generators, counters and the ground truth of completed items."""
+    """One launch: workgroup generators, counters and the ground truth of completed items.
+
+    With `world` (kog.testing.sync_ranks), this is rank `rank`'s launch among several: a cross-rank
+    finish waits for the world's flags of its channel and step, a push's last item raises them,
+    and every item of either half is checked against the other ranks' (world.item)."""
 
     def __init__(self, protocol: Protocol, launch: Launch, counters: list[int], group_counts: dict[int, int],
-                 stop_at: list[int], rng: random.Random, stats: Stats, index: int, check_flag_reads: bool) -> None:
+                 stop_at: list[int], rng: random.Random, stats: Stats, index: int, check_flag_reads: bool,
+                 world=None, rank: int = 0) -> None:
+        self.world, self.rank = world, rank
         self.p, self.l, self.counters, self.stop_at, self.rng = protocol, launch, counters, stop_at, rng
         self.group_counts = group_counts
         self.group_done: dict[tuple[int, int, int], int] = {}  # (step, op, group) -> its items that ran
@@ -134,24 +140,36 @@ class _Run:
 
     # -- the scheduler ------------------------------------------------------------------------
     def run(self) -> None:
-        resident = self.l.grid if self.l.resident is None else self.l.resident
-        gens = {w: self._workgroup(w) for w in range(resident)}
-        guards = {w: next(gens[w]) for w in gens}
-        speed = {w: self._speed(w) for w in gens}
-        while gens:
-            runnable = [w for w in gens if self._can_pass(w, guards[w])]
+        self.start()
+        while self.gens:
+            runnable = self.runnable()
             if not runnable:
-                raise Deadlock(self._deadlock_report(guards, resident))
-            self.stats.blocked_ticks += len(runnable) < len(gens)
-            w = self.rng.choices(runnable, weights=[speed[v] for v in runnable])[0]
-            if self.rng.random() < 1 / 32:
-                speed[w] = self._speed(w)
-            self.stats.actions += 1
-            try:
-                guards[w] = next(gens[w])
-            except StopIteration:
-                del gens[w], guards[w]
+                raise Deadlock(self.deadlock_report())
+            self.stats.blocked_ticks += len(runnable) < len(self.gens)
+            self.advance(self.rng.choices(runnable, weights=[self.speed[v] for v in runnable])[0])
         self.stats.split_exits += len(self.left_at) > 1
+
+    def start(self) -> None:
+        self.resident = self.l.grid if self.l.resident is None else self.l.resident
+        self.gens = {w: self._workgroup(w) for w in range(self.resident)}
+        self.guards = {w: next(self.gens[w]) for w in self.gens}
+        self.speed = {w: self._speed(w) for w in self.gens}
+
+    def runnable(self) -> list[int]:
+        return [w for w in self.gens if self._can_pass(w, self.guards[w])]
+
+    def advance(self, w: int) -> None:
+        """Workgroup w's next action (it is runnable)."""
+        if self.rng.random() < 1 / 32:
+            self.speed[w] = self._speed(w)
+        self.stats.actions += 1
+        try:
+            self.guards[w] = next(self.gens[w])
+        except StopIteration:
+            del self.gens[w], self.guards[w]
+
+    def deadlock_report(self) -> str:
+        return self._deadlock_report(self.guards, self.resident)
 
     def _speed(self, w: int) -> float:
         if w in self.l.slow:
@@ -162,6 +180,8 @@ class _Run:
     def _can_pass(self, w: int, guard: tuple[int, int] | None) -> bool:
         if guard is None:
             return True
+        if len(guard) == 3:  # ("flags", channel, step): a finish waits for every rank's push
+            return self.world.flags_ready(self.rank, guard[1], self.world.epoch(self.index, guard[2]))
         if self.zeroed:
             s, d = divmod(guard[0], self.n_ops)
             raise CounterReuse(f"launch {self.index}: workgroup {w} reads the counter of step {s} {self._name(d)} "
@@ -183,11 +203,13 @@ class _Run:
                     break  # every sequence finished
             for j, op in enumerate(ops):
                 self.where[w] = (step, j)
-                ready = not op.deps  # deps are ops of this step: the step's start waited for the last
+                ready = not op.deps and not (op.comm >= 0 and not op.comm_push)
                 for item in range(w, op.n_items, grid):
                     if not ready:
                         for d in op.deps:
                             yield self._wait(step, d)
+                        if op.comm >= 0 and not op.comm_push:  # every rank's flag of the channel
+                            yield ("flags", op.comm, step)
                         ready = True
                     yield None
                     self._run_item(w, step, j, item)
@@ -197,6 +219,8 @@ class _Run:
                             yield None
                             self._run_tail(w, step, j, item)
                     self.done[step * self.width + j + 1] += 1  # the item, tail included, is complete
+                    if op.comm >= 0:
+                        self.world.completed(self.rank, self.world.epoch(self.index, step), j)
                     if self.p.signal_after_first_item and item == w:
                         yield None
                         self.counters[step * self.n_ops + j] += 1
@@ -225,6 +249,8 @@ class _Run:
     def _run_item(self, w: int, step: int, j: int, item: int) -> None:
         self._access(w, step, j, item)
         op = self.p.ops[j]
+        if op.comm >= 0:
+            self.world.item(self.rank, self.world.epoch(self.index, step), j, w, item)
         if op.group_items:
             key = (step, j, item // op.group_items)
             self.group_done[key] = self.group_done.get(key, 0) + 1
@@ -256,6 +282,8 @@ class _Run:
             raise Hazard(f"launch {self.index}: step {step} {self._name(j)} group {g}'s tail ran on workgroup {w} "
                          f"with {got}/{size} of its items done" + self._trace())
         self._check(w, step, j, item, self.conflicts_tail[j])
+        if op.comm >= 0 and op.comm_push:  # after every item of the push on this rank
+            self.world.raise_flags(self.rank, op.comm, self.world.epoch(self.index, step))
         if self.p.reset_group_counts:
             self.group_counts[(op.group_counter, g)] = 0
 
@@ -297,6 +325,10 @@ class _Run:
         lines = []
         for w, guard in sorted(guards.items()):
             step, j = self.where[w]
+            if guard is not None and len(guard) == 3:
+                lines.append(f"  rank {self.rank} wg {w} at step {step} {self._name(j)} waits for the flags of "
+                             f"channel {guard[1]}, step {guard[2]}")
+                continue
             c, target = guard
             ws, wd = divmod(c, self.n_ops)
             lines.append(f"  wg {w} at step {step} {self._name(j)} waits for step {ws} "

@@ -68,6 +68,12 @@ class SyncOp:
     group_counter: str = ""
     tail_reads: frozenset[str] = frozenset()
     tail_writes: frozenset[str] = frozenset()
+    # A cross-rank op's half (expand_gpu_program on a tensor-parallel rank): its channel, and
+    # whether it is the push (its items store into every rank's inbox; its group is the whole op,
+    # whose last item raises the channel's flag on every rank) or the finish (waits for every
+    # rank's flag of the step, then reads its own inbox). -1: not cross-rank.
+    comm: int = -1
+    comm_push: bool = False
 
 
 def buffer(b: int) -> str:
@@ -76,6 +82,11 @@ def buffer(b: int) -> str:
 
 def kv_cache(layer: int) -> str:
     return f"kv.{layer}"
+
+
+def inbox(channel: int) -> str:
+    """A channel's inbox on this rank (kog.testing.sync_ranks checks its cross-rank uses)."""
+    return f"inbox.{channel}"
 
 
 def lane_hist(slot: int) -> str:
@@ -98,6 +109,11 @@ def items_of(op: _C.Op, dims: _C.ModelDims, batch: int, max_parts: int, rows_per
         return -(-a // b)
 
     code = op.opcode
+    if code in (Opcode.ALL_GATHER, Opcode.ALL_REDUCE) and op.comm >= 0:  # the logits' push and finish
+        if not op.comm_push:  # one item per sample chunk, every row
+            return ceil(dims.vocab, _C.SAMPLE_CHUNK)
+        width = dims.vocab // dims.lane_ranks if code == Opcode.ALL_GATHER else dims.vocab
+        return batch * ceil(width, ROW_CHUNK)
     if code in (Opcode.LINEAR, LINEAR_SAMPLE_PARTIAL):
         return ceil(dims.buffer_width(op.out), rows_per_item)
     if code in (ROUTER_GEMV, MOE_GATE_UP, MOE_DOWN):  # schedule/moe_route.h, gpu/decode/moe_items.cuh
@@ -134,6 +150,14 @@ def accesses(op: _C.Op) -> tuple[set[str], set[str]]:
     """(reads, writes) of one item of op, as run_item performs them. Read-only inputs (weights,
     block tables, sampling rows, stop ids) are left out: nothing writes them during a launch."""
     code, i, o = op.opcode, buffer(op.in_) if op.in_ >= 0 else None, buffer(op.out) if op.out >= 0 else None
+    if op.comm >= 0 and op.comm_push:  # this rank's part of what it reads, into every rank's inbox
+        return {i} | ({buffer(op.residual)} if op.residual >= 0 else set()), {inbox(op.comm)}
+    if op.comm >= 0:  # the finish: every rank's parts from the inbox
+        if code in (Opcode.ALL_GATHER, Opcode.ALL_REDUCE):  # LOGITS, and the chunk summaries for SAMPLE
+            return {inbox(op.comm)}, {o, LOGITS_OUT, SAMPLE_SUMMARIES}
+        if code == Opcode.LANE_ADD_PAST:
+            return {i, inbox(op.comm)}, {i}
+        return {inbox(op.comm)}, {o}  # LANE_SUM (o = in: every lane = the sum), LANE_MEAN, LANE_MERGE_SUM
     if code == Opcode.LINEAR and op.residual >= 0:  # a fused residual add: out (the residual) += x . w
         return {i, o}, {o}
     if code == LINEAR_ROPE_KV:  # QKV (q, k rotated) and the layer's cache at the row's slot
@@ -176,6 +200,8 @@ def accesses(op: _C.Op) -> tuple[set[str], set[str]]:
 
 def op_name(op: _C.Op) -> str:
     code = GPU_OP_NAMES.get(op.opcode) or Opcode(op.opcode).name
+    if op.comm >= 0:
+        code += f" {'PUSH' if op.comm_push else 'FINISH'} c{op.comm}"
     layer = f" L{op.layer}" if op.layer >= 0 else ""
     src = Buffer(op.in_).name if op.in_ >= 0 else "-"
     dst = Buffer(op.out).name if op.out >= 0 else ("-" if op.opcode in GPU_OP_NAMES else f"kv.{op.layer}")
@@ -209,8 +235,12 @@ def sync_ops(expanded: Sequence[_C.Op], dims: _C.ModelDims, batch: int, max_part
             n = items_of(op, dims, batch, max_parts, rows_per_item)
             tail = dict(group_items=n, group_counter=ROUTE_COUNT, tail_reads=frozenset({MOE_LOGITS, buffer(op.in_)}),
                         tail_writes=frozenset({buffer(op.out), MOE_GROUPS, MOE_X}))
-        out.append(SyncOp(op_name(op), items_of(op, dims, batch, max_parts, rows_per_item), tuple(op.deps),
-                          frozenset(reads), frozenset(writes), **tail))
+        n = items_of(op, dims, batch, max_parts, rows_per_item)
+        if op.comm >= 0:
+            tail = dict(comm=op.comm, comm_push=bool(op.comm_push))
+            if op.comm_push:  # the op's last item raises the flags
+                tail |= dict(group_items=n, group_counter=f"comm_count.{op.comm}")
+        out.append(SyncOp(op_name(op), n, tuple(op.deps), frozenset(reads), frozenset(writes), **tail))
     return out
 
 
