@@ -26,9 +26,6 @@ using kog::gpu::decode::GpuDecodeExecutor;
 
 std::unique_ptr<GpuDecodeExecutor> make_executor(const ModelDims& dims, uintptr_t kv_base, int64_t num_blocks,
                                                  int64_t block_size, uintptr_t inv_freq, const std::vector<Op>& ops) {
-  // NOTE: expand_gpu_program splits a rank's cross-rank ops; the kernel does not run them yet.
-  KOG_CHECK(dims.lane_ranks == 1, "GPU decode: tensor-parallel rank ", dims.lane_rank, " of ", dims.lane_ranks,
-            "; the persistent kernel has no transport between GPUs yet (docs/GPU.md)");
   return std::make_unique<GpuDecodeExecutor>(
       dims, kog::schedule::KVCacheDesc{reinterpret_cast<void*>(kv_base), num_blocks, block_size},
       reinterpret_cast<const float*>(inv_freq), kog::schedule::expand_gpu_program(ops, dims));
@@ -146,7 +143,15 @@ void bind_gpu_decode(py::module_& m) {
       .def("set_debug_skip_signal_op", &GpuDecodeExecutor::set_debug_skip_signal_op, arg("op"),
            "Tests: op (expanded index) of step 0 whose items never signal; -1 off")
       .def_property_readonly("grid_size", &GpuDecodeExecutor::grid_size)
-      .def_property_readonly("num_ops", &GpuDecodeExecutor::num_ops);
+      .def_property_readonly("num_ops", &GpuDecodeExecutor::num_ops)
+      .def_property_readonly("inbox_bytes", &GpuDecodeExecutor::inbox_bytes,
+                             "A tensor-parallel rank's inbox size (0 on one rank)")
+      .def_property_readonly("flag_count", &GpuDecodeExecutor::flag_count,
+                             "A tensor-parallel rank's uint64 flags (0 on one rank)")
+      .def("set_ranks", &GpuDecodeExecutor::set_ranks, arg("inboxes"), arg("flags"),
+           "Every rank's inbox and flags (device addresses as this process maps them, rank order)")
+      .def("set_max_grid", &GpuDecodeExecutor::set_max_grid, arg("max_grid"),
+           "At most this many workgroups per launch (0: as many as fit)");
   m.attr("GPU_DECODE_MAX_BATCH") = GpuDecodeExecutor::kMaxBatch;
   m.attr("GPU_DECODE_MAX_LOOP_STEPS") = GpuDecodeExecutor::kMaxLoopSteps;
 #endif

@@ -67,6 +67,18 @@ class GpuDecodeExecutor {
   // it times out.
   void set_debug_skip_signal_op(int32_t op) { debug_skip_signal_op_ = op; }
 
+  // Tensor parallelism (dims.lane_ranks > 1; rank_items.cuh). Each rank allocates an inbox of
+  // inbox_bytes() and flag_count() zeroed uint64 flags in device memory another rank's kernel can
+  // store into (CUDA / HIP IPC, or one device), and gives every rank's executor every rank's two
+  // addresses as that process maps them, rank order, before the first run. Each run's steps
+  // count on from the last run's (the flags' epochs): every rank must run the same n_steps.
+  int64_t inbox_bytes() const { return 2 * comm_.parity_bytes; }
+  int64_t flag_count() const { return int64_t(comm_.part.size()) * d_.lane_ranks; }
+  void set_ranks(const std::vector<uintptr_t>& inboxes, const std::vector<uintptr_t>& flags);
+  // At most this many workgroups per launch (0: as many as fit): ranks sharing one device (tests)
+  // must all be resident at once.
+  void set_max_grid(int max_grid);
+
  private:
   void ensure_partials(int32_t max_parts);
 
@@ -96,6 +108,12 @@ class GpuDecodeExecutor {
   int64_t ticks_per_ms_ = 0;               // gpu_wall_ticks per ms on this device
   uint64_t wait_timeout_ticks_ = 0;
   int32_t debug_skip_signal_op_ = -1;
+  int full_grid_ = 0;                      // workgroups that fit on the device
+  schedule::CommLayout comm_;              // a rank's channels (empty on one rank)
+  char* comm_arrays_ = nullptr;            // device: offsets, parts, push counts, the RankExchange
+  RankExchange* ranks_ = nullptr;          // device, in comm_arrays_
+  bool ranks_set_ = false;
+  uint64_t step_base_ = 0;                 // steps run by earlier launches (the flags' epochs)
 };
 
 // The persistent kernel's instantiations (persistent_kernel_float.cu / _quant.cu) for run dtype

@@ -39,8 +39,8 @@ __device__ void lane_op_item(const PersistentDecodeParams& p, const Op& op, T* i
   T* row = in + b * lw;
   for (int64_t e = e0 + threadIdx.x; e < e1; e += blockDim.x) {
     switch (op.op) {
-      case int32_t(Opcode::kLaneScale): {  // a_l *= sqrt(n_lanes)
-        const float scale = sqrtf(float(L));
+      case int32_t(Opcode::kLaneScale): {  // a_l *= sqrt(lanes of every rank)
+        const float scale = sqrtf(float(L * p.dims.lane_ranks));
         for (int64_t l = 0; l < L; ++l) store_f32(row + l * h + e, load_f32(row + l * h + e) * scale);
         break;
       }

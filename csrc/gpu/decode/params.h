@@ -46,6 +46,20 @@ struct MoeScratch {
   unsigned* route_count;   // [1] router items done; the last routes and resets it to 0
 };
 
+// Most tensor-parallel ranks one kernel exchanges with.
+constexpr int kMaxRanks = 8;
+
+// A tensor-parallel rank's view of every rank's inbox and flags (dims.lane_ranks > 1;
+// rank_items.cuh has the layouts): device memory, filled by GpuDecodeExecutor::set_ranks.
+struct RankExchange {
+  char* inbox[kMaxRanks];       // [lane_ranks] rank q's inbox as this process maps it: [2 parities][parity_bytes]
+  uint64_t* flags[kMaxRanks];   // [lane_ranks] rank q's flags: [channels][lane_ranks] epochs (zero at first)
+  const int64_t* offset;        // [channels] a channel's rank-0 part within a parity (schedule::comm_layout)
+  const int64_t* part;          // [channels] bytes of one rank's part of the channel
+  int64_t parity_bytes;
+  unsigned* push_counts;        // [channels] this rank's items of the channel's push done (the last resets it)
+};
+
 struct PersistentDecodeParams {
   const Op* program;           // [n_ops] device memory: the expanded program (gpu_program.h)
   int32_t n_ops;
@@ -102,6 +116,11 @@ struct PersistentDecodeParams {
   WaitTimeout* timeout;
   uint64_t wait_timeout_ticks;
   int32_t debug_skip_signal_op;  // tests only: op of step 0 whose items never signal (-1: none)
+  // tensor parallelism (dims.lane_ranks > 1, else null / 0): the exchange, the epochs of the
+  // steps before this launch (every rank the same), and the rows of a vocabulary-sliced LM head
+  const RankExchange* ranks;
+  uint64_t step_base;
+  int64_t vocab_slice_rows;     // dims.vocab / dims.lane_ranks
 };
 
 }  // namespace kog::gpu::decode

@@ -146,7 +146,22 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
   KOG_GPU_CHECK(
       gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel_for(dims.dtype, quant_), kThreads, kStageSmemBytes));
   KOG_CHECK_KIND(per_sm > 0, kBackend, "gpu decode: the kernel cannot be resident on this device");
-  grid_ = prop.multiProcessorCount * std::min(per_sm, kBlocksPerMultiprocessor);
+  grid_ = full_grid_ = prop.multiProcessorCount * std::min(per_sm, kBlocksPerMultiprocessor);
+
+  if (dims.lane_ranks > 1) {  // the channels' places, push counts and the exchange (set_ranks fills it)
+    KOG_CHECK(dims.lane_ranks <= kMaxRanks, "gpu decode: ", dims.lane_ranks, " tensor-parallel ranks (at most ",
+              kMaxRanks, ")");
+    comm_ = schedule::comm_layout(ops, dims, kMaxBatch);
+    const size_t n = comm_.part.size();
+    const size_t bytes = 2 * n * sizeof(int64_t) + (n * sizeof(unsigned) + 255) / 256 * 256 + sizeof(RankExchange);
+    KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&comm_arrays_), bytes));
+    KOG_GPU_CHECK(gpuMemsetAsync(comm_arrays_, 0, bytes, nullptr));
+    KOG_GPU_CHECK(gpuMemcpyAsync(comm_arrays_, comm_.offset.data(), n * sizeof(int64_t), gpuMemcpyHostToDevice, nullptr));
+    KOG_GPU_CHECK(gpuMemcpyAsync(comm_arrays_ + n * sizeof(int64_t), comm_.part.data(), n * sizeof(int64_t),
+                                 gpuMemcpyHostToDevice, nullptr));
+    ranks_ = reinterpret_cast<RankExchange*>(comm_arrays_ + bytes - sizeof(RankExchange));
+    KOG_GPU_CHECK(gpuStreamSynchronize(nullptr));
+  }
 
   KOG_GPU_CHECK(gpuHostAlloc(reinterpret_cast<void**>(&timeout_host_), sizeof(WaitTimeout), gpuHostAllocMapped));
   std::memset(timeout_host_, 0, sizeof(WaitTimeout));
@@ -165,9 +180,37 @@ WaitTimeout GpuDecodeExecutor::wait_timeout() const {
   return WaitTimeout{v->fired, v->block, v->step, v->op, v->count, v->target};
 }
 
+void GpuDecodeExecutor::set_ranks(const std::vector<uintptr_t>& inboxes, const std::vector<uintptr_t>& flags) {
+  const size_t R = size_t(d_.lane_ranks);
+  KOG_CHECK(R > 1, "gpu decode: set_ranks on a program of one rank");
+  KOG_CHECK(inboxes.size() == R && flags.size() == R, "gpu decode: set_ranks takes ", R, " inboxes and ", R,
+            " flag arrays, got ", inboxes.size(), " and ", flags.size());
+  RankExchange x{};
+  for (size_t q = 0; q < R; ++q) {
+    KOG_CHECK(inboxes[q] != 0 && flags[q] != 0 && inboxes[q] % 256 == 0 && flags[q] % 8 == 0,
+              "gpu decode: rank ", q, "'s inbox (256-byte aligned) or flags (8-byte aligned) address is bad");
+    x.inbox[q] = reinterpret_cast<char*>(inboxes[q]);
+    x.flags[q] = reinterpret_cast<uint64_t*>(flags[q]);
+  }
+  const size_t n = comm_.part.size();
+  x.offset = reinterpret_cast<const int64_t*>(comm_arrays_);
+  x.part = x.offset + n;
+  x.parity_bytes = comm_.parity_bytes;
+  x.push_counts = reinterpret_cast<unsigned*>(comm_arrays_ + 2 * n * sizeof(int64_t));
+  KOG_GPU_CHECK(gpuMemcpyAsync(ranks_, &x, sizeof(x), gpuMemcpyHostToDevice, nullptr));
+  KOG_GPU_CHECK(gpuStreamSynchronize(nullptr));
+  ranks_set_ = true;
+}
+
+void GpuDecodeExecutor::set_max_grid(int max_grid) {
+  KOG_CHECK(max_grid >= 0, "gpu decode: max_grid ", max_grid);
+  grid_ = max_grid == 0 ? full_grid_ : std::min(max_grid, full_grid_);
+}
+
 GpuDecodeExecutor::~GpuDecodeExecutor() {
   // Frees cannot throw out of a destructor: errors here are dropped.
   (void)gpuFreeHost(timeout_host_);
+  (void)gpuFree(comm_arrays_);
   (void)gpuFree(partials_);
   (void)gpuFree(sample_scratch_);
   (void)gpuFree(moe_scratch_);
@@ -201,6 +244,8 @@ void GpuDecodeExecutor::run(const GpuDecodeStep& s, void* stream) {
   KOG_CHECK(s.tokens && s.positions && s.seq_lens && s.slots && s.block_tables && s.sampling && s.out_tokens &&
                 s.finished && s.logits && (s.n_stop_ids == 0 || s.stop_ids),
             "gpu decode: null step pointer");
+  KOG_CHECK(d_.lane_ranks == 1 || ranks_set_, "gpu decode: tensor-parallel rank ", d_.lane_rank, " of ",
+            d_.lane_ranks, " runs only after set_ranks");
   // Tokens per attention item: halved (down to kMinAttnPartition) until the partial phase has two
   // items per workgroup, so a short context still spreads its K/V reads over the device.
   int32_t partition = kAttnPartition;
@@ -242,6 +287,10 @@ void GpuDecodeExecutor::run(const GpuDecodeStep& s, void* stream) {
   p.timeout = timeout_device_;
   p.wait_timeout_ticks = wait_timeout_ticks_;
   p.debug_skip_signal_op = debug_skip_signal_op_;
+  p.ranks = ranks_;
+  p.step_base = step_base_;
+  p.vocab_slice_rows = d_.vocab / d_.lane_ranks;
+  step_base_ += uint64_t(s.n_steps);
 
   void* args[] = {&p};
   KOG_GPU_CHECK(gpuLaunchCooperativeKernel(kernel_for(d_.dtype, quant_), dim3(unsigned(grid_)), dim3(kThreads), args,

@@ -28,6 +28,7 @@
 #include "gpu/decode/lane_items.cuh"
 #include "gpu/decode/linear_item.cuh"
 #include "gpu/decode/moe_items.cuh"
+#include "gpu/decode/rank_items.cuh"
 #include "gpu/decode/sample_item.cuh"
 #include "gpu/decode/small_items.cuh"
 
@@ -54,9 +55,11 @@ __host__ __device__ __forceinline__ int64_t buffer_width(const PersistentDecodeP
 // conditional load of one of two fields of p becomes a load through a select of their addresses,
 // which keeps LLVM (15) from reading p in place -- the whole struct is then copied to scratch
 // memory on AMD (616 bytes a lane).
+// A tensor-parallel rank's vocabulary-sliced LM head (Op::vocab_slice) has vocab / ranks rows.
 __device__ __forceinline__ int64_t gemv_rows(const PersistentDecodeParams& p, const Op& op) {
   const int64_t glu = 2 * p.dims.intermediate, router = schedule::router_rows(p.dims), width = buffer_width(p, op.out);
-  return op.op == kOpLinearSiluMul ? glu : op.op == schedule::kOpRouterGemv ? router : width;
+  const int64_t slice = p.vocab_slice_rows;
+  return op.op == kOpLinearSiluMul ? glu : op.op == schedule::kOpRouterGemv ? router : op.vocab_slice ? slice : width;
 }
 
 // Length of a GEMV op's weight rows: its input's width, or a lane LINEAR's slice of it
@@ -113,6 +116,8 @@ __device__ inline int64_t parts_per_row(const PersistentDecodeParams& p, const O
     case int32_t(Opcode::kLaneAddPast):
     case int32_t(Opcode::kLaneMean):
     case int32_t(Opcode::kLaneMergeSum): return lane_op_parts(p);
+    case int32_t(Opcode::kAllReduce):  // a tensor-parallel rank's logits push (the finish: items_of)
+    case int32_t(Opcode::kAllGather): return logits_push_parts(p, op);
     case int32_t(Opcode::kQkNorm): return ceil_div(p.dims.n_q_heads + p.dims.n_kv_heads, kThreads / KOG_WARP_SIZE);
     case int32_t(Opcode::kRope): return ceil_div(p.dims.n_q_heads + p.dims.n_kv_heads, kRopeHeads);
     case int32_t(Opcode::kKvAppend): return p.dims.n_kv_heads;
@@ -123,6 +128,9 @@ __device__ inline int64_t parts_per_row(const PersistentDecodeParams& p, const O
 }
 
 __device__ inline int64_t items_of(const PersistentDecodeParams& p, const Op& op) {
+  // a tensor-parallel rank's logits finish: one item per sample chunk, every row
+  if (op.comm >= 0 && !op.comm_push && (op.op == int32_t(Opcode::kAllReduce) || op.op == int32_t(Opcode::kAllGather)))
+    return sample_chunks(p.dims.vocab);
   switch (op.op) {
     case int32_t(Opcode::kLinear):
     case kOpLinearSamplePartial:
@@ -142,14 +150,16 @@ __device__ inline int64_t items_of(const PersistentDecodeParams& p, const Op& op
 // the chunk's f32 logits output and its summary (SAMPLE's first phase, without an op and a
 // grid-wide wait of its own). Item i holds logit rows [i * rows, (i + 1) * rows), rows =
 // linear_rows_per_item(), so chunk c's items are [c * per_chunk, (c + 1) * per_chunk).
+// chunk_item: item is a whole chunk (a tensor-parallel rank's logits finish, rank_items.cuh):
+// no group to wait for.
 template <typename T>
 __device__ inline void sample_partial_tail(const PersistentDecodeParams& p, const T* logits, int64_t item,
-                                           float* smem) {
+                                           bool chunk_item, float* smem) {
   static_assert(kSampleChunk % (kWarps * kLinearRowsPerWarp) == 0, "a sample chunk is whole LM-head items");
   constexpr int64_t per_chunk = kSampleChunk / (kWarps * kLinearRowsPerWarp);
-  const int64_t chunk = item / per_chunk, n_chunks = sample_chunks(p.dims.vocab);
+  const int64_t chunk = chunk_item ? item : item / per_chunk, n_chunks = sample_chunks(p.dims.vocab);
   const int64_t left = linear_items(p.dims.vocab) - chunk * per_chunk, in_chunk = left < per_chunk ? left : per_chunk;
-  if (!last_of_group(p.sample_chunk_counts + chunk, unsigned(in_chunk), smem)) return;
+  if (!chunk_item && !last_of_group(p.sample_chunk_counts + chunk, unsigned(in_chunk), smem)) return;
 #pragma unroll 1
   for (int b = 0; b < p.batch; ++b) {
     const int64_t s = int64_t(b) * n_chunks + chunk;  // [B, chunks]
@@ -209,7 +219,9 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
       const int64_t x_stride = buffer_width(p, op.in);
       const bool router = op.op == schedule::kOpRouterGemv;
       T* const logits = static_cast<T*>(p.moe.logits);  // both loaded: see gemv_rows
-      T* const to_buffer = buf(op.out);
+      T* to_buffer = buf(op.out);
+      if constexpr (!kQuant)  // a rank's vocabulary slice of LOGITS (a rank's program has no GPU formats)
+        to_buffer += op.vocab_slice ? schedule::lane_logits_offset(p.dims) : 0;
       const int64_t rows = gemv_rows(p, op), width = buffer_width(p, op.out);
       T* out = router ? logits : to_buffer;
       const int64_t out_w = router ? rows : width;
@@ -297,9 +309,27 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
     case int32_t(Opcode::kLaneAddPast):
     case int32_t(Opcode::kLaneMean):
     case int32_t(Opcode::kLaneMergeSum):
-      if constexpr (!kQuant)
+      if constexpr (!kQuant) {
+        if (op.comm >= 0) {  // a tensor-parallel rank's half of a cross-rank op (rank_items.cuh)
+          if (op.comm_push)
+            rank_push_item<T>(p, op, buf(op.in), op.residual >= 0 ? buf(op.residual) : nullptr, b, part, step,
+                              unsigned(items_of(p, op)), smem);
+          else
+            rank_finish_item<T>(p, op, buf(op.in), op.out >= 0 ? buf(op.out) : nullptr, b, part, step);
+          break;
+        }
         lane_op_item<T>(p, op, buf(op.in), buf(op.out), op.residual >= 0 ? buf(op.residual) : nullptr,
                         buf(int32_t(Buffer::kLaneHist)), b, part);
+      }
+      break;
+    case int32_t(Opcode::kAllReduce):  // only on a tensor-parallel rank: push or finish (expand_gpu_program)
+    case int32_t(Opcode::kAllGather):
+      if constexpr (!kQuant) {
+        if (op.comm_push)
+          rank_push_item<T>(p, op, buf(op.in), nullptr, b, part, step, unsigned(items_of(p, op)), smem);
+        else
+          rank_logits_finish_item<T>(p, op, buf(op.out), item, step);  // then SAMPLE's first phase: the op loop
+      }
       break;
     case int32_t(Opcode::kSample): {  // item = b: the draw from the partial's summaries
       const int64_t n_chunks = sample_chunks(p.dims.vocab), first = int64_t(b) * n_chunks;
@@ -435,6 +465,8 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(Persiste
       for (int64_t item = blockIdx.x; item < n_items; item += gridDim.x) {
         if (!ready) {
           wait_for_ops(p, op.deps, op.n_deps, int64_t(step) * p.n_ops);
+          if constexpr (!kQuant)
+            if (op.comm >= 0 && !op.comm_push) wait_for_ranks(p, op, j, step);  // every rank's push of the step
           ready = true;
         }
         int stage = -1;
@@ -454,8 +486,11 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(Persiste
           st.release(stage);
           stage_next<T, kQuant>(p, st, j, item + gridDim.x, step);  // into the stage just freed (AMD: the only one)
         }
-        if (op.op == kOpLinearSamplePartial)  // after the staging: the next weights load during the tail
-          sample_partial_tail<T>(p, reinterpret_cast<const T*>(p.buffers[op.out]), item, smem);
+        // a tensor-parallel rank's logits finish: its item is a whole chunk of LOGITS
+        const bool chunk_item = !kQuant && op.comm >= 0 && !op.comm_push &&
+                                (op.op == int32_t(Opcode::kAllGather) || op.op == int32_t(Opcode::kAllReduce));
+        if (op.op == kOpLinearSamplePartial || chunk_item)  // after the staging: the next weights load during the tail
+          sample_partial_tail<T>(p, reinterpret_cast<const T*>(p.buffers[op.out]), item, chunk_item, smem);
         if (op.op == schedule::kOpRouterGemv && last_of_group(p.moe.route_count, unsigned(n_items), smem))
           moe_route_tail<T>(p, op, smem);  // the last router item: routes, groups, gathers
         __syncthreads();  // the next item may reuse shared memory (the signal's barrier did this)

@@ -32,6 +32,34 @@ __device__ __forceinline__ void fence_acquire() {
 #endif
 }
 
+// System scope (another GPU's stores into this GPU's memory, or ours into its): the cross-rank
+// flags (rank_items.cuh).
+__device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* p) {
+#if defined(KOG_GPU_HIP)
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+#endif
+}
+
+__device__ __forceinline__ void store_release_sys(uint64_t* p, uint64_t v) {
+#if defined(KOG_GPU_HIP)
+  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void fence_acquire_sys() {
+#if defined(KOG_GPU_HIP)
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "");
+#else
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void backoff() {
 #if defined(KOG_GPU_HIP)
   __builtin_amdgcn_s_sleep(1);
@@ -46,6 +74,18 @@ __device__ __forceinline__ bool spin_until(const unsigned* counter, unsigned tar
   if (load_acquire(counter) >= target) return true;
   const uint64_t t0 = gpu_wall_ticks();
   while (load_acquire(counter) < target) {
+    backoff();
+    if (timeout_ticks != 0 && gpu_wall_ticks() - t0 > timeout_ticks) return false;
+  }
+  return true;
+}
+
+// Spins (one thread) until *flag >= target at system scope; false if timeout_ticks (0: no
+// limit) passed first.
+__device__ __forceinline__ bool spin_until_sys(const uint64_t* flag, uint64_t target, uint64_t timeout_ticks) {
+  if (load_acquire_sys(flag) >= target) return true;
+  const uint64_t t0 = gpu_wall_ticks();
+  while (load_acquire_sys(flag) < target) {
     backoff();
     if (timeout_ticks != 0 && gpu_wall_ticks() - t0 > timeout_ticks) return false;
   }

@@ -135,6 +135,28 @@ class GpuDecoder:
     def grid_size(self) -> int:
         return self._executor.grid_size
 
+    # ---- a tensor-parallel rank (config.shard.size > 1; docs/GPU.md) ---------------------------
+    @property
+    def inbox_bytes(self) -> int:
+        """Bytes of this rank's inbox (0 on one rank)."""
+        return self._executor.inbox_bytes
+
+    @property
+    def flag_count(self) -> int:
+        """uint64 flags of this rank (0 on one rank)."""
+        return self._executor.flag_count
+
+    def connect_ranks(self, inboxes: Sequence[int], flags: Sequence[int]) -> None:
+        """Every rank's inbox (inbox_bytes, 256-byte aligned) and zeroed flags (flag_count
+        uint64), device addresses as this process maps them, in rank order; before the first
+        decode. Every rank's decoder must then run the same n_steps in every call."""
+        self._executor.set_ranks([int(a) for a in inboxes], [int(a) for a in flags])
+
+    def set_max_grid(self, max_grid: int) -> None:
+        """At most this many workgroups per launch (0: as many as fit): ranks sharing one device
+        must all be resident at once."""
+        self._executor.set_max_grid(max_grid)
+
     def decode(self, tokens, positions, block_tables, sampling: Sequence[DeviceSampling] | None = None,
                n_steps: int = 1, stop_ids: Sequence[int] = (), rng_step: int = 0) -> GpuDecodeResult:
         """Runs n_steps decode steps in one launch.
