@@ -114,8 +114,8 @@ def items_of(op: _C.Op, dims: _C.ModelDims, batch: int, max_parts: int, rows_per
             return ceil(dims.vocab, _C.SAMPLE_CHUNK)
         width = dims.vocab // dims.lane_ranks if code == Opcode.ALL_GATHER else dims.vocab
         return batch * ceil(width, ROW_CHUNK)
-    if code in (Opcode.LINEAR, LINEAR_SAMPLE_PARTIAL):
-        return ceil(dims.buffer_width(op.out), rows_per_item)
+    if code in (Opcode.LINEAR, LINEAR_SAMPLE_PARTIAL):  # a rank's vocabulary-sliced head: its slice's rows
+        return ceil(dims.vocab // dims.lane_ranks if op.vocab_slice else dims.buffer_width(op.out), rows_per_item)
     if code in (ROUTER_GEMV, MOE_GATE_UP, MOE_DOWN):  # schedule/moe_route.h, gpu/decode/moe_items.cuh
         slots = dims.top_k + dims.shared_slots
         groups = min(batch * slots, dims.n_experts + dims.shared_slots)
