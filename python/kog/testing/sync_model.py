@@ -102,7 +102,7 @@ def run_launches(protocol: Protocol, launch: Launch, seed: int, n_launches: int 
     for k in range(n_launches):
         # A row stops at a random step (or never); finished flags start clear.
         stop_at = [rng.randrange(launch.n_steps + 1) for _ in range(launch.batch)]
-        _Run(protocol, launch, counters, group_counts, stop_at, rng, stats, k, check_flag_reads).run()
+        LaunchRun(protocol, launch, counters, group_counts, stop_at, rng, stats, k, check_flag_reads).run()
         if any(counters):
             raise CounterReuse(f"launch {k} left counters not zero: "
                                f"{[(i, c) for i, c in enumerate(counters) if c][:8]}")
@@ -112,7 +112,7 @@ def run_launches(protocol: Protocol, launch: Launch, seed: int, n_launches: int 
     return stats
 
 
-class _Run:
+class LaunchRun:
     """One launch: workgroup generators, counters and the ground truth of completed items.
 
     With `world` (kog.testing.sync_ranks), this is rank `rank`'s launch among several: a cross-rank

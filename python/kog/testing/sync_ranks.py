@@ -30,7 +30,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kog.testing.sync_model import Deadlock, Hazard, Launch, Protocol, Stats, _Run, CounterReuse
+from kog.testing.sync_model import CounterReuse, Deadlock, Hazard, Launch, LaunchRun, Protocol, Stats
 
 
 @dataclass
@@ -104,13 +104,13 @@ def run_ranks(protocols: list[Protocol], launch: Launch, seed: int, n_launches: 
     stats = Stats()
     counters = [[0] * (launch.n_steps * len(p.ops) + 1) for p in protocols]
     group_counts: list[dict] = [{} for _ in protocols]
-    runs: dict[int, _Run] = {}
+    runs: dict[int, LaunchRun] = {}
     next_launch = [0] * len(protocols)
 
     def begin(r: int) -> None:
         k = next_launch[r]
         next_launch[r] += 1
-        runs[r] = _Run(protocols[r], launch, counters[r], group_counts[r], stops[k], rng, stats, k, True, world, r)
+        runs[r] = LaunchRun(protocols[r], launch, counters[r], group_counts[r], stops[k], rng, stats, k, True, world, r)
         runs[r].start()
 
     for r in range(len(protocols)):
