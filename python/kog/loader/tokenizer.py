@@ -179,13 +179,7 @@ class IncrementalDetokenizer:
     def step(self, token_id: int) -> str:
         """Adds one token id; returns the text it completes ("" while a character is incomplete)."""
         self.ids.append(int(token_id))
-        seen = self._decode(self.ids[self.prefix:self.read])
-        text = self._decode(self.ids[self.prefix:])
-        # NOTE: U+FFFD at the end means the last token ends inside a UTF-8 character.
-        if len(text) > len(seen) and not text.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return text[len(seen):]
-        return ""
+        return self._emit()
 
     def steps(self, token_ids: list[int]) -> str:
         """Adds several token ids; returns the text they complete: the concatenation of step()'s
@@ -198,12 +192,7 @@ class IncrementalDetokenizer:
         if len(token_ids) == 1 or not getattr(self.tokenizer, "prefix_stable_decode", False):
             return "".join(self.step(t) for t in token_ids)
         self.ids.extend(token_ids)
-        seen = self._decode(self.ids[self.prefix:self.read])
-        text = self._decode(self.ids[self.prefix:])
-        if len(text) > len(seen) and not text.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return text[len(seen):]
-        return ""
+        return self._emit()
 
     def flush(self) -> str:
         """Returns whatever is still held back (invalid bytes come out as U+FFFD)."""
@@ -211,6 +200,17 @@ class IncrementalDetokenizer:
         text = self._decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
         return text[len(seen):]
+
+    def _emit(self) -> str:
+        """The text of ids[read:] once it ends on a whole character (then read moves to the end,
+        prefix to the old read); "" while it does not."""
+        seen = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
+        # NOTE: U+FFFD at the end means the last token ends inside a UTF-8 character.
+        if len(text) > len(seen) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(seen):]
+        return ""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
