@@ -13,6 +13,7 @@
 #include "schedule/moe_route.h"
 #ifdef KOG_WITH_GPU
 #include "gpu/decode/executor.h"
+#include "gpu/decode/peer_segment.h"
 #endif
 
 namespace py = pybind11;
@@ -152,6 +153,21 @@ void bind_gpu_decode(py::module_& m) {
            "Every rank's inbox and flags (device addresses as this process maps them, rank order)")
       .def("set_max_grid", &GpuDecodeExecutor::set_max_grid, arg("max_grid"),
            "At most this many workgroups per launch (0: as many as fit)");
+  py::class_<kog::gpu::decode::PeerSegment>(m, "PeerSegment",
+                                            "A tensor-parallel rank's inbox and flags, shared with the other ranks' "
+                                            "processes through IPC handles (gpu/decode/peer_segment.h).")
+      .def(py::init<int64_t, int64_t>(), arg("inbox_bytes"), arg("flag_count"))
+      .def("handle", [](const kog::gpu::decode::PeerSegment& s) { return py::bytes(s.handle()); },
+           "This rank's IPC handles, for every other rank's open()")
+      .def(
+          "open",
+          [](kog::gpu::decode::PeerSegment& s, const std::vector<py::bytes>& handles, int rank) {
+            std::vector<std::string> h(handles.begin(), handles.end());
+            s.open(h, rank);
+          },
+          arg("handles"), arg("rank"), "Maps every other rank's segment (handles in rank order, this one's included)")
+      .def_property_readonly("inboxes", &kog::gpu::decode::PeerSegment::inboxes)
+      .def_property_readonly("flags", &kog::gpu::decode::PeerSegment::flags);
   m.attr("GPU_DECODE_MAX_BATCH") = GpuDecodeExecutor::kMaxBatch;
   m.attr("GPU_DECODE_MAX_LOOP_STEPS") = GpuDecodeExecutor::kMaxLoopSteps;
 #endif

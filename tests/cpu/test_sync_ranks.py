@@ -142,3 +142,13 @@ def test_flags_never_raised_deadlock_the_ranks(monkeypatch):
     monkeypatch.setattr(sync_ranks._World, "raise_flags", lambda self, rank, channel, epoch: None)
     with pytest.raises(Deadlock, match="waits for the flags of channel 0"):
         run_ranks(protocols("llama", batch=1), Launch(grid=2, n_steps=1, batch=1), 0)
+
+
+def test_connecting_gpu_ranks_needs_a_gpu_build():
+    from kog.errors import BackendError
+    from kog.parallel.gpu_peers import connect_gpu_ranks
+
+    if hasattr(_C, "PeerSegment"):
+        pytest.skip("a GPU build: tests/gpu/test_ranks_two_gpus.py covers it")
+    with pytest.raises(BackendError, match="needs a GPU build"):
+        connect_gpu_ranks(object(), 0, 2)

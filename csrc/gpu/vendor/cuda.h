@@ -40,6 +40,16 @@ constexpr gpuError_t gpuSuccess = cudaSuccess;
 #define gpuHostAlloc cudaHostAlloc
 #define gpuHostAllocMapped cudaHostAllocMapped
 #define gpuFreeHost cudaFreeHost
+using gpuIpcMemHandle_t = cudaIpcMemHandle_t;
+#define gpuIpcGetMemHandle cudaIpcGetMemHandle
+#define gpuIpcOpenMemHandle cudaIpcOpenMemHandle
+#define gpuIpcCloseMemHandle cudaIpcCloseMemHandle
+#define gpuIpcMemLazyEnablePeerAccess cudaIpcMemLazyEnablePeerAccess
+
+// Device memory another device's kernel stores into and this device's kernel polls at system
+// scope (the tensor-parallel flags, gpu/decode/rank_items.cuh): cudaMalloc's memory is, with
+// .sys loads and stores, over NVLink and PCIe peers alike.
+inline gpuError_t gpu_malloc_signals(void** p, size_t bytes) { return cudaMalloc(p, bytes); }
 
 // Ticks of gpu_wall_ticks per millisecond on `device`: %globaltimer counts nanoseconds.
 inline int64_t gpu_wall_ticks_per_ms(int /*device*/) { return 1000000; }

@@ -46,6 +46,23 @@ constexpr gpuError_t gpuSuccess = hipSuccess;
 #define gpuHostAlloc hipHostMalloc
 #define gpuHostAllocMapped hipHostMallocMapped
 #define gpuFreeHost hipHostFree
+using gpuIpcMemHandle_t = hipIpcMemHandle_t;
+#define gpuIpcGetMemHandle hipIpcGetMemHandle
+#define gpuIpcOpenMemHandle hipIpcOpenMemHandle
+#define gpuIpcCloseMemHandle hipIpcCloseMemHandle
+#define gpuIpcMemLazyEnablePeerAccess hipIpcMemLazyEnablePeerAccess
+
+// Device memory another device's kernel stores into and this device's kernel polls at system
+// scope (the tensor-parallel flags, gpu/decode/rank_items.cuh): fine-grained -- uncached where
+// the runtime has it (ROCm >= 6) --, since coarse-grained memory gives no cross-device
+// visibility before a kernel ends.
+inline gpuError_t gpu_malloc_signals(void** p, size_t bytes) {
+#if defined(hipDeviceMallocUncached)
+  return hipExtMallocWithFlags(p, bytes, hipDeviceMallocUncached);
+#else
+  return hipExtMallocWithFlags(p, bytes, hipDeviceMallocFinegrained);
+#endif
+}
 
 // Ticks of gpu_wall_ticks per millisecond on `device`: s_memrealtime runs at the device's
 // constant wall-clock rate (100 MHz on CDNA2/3), reported in kHz.
