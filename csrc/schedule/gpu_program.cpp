@@ -260,8 +260,7 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
       for (int k = 0; k < o.n_deps; ++k) waits |= o.deps[k] == head;
       const Op* h = head >= 0 ? &out[size_t(head)] : nullptr;
       // (a tensor-parallel rank: in the finish of the logits' gather or reduce, which runs it itself)
-      const bool finish = h != nullptr && h->comm >= 0 && !h->comm_push &&
-                          (Opcode(h->op) == Opcode::kAllGather || Opcode(h->op) == Opcode::kAllReduce);
+      const bool finish = h != nullptr && is_logits_finish(*h);
       KOG_CHECK(h != nullptr && waits && (finish || (Opcode(h->op) == Opcode::kLinear && h->residual < 0)),
                 "GPU decode program: op ", i, " (SAMPLE) must read the output of a LINEAR it depends on (the LM head)",
                 dims.lane_ranks > 1 ? " or of the logits' ALL_GATHER / ALL_REDUCE" : "");

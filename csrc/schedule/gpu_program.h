@@ -64,6 +64,12 @@ constexpr int32_t kOpMoeCombine = 109;
 //     is the finish of that channel, broadcast_delay layers later.
 // A push's channel reaches every rank by the same index: every rank's program is the same op
 // list (only the weights and dims.lane_rank differ).
+// Whether o is the logits' finish (of ALL_GATHER / ALL_REDUCE): its items are the sample chunks,
+// each followed by SAMPLE's first phase.
+KOG_HOST_DEVICE inline bool is_logits_finish(const Op& o) {
+  return o.comm >= 0 && !o.comm_push && (Opcode(o.op) == Opcode::kAllGather || Opcode(o.op) == Opcode::kAllReduce);
+}
+
 // Bytes of one rank's part of the inbox of push o (its channel) for `batch` rows.
 inline int64_t comm_part_bytes(const ModelDims& d, const Op& o, int64_t batch) {
   const int64_t elem = dtype_size(d.dtype);

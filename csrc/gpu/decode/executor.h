@@ -111,6 +111,7 @@ class GpuDecodeExecutor {
   int full_grid_ = 0;                      // workgroups that fit on the device
   schedule::CommLayout comm_;              // a rank's channels (empty on one rank)
   char* comm_arrays_ = nullptr;            // device: offsets, parts, push counts, the RankExchange
+  RankExchange exchange_{};                // host: its layout pointers (set_ranks adds the ranks' memory)
   RankExchange* ranks_ = nullptr;          // device, in comm_arrays_
   bool ranks_set_ = false;
   uint64_t step_base_ = 0;                 // steps run by earlier launches (the flags' epochs)

@@ -152,12 +152,18 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
     KOG_CHECK(dims.lane_ranks <= kMaxRanks, "gpu decode: ", dims.lane_ranks, " tensor-parallel ranks (at most ",
               kMaxRanks, ")");
     comm_ = schedule::comm_layout(ops, dims, kMaxBatch);
+    // [offsets | parts | push counts (zero) | the RankExchange (set_ranks)]
     const size_t n = comm_.part.size();
     const size_t bytes = 2 * n * sizeof(int64_t) + (n * sizeof(unsigned) + 255) / 256 * 256 + sizeof(RankExchange);
     KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&comm_arrays_), bytes));
     KOG_GPU_CHECK(gpuMemsetAsync(comm_arrays_, 0, bytes, nullptr));
-    KOG_GPU_CHECK(gpuMemcpyAsync(comm_arrays_, comm_.offset.data(), n * sizeof(int64_t), gpuMemcpyHostToDevice, nullptr));
-    KOG_GPU_CHECK(gpuMemcpyAsync(comm_arrays_ + n * sizeof(int64_t), comm_.part.data(), n * sizeof(int64_t),
+    exchange_.offset = reinterpret_cast<const int64_t*>(comm_arrays_);
+    exchange_.part = exchange_.offset + n;
+    exchange_.push_counts = reinterpret_cast<unsigned*>(comm_arrays_ + 2 * n * sizeof(int64_t));
+    exchange_.parity_bytes = comm_.parity_bytes;
+    KOG_GPU_CHECK(gpuMemcpyAsync(const_cast<int64_t*>(exchange_.offset), comm_.offset.data(), n * sizeof(int64_t),
+                                 gpuMemcpyHostToDevice, nullptr));
+    KOG_GPU_CHECK(gpuMemcpyAsync(const_cast<int64_t*>(exchange_.part), comm_.part.data(), n * sizeof(int64_t),
                                  gpuMemcpyHostToDevice, nullptr));
     ranks_ = reinterpret_cast<RankExchange*>(comm_arrays_ + bytes - sizeof(RankExchange));
     KOG_GPU_CHECK(gpuStreamSynchronize(nullptr));
@@ -185,18 +191,13 @@ void GpuDecodeExecutor::set_ranks(const std::vector<uintptr_t>& inboxes, const s
   KOG_CHECK(R > 1, "gpu decode: set_ranks on a program of one rank");
   KOG_CHECK(inboxes.size() == R && flags.size() == R, "gpu decode: set_ranks takes ", R, " inboxes and ", R,
             " flag arrays, got ", inboxes.size(), " and ", flags.size());
-  RankExchange x{};
+  RankExchange x = exchange_;  // the layout arrays the constructor placed, and the ranks' memory
   for (size_t q = 0; q < R; ++q) {
     KOG_CHECK(inboxes[q] != 0 && flags[q] != 0 && inboxes[q] % 256 == 0 && flags[q] % 8 == 0,
               "gpu decode: rank ", q, "'s inbox (256-byte aligned) or flags (8-byte aligned) address is bad");
     x.inbox[q] = reinterpret_cast<char*>(inboxes[q]);
     x.flags[q] = reinterpret_cast<uint64_t*>(flags[q]);
   }
-  const size_t n = comm_.part.size();
-  x.offset = reinterpret_cast<const int64_t*>(comm_arrays_);
-  x.part = x.offset + n;
-  x.parity_bytes = comm_.parity_bytes;
-  x.push_counts = reinterpret_cast<unsigned*>(comm_arrays_ + 2 * n * sizeof(int64_t));
   KOG_GPU_CHECK(gpuMemcpyAsync(ranks_, &x, sizeof(x), gpuMemcpyHostToDevice, nullptr));
   KOG_GPU_CHECK(gpuStreamSynchronize(nullptr));
   ranks_set_ = true;

@@ -128,9 +128,7 @@ __device__ inline int64_t parts_per_row(const PersistentDecodeParams& p, const O
 }
 
 __device__ inline int64_t items_of(const PersistentDecodeParams& p, const Op& op) {
-  // a tensor-parallel rank's logits finish: one item per sample chunk, every row
-  if (op.comm >= 0 && !op.comm_push && (op.op == int32_t(Opcode::kAllReduce) || op.op == int32_t(Opcode::kAllGather)))
-    return sample_chunks(p.dims.vocab);
+  if (schedule::is_logits_finish(op)) return sample_chunks(p.dims.vocab);  // one item per sample chunk, every row
   switch (op.op) {
     case int32_t(Opcode::kLinear):
     case kOpLinearSamplePartial:
@@ -376,15 +374,8 @@ __device__ __forceinline__ void wait_for_ops(const PersistentDecodeParams& p, co
       const int32_t d = ops[k];
       const unsigned target = signalling_workgroups(p, p.program[d]);
       const unsigned* counter = &p.counters[step_base + d];
-      if (!spin_until(counter, target, p.wait_timeout_ticks)) {
-        WaitTimeout* t = p.timeout;
-        if (atomicCAS(&t->fired, 0, 1) == 0) {
-          t->block = int32_t(blockIdx.x), t->step = int32_t(step_base / p.n_ops), t->op = d;
-          t->count = load_acquire(counter), t->target = target;
-          __threadfence_system();
-        }
-        gpu_trap();
-      }
+      if (!spin_until(counter, target, p.wait_timeout_ticks))
+        trap_timed_out(p.timeout, int32_t(step_base / p.n_ops), d, load_acquire(counter), target);
     }
   __syncthreads();
   fence_acquire();
@@ -487,8 +478,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(Persiste
           stage_next<T, kQuant>(p, st, j, item + gridDim.x, step);  // into the stage just freed (AMD: the only one)
         }
         // a tensor-parallel rank's logits finish: its item is a whole chunk of LOGITS
-        const bool chunk_item = !kQuant && op.comm >= 0 && !op.comm_push &&
-                                (op.op == int32_t(Opcode::kAllGather) || op.op == int32_t(Opcode::kAllReduce));
+        const bool chunk_item = !kQuant && schedule::is_logits_finish(op);
         if (op.op == kOpLinearSamplePartial || chunk_item)  // after the staging: the next weights load during the tail
           sample_partial_tail<T>(p, reinterpret_cast<const T*>(p.buffers[op.out]), item, chunk_item, smem);
         if (op.op == schedule::kOpRouterGemv && last_of_group(p.moe.route_count, unsigned(n_items), smem))

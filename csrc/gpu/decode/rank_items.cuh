@@ -29,10 +29,16 @@ __device__ __forceinline__ uint64_t rank_epoch(const PersistentDecodeParams& p, 
   return p.step_base + uint64_t(step) + 1;
 }
 
-// Rank q's part of channel c, parity of `step`, as this process addresses it.
-__device__ __forceinline__ char* rank_part(const PersistentDecodeParams& p, int q, int c, int step, int r) {
+// Where channel c's parts of the parity of `step` sit in every rank's inbox (the same place in
+// each): rank r's part at inbox + offset + r * part. Read once per item, not per element.
+struct ChannelParts {
+  int64_t offset;  // bytes from an inbox's start to the channel's rank-0 part of this parity
+  int64_t part;    // bytes of one rank's part
+};
+
+__device__ __forceinline__ ChannelParts channel_parts(const PersistentDecodeParams& p, int c, int step) {
   const RankExchange& x = *p.ranks;
-  return x.inbox[q] + int64_t(rank_epoch(p, step) % 2) * x.parity_bytes + x.offset[c] + int64_t(r) * x.part[c];
+  return {int64_t(rank_epoch(p, step) % 2) * x.parity_bytes + x.offset[c], x.part[c]};
 }
 
 // Items per batch row of a logits push: chunks of kRowChunk over the rank's slice (ALL_GATHER)
@@ -62,14 +68,15 @@ __device__ void rank_push_item(const PersistentDecodeParams& p, const Op& op, co
                                int part, int step, unsigned n_items, float* smem) {
   const int R = int(p.dims.lane_ranks), me = int(p.dims.lane_rank);
   const int64_t L = p.dims.n_lanes, h = p.dims.hidden, V = p.dims.vocab;
-  const int c = op.comm;
+  const ChannelParts cp = channel_parts(p, op.comm, step);
+  const int64_t mine = cp.offset + int64_t(me) * cp.part;  // this rank's part, in every rank's inbox
   if (op.op == int32_t(Opcode::kAllReduce) || op.op == int32_t(Opcode::kAllGather)) {
     const bool gather = op.op == int32_t(Opcode::kAllGather);
     const int64_t w = gather ? V / R : V, v0 = gather ? int64_t(me) * w : 0;
     int64_t e0, e1;
     row_chunk(w, part, e0, e1);
     for (int q = 0; q < R; ++q) {
-      char* dst = rank_part(p, q, c, step, me);
+      char* dst = p.ranks->inbox[q] + mine;
       for (int64_t e = e0 + threadIdx.x; e < e1; e += blockDim.x) {
         if (gather)
           reinterpret_cast<T*>(dst)[b * w + e] = in[b * V + v0 + e];
@@ -85,7 +92,7 @@ __device__ void rank_push_item(const PersistentDecodeParams& p, const Op& op, co
     for (int64_t e = e0 + threadIdx.x; e < e1; e += blockDim.x) {
       if (op.op == int32_t(Opcode::kLaneGather)) {  // the lanes as they are
         for (int q = 0; q < R; ++q) {
-          T* dst = reinterpret_cast<T*>(rank_part(p, q, c, step, me)) + b * L * h;
+          T* dst = reinterpret_cast<T*>(p.ranks->inbox[q] + mine) + b * L * h;
           for (int64_t l = 0; l < L; ++l) dst[l * h + e] = row[l * h + e];
         }
         continue;
@@ -95,7 +102,7 @@ __device__ void rank_push_item(const PersistentDecodeParams& p, const Op& op, co
         const float x = load_f32(row + l * h + e);
         sum += res != nullptr ? round_to<T>(load_f32(res + l * h + e) + x) : x;
       }
-      for (int q = 0; q < R; ++q) reinterpret_cast<float*>(rank_part(p, q, c, step, me))[b * h + e] = sum;
+      for (int q = 0; q < R; ++q) reinterpret_cast<float*>(p.ranks->inbox[q] + mine)[b * h + e] = sum;
     }
   }
   push_done(p, op, step, n_items, smem);
@@ -111,15 +118,8 @@ __device__ __forceinline__ void wait_for_ranks(const PersistentDecodeParams& p, 
     const uint64_t epoch = rank_epoch(p, step);
     const uint64_t* flags = p.ranks->flags[me] + int64_t(op.comm) * R;
     for (int q = 0; q < R; ++q)
-      if (!spin_until_sys(flags + q, epoch, p.wait_timeout_ticks)) {
-        WaitTimeout* t = p.timeout;
-        if (atomicCAS(&t->fired, 0, 1) == 0) {
-          t->block = int32_t(blockIdx.x), t->step = step, t->op = j;
-          t->count = unsigned(load_acquire_sys(flags + q)), t->target = unsigned(epoch);
-          __threadfence_system();
-        }
-        gpu_trap();
-      }
+      if (!spin_until_sys(flags + q, epoch, p.wait_timeout_ticks))
+        trap_timed_out(p.timeout, step, j, unsigned(load_acquire_sys(flags + q)), unsigned(epoch));
   }
   __syncthreads();
   fence_acquire_sys();
@@ -133,7 +133,8 @@ __device__ void rank_finish_item(const PersistentDecodeParams& p, const Op& op, 
                                  int step) {
   const int R = int(p.dims.lane_ranks), me = int(p.dims.lane_rank);
   const int64_t L = p.dims.n_lanes, h = p.dims.hidden;
-  const int c = op.comm;
+  const ChannelParts cp = channel_parts(p, op.comm, step);
+  const char* parts = p.ranks->inbox[me] + cp.offset;  // rank q's part at parts + q * cp.part
   int64_t e0, e1;
   row_chunk(h, part, e0, e1);
   T* row = in + b * L * h;
@@ -141,11 +142,11 @@ __device__ void rank_finish_item(const PersistentDecodeParams& p, const Op& op, 
     if (op.op == int32_t(Opcode::kLaneAddPast)) {  // a_l + (round(sum of every lane's past) - past_l)
       float sum = 0.f;
       for (int q = 0; q < R; ++q) {
-        const T* past = reinterpret_cast<const T*>(rank_part(p, me, c, step, q)) + b * L * h;
+        const T* past = reinterpret_cast<const T*>(parts + q * cp.part) + b * L * h;
         for (int64_t l = 0; l < L; ++l) sum += load_f32(past + l * h + e);
       }
       const float all = round_to<T>(sum);
-      const T* own = reinterpret_cast<const T*>(rank_part(p, me, c, step, me)) + b * L * h;
+      const T* own = reinterpret_cast<const T*>(parts + me * cp.part) + b * L * h;
       for (int64_t l = 0; l < L; ++l) {
         const float others = round_to<T>(all - load_f32(own + l * h + e));
         store_f32(row + l * h + e, load_f32(row + l * h + e) + others);
@@ -153,7 +154,7 @@ __device__ void rank_finish_item(const PersistentDecodeParams& p, const Op& op, 
       continue;
     }
     float sum = 0.f;
-    for (int q = 0; q < R; ++q) sum += reinterpret_cast<const float*>(rank_part(p, me, c, step, q))[b * h + e];
+    for (int q = 0; q < R; ++q) sum += reinterpret_cast<const float*>(parts + q * cp.part)[b * h + e];
     if (op.op == int32_t(Opcode::kLaneSum)) {  // every lane = the rounded sum
       for (int64_t l = 0; l < L; ++l) store_f32(row + l * h + e, sum);
     } else {  // MEAN: over every rank's lanes; MERGE_SUM: the sum
@@ -173,15 +174,17 @@ __device__ void rank_logits_finish_item(const PersistentDecodeParams& p, const O
   const int64_t V = p.dims.vocab, w = V / R;
   const bool gather = op.op == int32_t(Opcode::kAllGather);
   const int64_t v0 = chunk * kSampleChunk, v1 = v0 + kSampleChunk < V ? v0 + kSampleChunk : V;
+  const ChannelParts cp = channel_parts(p, op.comm, step);
+  const char* parts = p.ranks->inbox[me] + cp.offset;  // rank q's part at parts + q * cp.part
 #pragma unroll 1
   for (int b = 0; b < p.batch; ++b) {
     for (int64_t v = v0 + threadIdx.x; v < v1; v += blockDim.x) {
       if (gather) {
         const int q = int(v / w);
-        logits[b * V + v] = reinterpret_cast<const T*>(rank_part(p, me, op.comm, step, q))[b * w + (v - q * w)];
+        logits[b * V + v] = reinterpret_cast<const T*>(parts + q * cp.part)[b * w + (v - q * w)];
       } else {
         float sum = 0.f;
-        for (int q = 0; q < R; ++q) sum += reinterpret_cast<const float*>(rank_part(p, me, op.comm, step, q))[b * V + v];
+        for (int q = 0; q < R; ++q) sum += reinterpret_cast<const float*>(parts + q * cp.part)[b * V + v];
         store_f32(logits + b * V + v, sum);
       }
     }

@@ -11,6 +11,7 @@
 // multiprocessors on either vendor; the acquire side discards stale lines).
 #pragma once
 #include "gpu/compat.cuh"
+#include "gpu/decode/params.h"
 
 namespace kog::gpu::decode {
 
@@ -68,28 +69,38 @@ __device__ __forceinline__ void backoff() {
 #endif
 }
 
-// Spins (one thread) until *counter >= target; false if timeout_ticks (gpu_wall_ticks; 0: no
+// Spins (one thread) until load() >= target; false if timeout_ticks (gpu_wall_ticks; 0: no
 // limit) passed first.
-__device__ __forceinline__ bool spin_until(const unsigned* counter, unsigned target, uint64_t timeout_ticks) {
-  if (load_acquire(counter) >= target) return true;
+template <typename V, typename Load>
+__device__ __forceinline__ bool spin_until_loaded(Load load, V target, uint64_t timeout_ticks) {
+  if (load() >= target) return true;
   const uint64_t t0 = gpu_wall_ticks();
-  while (load_acquire(counter) < target) {
+  while (load() < target) {
     backoff();
     if (timeout_ticks != 0 && gpu_wall_ticks() - t0 > timeout_ticks) return false;
   }
   return true;
 }
 
-// Spins (one thread) until *flag >= target at system scope; false if timeout_ticks (0: no
-// limit) passed first.
+// ... a counter of this GPU (agent scope: the workgroups' item counts).
+__device__ __forceinline__ bool spin_until(const unsigned* counter, unsigned target, uint64_t timeout_ticks) {
+  return spin_until_loaded([counter] { return load_acquire(counter); }, target, timeout_ticks);
+}
+
+// ... a flag other GPUs store into (system scope: the cross-rank flags).
 __device__ __forceinline__ bool spin_until_sys(const uint64_t* flag, uint64_t target, uint64_t timeout_ticks) {
-  if (load_acquire_sys(flag) >= target) return true;
-  const uint64_t t0 = gpu_wall_ticks();
-  while (load_acquire_sys(flag) < target) {
-    backoff();
-    if (timeout_ticks != 0 && gpu_wall_ticks() - t0 > timeout_ticks) return false;
+  return spin_until_loaded([flag] { return load_acquire_sys(flag); }, target, timeout_ticks);
+}
+
+// A bounded wait gave up (one thread): the first to time out records where in *t (host-mapped:
+// readable after the trap kills the launch), then every one traps.
+__device__ __forceinline__ void trap_timed_out(WaitTimeout* t, int32_t step, int32_t op, unsigned count,
+                                               unsigned target) {
+  if (atomicCAS(&t->fired, 0, 1) == 0) {
+    t->block = int32_t(blockIdx.x), t->step = step, t->op = op, t->count = count, t->target = target;
+    __threadfence_system();
   }
-  return true;
+  gpu_trap();
 }
 
 // Every thread calls it after its stores of one work item of a group of n items (an op's tail

@@ -203,12 +203,12 @@ class LaunchRun:
                     break  # every sequence finished
             for j, op in enumerate(ops):
                 self.where[w] = (step, j)
-                ready = not op.deps and not (op.comm >= 0 and not op.comm_push)
+                ready = not op.deps and not op.waits_for_ranks
                 for item in range(w, op.n_items, grid):
                     if not ready:
                         for d in op.deps:
                             yield self._wait(step, d)
-                        if op.comm >= 0 and not op.comm_push:  # every rank's flag of the channel
+                        if op.waits_for_ranks:  # every rank's flag of the channel
                             yield ("flags", op.comm, step)
                         ready = True
                     yield None

@@ -75,6 +75,11 @@ class SyncOp:
     comm: int = -1
     comm_push: bool = False
 
+    @property
+    def waits_for_ranks(self) -> bool:
+        """The finish of a cross-rank op: its first item waits for every rank's flag of the step."""
+        return self.comm >= 0 and not self.comm_push
+
 
 def buffer(b: int) -> str:
     return f"buf.{Buffer(b).name}"
