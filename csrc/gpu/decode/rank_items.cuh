@@ -55,9 +55,9 @@ __device__ __forceinline__ void push_done(const PersistentDecodeParams& p, const
   __threadfence_system();  // this thread's stores into the peers' inboxes, before the count
   if (!last_of_group(p.ranks->push_counts + op.comm, n, smem)) return;
   if (threadIdx.x == 0) {
-    __threadfence_system();
+    __threadfence_system();  // with the stores below, the release of every item's inbox stores
     const int R = int(p.dims.lane_ranks), me = int(p.dims.lane_rank);
-    for (int q = 0; q < R; ++q) store_release_sys(p.ranks->flags[q] + int64_t(op.comm) * R + me, rank_epoch(p, step));
+    for (int q = 0; q < R; ++q) store_relaxed_sys(p.ranks->flags[q] + int64_t(op.comm) * R + me, rank_epoch(p, step));
   }
 }
 

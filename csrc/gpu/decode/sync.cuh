@@ -45,11 +45,14 @@ __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* p) {
 #endif
 }
 
-__device__ __forceinline__ void store_release_sys(uint64_t* p, uint64_t v) {
+// A strong store at system scope without a fence of its own: after a __threadfence_system(), the
+// fence and the store are the release (one fence for the stores to every rank, where a release
+// store would put a system fence before each).
+__device__ __forceinline__ void store_relaxed_sys(uint64_t* p, uint64_t v) {
 #if defined(KOG_GPU_HIP)
-  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+  __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 #else
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 #endif
 }
 
