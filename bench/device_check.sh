@@ -158,7 +158,8 @@ grep -q $'^build\tok' "$LOGS/steps.tsv" && compgen -G "$stage/kog/_C*.so" >/dev/
 
 # ---- tests and benches -------------------------------------------------------------------------
 decode_tests=(tests/gpu/test_persistent_decode_gpu.py tests/gpu/test_runner_gpu.py tests/gpu/test_decode_loop_gpu.py
-  tests/gpu/test_fp8_gpu.py tests/gpu/test_int4_gpu.py tests/gpu/test_ranks_one_gpu.py tests/gpu/test_ranks_two_gpus.py)
+  tests/gpu/test_fp8_gpu.py tests/gpu/test_int4_gpu.py tests/gpu/test_ranks_one_gpu.py tests/gpu/test_ranks_two_gpus.py
+  tests/gpu/test_tp_llm_gpus.py)
 if ((built)); then
   ((dry)) || export KOG_REQUIRE_GPU=1  # tests/gpu errors out instead of skipping when it cannot run
   step gpu_ops 75 pytest_step gpu_ops tests/gpu --ignore=tests/gpu/test_greedy_1b_gpu.py \

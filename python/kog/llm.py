@@ -75,9 +75,13 @@ class LLM:
             must not be able to end a turn or open a system one.
         tensor_parallel_size: ranks to split the model over (kog.parallel): ranks 1 .. N-1 run as
             processes on this host, each with its share of the heads, MLP units (or Laneformer
-            lanes) and KV heads; N must divide the KV heads (Laneformer: the lanes). CPU only;
-            float weights or a GGUF's blocks; on one host decode runs natively on every rank (the multi-token loop
-            included), across hosts through the program interpreter.
+            lanes) and KV heads; N must divide the KV heads (Laneformer: the lanes). Float weights
+            or a GGUF's blocks. On the CPU, ranks on one host decode natively (the multi-token loop
+            included), across hosts through the program interpreter. With device="cuda", rank r
+            runs on its host's GPU r % (N / nnodes): the program's collectives go through NCCL
+            (RCCL on ROCm), and decode through every rank's persistent kernel, which exchange
+            the collectives by peer-memory stores (kog.parallel.gpu_peers), where the kernel runs
+            the program (not yet: mixtures of experts, quantized weights: the interpreter).
         nnodes, master_addr, master_port: ranks over several hosts (this one is host 0 and runs
             rank 0; every other host runs `python -m kog.parallel.worker --size N --nnodes H
             --node-rank K --addr MASTER_ADDR --port MASTER_PORT`, or `kog serve ... --node-rank K`).
@@ -102,17 +106,21 @@ class LLM:
         on_gpu = str(device) != "cpu"
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise InvalidRequest(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
-        if tensor_parallel_size > 1 and device != "cpu":
-            raise InvalidRequest("tensor_parallel_size > 1 runs on the CPU only for now")
+        if tensor_parallel_size > 1 and device not in ("cpu", "cuda"):
+            raise InvalidRequest(f"tensor_parallel_size > 1 takes device 'cpu' or 'cuda' (rank r on its host's GPU "
+                                 f"r % ranks per host; pick the GPUs with CUDA_VISIBLE_DEVICES), got {device!r}")
         if tensor_parallel_size > 1 and quantization is not None:
             # NOTE: per-output-channel scales of a rank's columns are not the whole rows' scales
             raise InvalidRequest(f"quantization={quantization!r} with tensor_parallel_size > 1 is not supported "
                                  "(load the checkpoint as stored, or quantize it first: kog convert)")
         shard = None
         if tensor_parallel_size > 1:  # this process is rank 0: it reads only its share of the weights
-            from kog.parallel.ranks import rank_view
+            from kog.parallel.ranks import Placement, RankSpec, check_devices, rank_view
 
             shard = rank_view(0, tensor_parallel_size)
+            # a missing GPU fails here, before the weights are read
+            check_devices(RankSpec(None, None, tensor_parallel_size, 0, block_size, 0, device=device, nnodes=nnodes),
+                          Placement(nnodes, 0))
         loaded = load_model(model, dtype, progress, template_source, quantization=quantization, device=device,
                             fp8_format=gpu_format() if on_gpu else None, shard=shard)
         if loaded.chat_template is not None:
@@ -126,12 +134,12 @@ class LLM:
             raise InvalidRequest(f"swap_space_gib must be >= 0, got {swap_space_gib}")
         num_host_blocks = int(swap_space_gib * 2**30) // layout.bytes_per_block
         if tensor_parallel_size > 1:
-            from kog.parallel.ranks import Placement, RankSpec, start_ranks
+            from kog.parallel.ranks import start_ranks
 
             dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else None
             runner = start_ranks(RankSpec(None if model is None else str(model), dtype_name, tensor_parallel_size,
                                           num_blocks, block_size, num_host_blocks,
-                                          max_rows=max(max_num_seqs, 32)), loaded,
+                                          max_rows=max(max_num_seqs, 32), device=device), loaded,
                                  Placement(nnodes, 0, master_addr or "127.0.0.1", master_port))
         else:
             runner = ModelRunner(loaded, num_kv_blocks=num_blocks, block_size=block_size,

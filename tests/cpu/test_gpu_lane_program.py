@@ -69,17 +69,20 @@ def test_lane_ops_pass_through_the_expansion_with_their_deps(variant):
             assert gathers and gathers[-1] in ancestors[j], (variant, j)
 
 
-def test_lanes_on_tensor_parallel_ranks_expand_but_do_not_run_in_the_kernel_yet():
-    # the expansion splits a rank's cross-rank ops (tests/cpu/test_sync_ranks.py); the kernel has
-    # no transport between GPUs yet, so the runner decodes a rank through the interpreter
+def test_lanes_on_tensor_parallel_ranks_run_in_the_kernel_with_run_dtype_weights_only():
+    # the expansion splits a rank's cross-rank ops into pushes and finishes
+    # (tests/cpu/test_sync_ranks.py); FP8 / 4-bit lanes are the interpreter's
     from kog.parallel.shard import shard_config
 
     c = lane_model_config(**VARIANTS["delay1"])
     rank = shard_config(c, 1, 2)
-    assert not kernel_runs(rank)
     w = prepare_weights(rank, random_weights(rank, seed=4), torch.float32)
+    assert kernel_runs(rank) and kernel_runs(rank, w)
     gpu = _C.expand_gpu_program(lower_program(schedule_for(rank), w), model_dims(rank, torch.float32))
     assert any(o.comm >= 0 and o.comm_push for o in gpu)
+    fp8 = dict(w)
+    fp8["lm_head.weight"] = Fp8Weight.__new__(Fp8Weight)  # only its type is looked at
+    assert not kernel_runs(rank, fp8)
 
 
 def test_quantized_weights_in_a_lane_program_are_refused_by_op():

@@ -273,6 +273,50 @@ def test_tensor_parallel_size_must_divide_and_be_positive(tmp_path):
             kog.LLM(str(folder), dtype="float32", tensor_parallel_size=bad)
 
 
+def test_gpu_ranks_are_placed_one_per_gpu_of_their_host_and_refused_without_them(tmp_path):
+    import kog
+    from kog.parallel.ranks import RankSpec, rank_device
+    from kog.testing.tiny_models import write_hf_model
+
+    spec = RankSpec(None, None, 4, 8, 16, 0, device="cuda", nnodes=2)
+    assert [rank_device(spec, r) for r in range(4)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert rank_device(RankSpec(None, None, 4, 8, 16, 0), 3) == "cpu"
+    folder = write_hf_model(tmp_path / "m", tiny_config("llama"))
+    if not torch.cuda.is_available():
+        with pytest.raises(kog.InvalidRequest, match="puts 2 ranks on this host, one GPU each, and it has 0"):
+            kog.LLM(str(folder), dtype="float32", device="cuda", tensor_parallel_size=2)
+    with pytest.raises(kog.InvalidRequest, match="device 'cpu' or 'cuda'.*got 'cuda:1'"):
+        kog.LLM(str(folder), dtype="float32", device="cuda:1", tensor_parallel_size=2)
+
+
+def test_rank_0_mirrors_each_gpu_launch_on_the_other_ranks_before_its_own():
+    """ParallelRunner wraps a GPU rank 0's decoder: the engine's decode loop launches through
+    MirroredGpuDecoder, which sends the launch's arguments (the followers run
+    kog.parallel.ranks.follow_gpu_decode with them) before launching rank 0's kernel."""
+    from kog.parallel.ranks import MirroredGpuDecoder, ParallelRunner
+
+    calls = []
+
+    class Decoder:  # stands in for rank 0's GpuDecoder
+        device = "cuda:0"
+
+        def decode(self, *args):
+            calls.append(("local", args))
+            return "result"
+
+    class Local:
+        native_decoder, kv = Decoder(), None
+
+    runner = ParallelRunner.__new__(ParallelRunner)
+    ParallelRunner.__init__(runner, Local(), None, [])
+    runner.send = lambda name, *args: calls.append((name, args))
+    runner._closed = True  # nothing to stop at exit
+    assert isinstance(runner.native_decoder, MirroredGpuDecoder) and runner.native_decoder.device == "cuda:0"
+    args = (np.array([5]), np.array([3]), np.zeros((1, 1), np.int32), None, 4, [2], 0)
+    assert runner.native_decoder.decode(*args) == "result"
+    assert calls == [("gpu_decode", args), ("local", args)]
+
+
 def test_a_dead_rank_fails_the_request_with_a_transport_error_instead_of_hanging(tmp_path):
     import time
 

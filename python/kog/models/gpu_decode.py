@@ -67,17 +67,21 @@ class StagedDecode:
     result: GpuDecodeResult
 
 
+# The watchdog's bound on a tensor-parallel rank's waits (ms; KOG_GPU_WAIT_TIMEOUT_MS overrides it).
+RANK_WAIT_TIMEOUT_MS = 10_000.0
+
+
 def kernel_runs(config: ModelConfig, weights: dict | None = None) -> bool:
     """Whether the persistent decode kernel runs config's program (with `weights`, when given:
-    prepared weights as GpuDecoder takes them). Not yet: Laneformer lanes split over
-    tensor-parallel ranks or with FP8 / 4-bit weights (the kernel runs lanes on one device in the
-    run dtype: csrc/schedule/gpu_program.cpp), and mixture-of-experts layers past the kernel's
-    router limits (routed + shared slots per row, router rows: csrc/schedule/moe_route.h);
+    prepared weights as GpuDecoder takes them). Not yet: lanes (Laneformer's, or a tensor-parallel
+    rank's) with FP8 / 4-bit weights (the kernel runs lanes in the run dtype:
+    csrc/schedule/gpu_program.cpp), mixture-of-experts layers over tensor-parallel ranks or past
+    the kernel's router limits (routed + shared slots per row, router rows: csrc/schedule/moe_route.h);
     ModelRunner decodes such a model on the GPU through the program interpreter (torch and kog's
     GPU ops, one step per call)."""
-    if config.shard.size > 1:
+    if config.shard.size > 1 and config.moe_layers:
         return False
-    if config.lanes is not None and config.lanes.num_lanes > 1:
+    if config.shard.size > 1 or (config.lanes is not None and config.lanes.num_lanes > 1):
         quantized = (Fp8Weight, Int4Weight, QuantizedWeight)
         return weights is None or not any(isinstance(w, quantized) for w in weights.values())
     if config.moe_layers:
@@ -119,6 +123,10 @@ class GpuDecoder:
         self._weights = weights  # the executor points into them
         self.block_size = block_size
         timeout = os.environ.get("KOG_GPU_WAIT_TIMEOUT_MS")
+        if timeout is None and config.shard.size > 1:
+            # a rank's kernel also waits for the other ranks' launches, which other processes
+            # queue after rank 0 sent them the call: host latency, not a lost signal
+            timeout = RANK_WAIT_TIMEOUT_MS
         if timeout is not None:
             try:
                 self._executor.set_wait_timeout_ms(float(timeout))
@@ -127,7 +135,8 @@ class GpuDecoder:
 
     def wait_timeout(self) -> dict | None:
         """Where the kernel's watchdog fired, if it did: {block, step, op, count, target} of the
-        first dependency wait that outlived its bound (KOG_GPU_WAIT_TIMEOUT_MS, default 2000 ms;
+        first dependency wait that outlived its bound (KOG_GPU_WAIT_TIMEOUT_MS, default 2000 ms,
+        RANK_WAIT_TIMEOUT_MS on a tensor-parallel rank;
         the launch then trapped and the GPU context is lost). None otherwise."""
         return self._executor.wait_timeout()
 

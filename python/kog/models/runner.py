@@ -99,11 +99,9 @@ class ModelRunner:
         self._interpreter = ProgramInterpreter(c, self.program, self.weights, self.kv.kv, self.inv_freq, transport)
         self._executor = None
         self._gpu = None
-        if c.shard.size > 1:
+        if c.shard.size > 1 and self.device.type == "cpu":
             # A tensor-parallel rank decodes natively when its transport is the shared-memory one
             # (the executor drives it), else through the interpreter.
-            if self.device.type != "cpu":
-                raise InvalidRequest("tensor-parallel ranks run on the CPU only for now")
             native = getattr(transport, "native", None)
             if native is not None:
                 self._executor = build_executor(c, self.weights, self.kv.kv, block_size, self.inv_freq)
@@ -112,12 +110,13 @@ class ModelRunner:
             from kog.models.gpu_decode import GpuDecoder, kernel_runs
 
             if kernel_runs(c, self.weights):
+                # NOTE: a tensor-parallel rank's decoder runs once its ranks are connected
+                # (kog.parallel.ranks.build_rank_runner: connect_gpu_ranks)
                 self._gpu = GpuDecoder(c, self.weights, self.kv.kv, block_size, self.inv_freq)
             else:
                 log.info("%s: the persistent decode kernel does not run its program yet (mixture of experts past "
-                         "its router limits, or quantized lanes): decode goes through the program interpreter on "
-                         "the GPU, one step per call",
-                         c.architecture)
+                         "its router limits or over tensor-parallel ranks, or quantized lanes): decode goes "
+                         "through the program interpreter on the GPU, one step per call", c.architecture)
         else:
             self._executor = build_executor(c, self.weights, self.kv.kv, block_size, self.inv_freq)
 

@@ -1,8 +1,8 @@
 """Tensor-parallel ranks' persistent kernels on one host's GPUs: each rank's inbox and flags
 (kog._C.PeerSegment), their IPC handles exchanged through torch.distributed, every rank's
 mapped into every process and given to the rank's decoder (docs/GPU.md, "Tensor parallelism
-inside the persistent kernel"). Compile-checked only: it has not run on GPUs yet, and the
-runner does not call it yet (kog.LLM refuses tensor_parallel_size > 1 off the CPU).
+inside the persistent kernel"). kog.parallel.ranks.build_rank_runner calls it on every GPU
+rank whose program the kernel runs. Compile-checked only: it has not run on GPUs yet.
 
     segment = connect_gpu_ranks(decoder, rank, size, group)   # every rank, collectively
     # keep `segment` alive while `decoder` runs

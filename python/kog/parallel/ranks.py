@@ -13,6 +13,10 @@ dies sees its connection close and exits; a rank that hangs makes rank 0's next 
 fail with TransportError after the timeout. Ranks 1 .. N-1 are started with `python -m
 kog.parallel.worker` on this host (loopback), or by torchrun / any launcher that runs that
 module with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set.
+
+On GPUs (RankSpec.device "cuda") rank r runs on its host's GPU r % ranks per host; the
+collectives outside the decode kernel go over an NCCL (RCCL) group, and decode runs in every
+rank's persistent kernel, rank 0's launches mirrored by MirroredGpuDecoder (docs/GPU.md).
 """
 
 from __future__ import annotations
@@ -51,7 +55,17 @@ class RankSpec:
     block_size: int
     num_host_blocks: int
     max_rows: int = 32           # the largest decode batch (sizes the shared-memory transport)
-    shm_name: str | None = None  # the ranks' shared-memory segment (one host); None: gloo only
+    shm_name: str | None = None  # the ranks' shared-memory segment (one host, CPU); None: no segment
+    device: str = "cpu"          # "cpu", or "cuda": rank r runs on its host's GPU r % (size / nnodes)
+    nnodes: int = 1              # hosts; each runs size / nnodes consecutive ranks
+
+
+def rank_device(spec: RankSpec, rank: int) -> str:
+    """Where rank `rank` runs: the CPU, or its host's GPU (local rank = rank % ranks per host;
+    CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES pick which GPUs a host lends)."""
+    if spec.device == "cpu":
+        return "cpu"
+    return f"cuda:{rank % (spec.size // spec.nnodes)}"
 
 
 @dataclass(frozen=True)
@@ -71,16 +85,28 @@ def rank_view(rank: int, size: int) -> Callable[[ModelConfig], ModelConfig]:
     return view
 
 
-def build_rank_runner(spec: RankSpec, rank: int, transport, loaded=None):
+def build_rank_runner(spec: RankSpec, rank: int, transport, loaded=None, commands=None):
     """This rank's ModelRunner: the model loaded as the rank's share (only its part of each
     tensor read), or `loaded`: the rank's share already loaded (kog.LLM's rank 0), or the whole
-    model, cut here."""
+    model, cut here.
+
+    On GPUs (spec.device "cuda", a collective: every rank calls it in the same order) the
+    program's collectives go through an NCCL group (RCCL on ROCm: the same backend name), and
+    where the persistent kernel runs the rank's program its inbox and flags are exchanged over
+    `commands` (kog.parallel.gpu_peers): decode then runs in every rank's kernel, its
+    collectives peer-memory stores."""
     from kog.loader import load_model
     from kog.models.runner import ModelRunner
 
     view = rank_view(rank, spec.size)
+    device = rank_device(spec, rank)
+    if device != "cpu":
+        transport = gpu_transport(device)
     if loaded is None:
-        model = load_model(spec.model, spec.dtype, shard=view)
+        from kog.fp8 import gpu_format
+
+        model = load_model(spec.model, spec.dtype, shard=view, device=device,
+                           fp8_format=gpu_format() if device != "cpu" else None)
     elif loaded.config.shard.size == spec.size:
         model = loaded
     else:
@@ -88,8 +114,25 @@ def build_rank_runner(spec: RankSpec, rank: int, transport, loaded=None):
         model = dataclasses.replace(loaded, config=local, weights=shard_weights(local, loaded.weights))
     if spec.shm_name is not None:  # ranks on one host: shared memory for prefill and native decode
         transport = shm_transport(spec, model.config, rank)
-    return ModelRunner(model, num_kv_blocks=spec.num_kv_blocks, block_size=spec.block_size,
-                       num_host_blocks=spec.num_host_blocks, transport=transport), model
+    runner = ModelRunner(model, num_kv_blocks=spec.num_kv_blocks, block_size=spec.block_size,
+                         num_host_blocks=spec.num_host_blocks, device=device, transport=transport)
+    if device != "cpu" and runner.native_decoder is not None:
+        from kog.parallel.gpu_peers import connect_gpu_ranks
+
+        # NOTE: the runner keeps the segment: it owns the mappings the kernel stores into
+        runner.peer_segment = connect_gpu_ranks(runner.native_decoder, rank, spec.size, group=commands)
+    return runner, model
+
+
+def gpu_transport(device: str) -> TorchDistTransport:
+    """This rank's GPU on the current device and a new NCCL group over every rank (a collective),
+    bounded by the collective timeout (torch's NCCL watchdog aborts a rank whose collective
+    outlives it)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(device)
+    return TorchDistTransport(dist.new_group(backend="nccl", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)))
 
 
 def shm_transport(spec: RankSpec, local, rank: int) -> ShmRankTransport:
@@ -135,8 +178,11 @@ class ParallelRunner:
         self.local, self._commands, self._procs = local, commands, procs
         self.kv = _MirroredKV(local.kv, self)
         # Rank 0's executor (None where decode goes through the interpreter: ranks over several
-        # hosts); the engine's multi-token loop over it is a MirroredLoop (native_loop).
-        self.native_decoder = local.native_decoder
+        # hosts, or a GPU program the kernel does not run); the engine's multi-token loop over a
+        # CPU executor is a MirroredLoop (native_loop), over a GpuDecoder a MirroredGpuDecoder.
+        decoder = local.native_decoder
+        gpu = decoder is not None and not isinstance(decoder, _C.DecodeExecutor)
+        self.native_decoder = MirroredGpuDecoder(self, decoder) if gpu else decoder
         self._closed = False
         atexit.register(self.close)
 
@@ -222,6 +268,36 @@ class MirroredLoop(CpuLoop):
         return out
 
 
+class MirroredGpuDecoder:
+    """Rank 0's GpuDecoder for the engine's decode loop: each launch is sent to the other ranks
+    first, which launch their kernels with the same arguments (sampling rows, seeds, stop ids):
+    the kernels exchange the collectives through each other's inboxes and, from bit-identical
+    gathered logits, draw the same tokens (kog.parallel.gpu_peers)."""
+
+    def __init__(self, parent: ParallelRunner, decoder) -> None:
+        self._parent, self._decoder = parent, decoder
+
+    def decode(self, *args: Any):
+        self._parent.send("gpu_decode", *args)
+        return self._decoder.decode(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._decoder, name)
+
+
+def follow_gpu_decode(runner, args) -> None:
+    """Ranks 1 .. N-1's side of MirroredGpuDecoder: the same launch, waited for, so that a
+    kernel whose dependency wait outlived the watchdog fails this rank (and so rank 0's next
+    collective) with the wait's place rather than a later, unrelated error."""
+    import torch
+
+    decoder = runner.native_decoder
+    decoder.decode(*args)
+    torch.cuda.synchronize(decoder.device)
+    if (where := decoder.wait_timeout()) is not None:
+        raise TransportError(f"GPU decode: a rank's kernel waited past the watchdog at {where}")
+
+
 class LoopFollower:
     """Ranks 1 .. N-1's side of MirroredLoop: the rows' states (kept from one call to the next,
     those of rows absent from a call dropped), and the same native loop on the rank's executor."""
@@ -273,14 +349,17 @@ def start_ranks(spec: RankSpec, loaded=None, placement: Placement = Placement())
     if loaded is not None and loaded.config.shard.size == 1:  # a bad split fails here, before any process starts
         rank_view(0, spec.size)(loaded.config)
     addr, port = placement.master_addr, placement.master_port or _free_port()
-    spec = dataclasses.replace(spec, shm_name=f"/kog-tp-{os.getpid()}-{port}" if placement.nnodes == 1 else None)
+    one_host_cpu = placement.nnodes == 1 and spec.device == "cpu"
+    spec = dataclasses.replace(spec, shm_name=f"/kog-tp-{os.getpid()}-{port}" if one_host_cpu else None,
+                               nnodes=placement.nnodes)
+    check_devices(spec, placement)
     procs = _spawn(placement.local_ranks(spec.size)[1:], spec.size, addr, port)
     try:
         transport, commands = init_groups(0, spec.size, addr, port)
         import torch.distributed as dist
 
         dist.broadcast_object_list([spec], src=0, group=commands)  # every rank builds what rank 0 builds
-        local, _ = build_rank_runner(spec, 0, transport, loaded)
+        local, _ = build_rank_runner(spec, 0, transport, loaded, commands)
     except BaseException:
         for p in procs:
             p.kill()
@@ -290,6 +369,22 @@ def start_ranks(spec: RankSpec, loaded=None, placement: Placement = Placement())
             dist.destroy_process_group()
         raise
     return ParallelRunner(local, commands, procs)
+
+
+def check_devices(spec: RankSpec, placement: Placement) -> None:
+    """Refuses, before any rank starts, a device this host cannot give every one of its ranks."""
+    if spec.device == "cpu":
+        return
+    if spec.device != "cuda":
+        raise InvalidRequest(f"tensor-parallel ranks run on 'cpu' or 'cuda' (rank r on its host's GPU r % ranks per "
+                             f"host; pick the GPUs with CUDA_VISIBLE_DEVICES), got device={spec.device!r}")
+    import torch
+
+    per_host = len(placement.local_ranks(spec.size))
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < per_host:
+        raise InvalidRequest(f"tensor_parallel_size {spec.size} over {placement.nnodes} host(s) puts {per_host} ranks "
+                             f"on this host, one GPU each, and it has {have}")
 
 
 def run_node(size: int, placement: Placement) -> int:
@@ -316,7 +411,7 @@ def serve_rank(rank: int, size: int, addr: str, port: int) -> None:
     transport, commands = init_groups(rank, size, addr, port)
     box = [None]
     dist.broadcast_object_list(box, src=0, group=commands)
-    runner, _ = build_rank_runner(box[0], rank, transport)
+    runner, _ = build_rank_runner(box[0], rank, transport, commands=commands)
     follower = None
     while True:
         box = [None]
@@ -329,6 +424,8 @@ def serve_rank(rank: int, size: int, addr: str, port: int) -> None:
         elif name == "loop":
             follower = follower or LoopFollower(runner)
             follower.run(*args)
+        elif name == "gpu_decode":
+            follow_gpu_decode(runner, args)
         else:
             getattr(runner, name)(*args)
     dist.destroy_process_group()
