@@ -38,7 +38,8 @@ constexpr int32_t kOpLinearSamplePartial = 105;
 constexpr int32_t kOpRouterGemv = 106;
 // kOpMoeGateUp (MOE_EXPERTS' place): item (group g, part): the [gate; up] GEMV of group g's expert
 // (w0's matrix e_g) over the gathered rows of its pairs, SILU_MUL fused: act [pairs, expert_intermediate].
-// The expert's weights depend on the route, so these GEMVs are not staged ahead (is_gemv: false).
+// The expert's weights depend on the route: its items are staged (is_staged_gemv) only by a
+// workgroup that has acquired the layer's route, never ahead of it (persistent_kernel.cuh).
 constexpr int32_t kOpMoeGateUp = 107;
 // kOpMoeDown: item (group g, part): the down GEMV of group g's expert (w1's matrix e_g) over its
 // pairs' act rows: y [pairs, hidden] in the run dtype.
@@ -92,11 +93,16 @@ struct CommLayout {
 CommLayout comm_layout(const std::vector<Op>& ops, const ModelDims& dims, int64_t batch);
 
 // Whether the GPU kernel runs op o as a GEMV over o.w0 whose weights it stages ahead (LINEAR, its
-// fused forms, the router). The experts' GEMVs are GEMVs too, but not staged: see kOpMoeGateUp.
+// fused forms, the router). The experts' GEMVs are GEMVs too, staged once the route is known
+// (is_moe_expert_gemv).
 KOG_HOST_DEVICE inline bool is_gemv(const Op& o) {
   return Opcode(o.op) == Opcode::kLinear || o.op == kOpLinearSiluMul || o.op == kOpLinearRopeKv ||
          o.op == kOpLinearSamplePartial || o.op == kOpRouterGemv;
 }
+// The experts' GEMVs: item (group, part) reads the matrix of the expert its group chose.
+KOG_HOST_DEVICE inline bool is_moe_expert_gemv(const Op& o) { return o.op == kOpMoeGateUp || o.op == kOpMoeDown; }
+// Ops whose items the kernel may run from weight stages (the staging walk's next_linear table).
+KOG_HOST_DEVICE inline bool is_staged_gemv(const Op& o) { return is_gemv(o) || is_moe_expert_gemv(o); }
 
 // Validates the program (validate_program), moves residual adds into their producers
 // (fuse_residual_adds), folds each RMS_NORM left without an add into the prologue of the LINEAR

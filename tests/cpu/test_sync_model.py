@@ -123,6 +123,22 @@ def test_every_dep_the_model_needs_is_caught_when_dropped(arch):
     assert needed == len(p.ops) - 1  # the expanded program is one chain: each op needs the one before
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_expert_items_are_staged_only_with_their_layers_route(arch):
+    # The kernel stages an expert GEMV item's first weights once the workgroup has waited for an
+    # op of the item's layer after its router (the route names the expert's matrix): the down
+    # items during the gate/up op, the gate/up items after its wait. Staging them before the
+    # route is complete (a kernel that ignored route_layer) reads the groups the router's tail
+    # is writing.
+    p = protocol(arch, batch=2)
+    stats = run_launches(p, Launch(grid=3, n_steps=2, batch=2), seed=1)
+    assert stats.staged_expert_items > 0
+    broken = Protocol(p.ops, p.sinks, stage_any_route=True)
+    found = violations(broken, Launch(grid=3, n_steps=2, batch=2), seeds=range(4))
+    assert found and all(isinstance(e, Hazard) for e in found)
+    assert all("RAW on moe.groups" in str(e) for e in found), str(found[0])
+
+
 def test_a_step_that_does_not_wait_for_the_previous_steps_sinks_is_a_hazard():
     p = protocol("qwen2", batch=3)
     found = violations(Protocol(p.ops, sinks=()), Launch(grid=7, n_steps=3, batch=3))

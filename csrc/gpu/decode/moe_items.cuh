@@ -5,7 +5,9 @@
 // moe_route_tail (every batch row: softmax, top-k, renormalize, shared slots; then the pairs'
 // sorted order and groups, and the gather of each pair's x row). An expert GEMV item is (group g,
 // part of the expert's rows): it reads the weights of the one expert g chose, once for every row
-// that chose it, over the group's gathered rows. The combine adds each row's pairs in ascending
+// that chose it, over the group's gathered rows; its first weight vectors are staged as a
+// LINEAR item's, by a workgroup that has acquired the layer's route (persistent_kernel.cuh:
+// route_layer), never ahead of it. The combine adds each row's pairs in ascending
 // expert order in f32, as the CPU executor (engine/decode_moe.cpp) does.
 //
 // NOTE: ties between equal router probabilities go to the lower expert id here; the CPU
@@ -145,11 +147,35 @@ __device__ void moe_route_tail(const PersistentDecodeParams& p, const Op& op, fl
   }
 }
 
-// One expert GEMV item (kOpMoeGateUp: gate/up rows with SiLU-mul into act; kOpMoeDown: down rows
-// into y) over group g's pairs: their gathered rows, the group's expert's matrix. Nothing is
-// staged (the expert is known only once the route is).
+// Where expert GEMV item `item`'s weights are (kOpMoeGateUp: [gate; up] rows, a pair per warp;
+// kOpMoeDown: rows of down): the matrix of the expert its group chose, the item's part within
+// the group. False when the group is past the step's groups (the item runs nothing).
+// NOTE: reads the layer's route scratch: only a workgroup that has acquired the route (waited
+// for an op of the layer after the router) may call it.
 template <typename T>
-__device__ void moe_expert_item(const PersistentDecodeParams& p, const Op& op, int64_t item) {
+__device__ __forceinline__ bool moe_stage_source(const PersistentDecodeParams& p, const Op& op, int64_t item,
+                                        StageSource& src) {
+  const MoeScratch& m = p.moe;
+  const bool gate_up = op.op == schedule::kOpMoeGateUp;
+  const int64_t per = gate_up ? moe_gate_up_items_per_group(p) : moe_down_items_per_group(p);
+  const int g = int(item / per);
+  if (g >= gpu_uniform(*m.n_groups)) return false;  // fewer experts chosen than the most
+  const int64_t H = p.dims.hidden, I = p.dims.expert_intermediate;
+  const int64_t n = gate_up ? 2 * I : H, k = gate_up ? H : I;
+  const int32_t e = gpu_uniform(m.group_expert[g]);  // the same in every lane
+  src.w = static_cast<const T*>(gate_up ? op.w0 : op.w1) + int64_t(e) * n * k;
+  src.n = n, src.row_bytes = k * int64_t(sizeof(T)), src.item = item % per;
+  src.rows = GemvRows{};
+  src.rows.kind = gate_up ? GemvRows::kGlu : GemvRows::kRows;
+  return true;
+}
+
+// One expert GEMV item (kOpMoeGateUp: gate/up rows with SiLU-mul into act; kOpMoeDown: down rows
+// into y) over group g's pairs: their gathered rows, the group's expert's matrix (the weights
+// moe_stage_source names). kStaged: its first vectors are in stage `stage` of st (landed).
+template <typename T, int kStaged, typename Stages>
+__device__ __forceinline__ void moe_expert_item(const PersistentDecodeParams& p, const Op& op, int64_t item,
+                                                const Stages& st, int stage) {
   const MoeScratch& m = p.moe;
   const bool gate_up = op.op == schedule::kOpMoeGateUp;
   const int64_t per = gate_up ? moe_gate_up_items_per_group(p) : moe_down_items_per_group(p);
@@ -166,14 +192,12 @@ __device__ void moe_expert_item(const PersistentDecodeParams& p, const Op& op, i
   T* out = (gate_up ? act : ys) + q0 * (gate_up ? I : H);
   GemvEpilogueArgs<T> ep;
   ep.kind = gate_up ? GemvEpilogue::kSiluMul : GemvEpilogue::kStore;
-  const NoStages<T> none;
   if (rows == 1)
-    linear_item_rows<T, T, T, 0, 1, kLinearUnrollBatch1, true, false>(w, nullptr, nullptr, x, k, out, gate_up ? I : H,
-                                                                     rows, n, k, item % per, none, -1, ep, {});
+    linear_item_rows<T, T, T, kStaged, 1, kLinearUnrollBatch1, true, false>(
+        w, nullptr, nullptr, x, k, out, gate_up ? I : H, rows, n, k, item % per, st, stage, ep, {});
   else
-    linear_item_rows<T, T, T, 0, kMaxBatch, kLinearUnroll, true, false>(w, nullptr, nullptr, x, k, out,
-                                                                        gate_up ? I : H, rows, n, k, item % per, none,
-                                                                        -1, ep, {});
+    linear_item_rows<T, T, T, kStaged, kMaxBatch, kLinearUnroll, true, false>(
+        w, nullptr, nullptr, x, k, out, gate_up ? I : H, rows, n, k, item % per, st, stage, ep, {});
 }
 
 // out[b] over chunk `part` of hidden = sum over row b's pairs in ascending expert order of

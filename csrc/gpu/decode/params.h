@@ -65,7 +65,7 @@ struct PersistentDecodeParams {
   int32_t n_ops;
   const int32_t* step_sinks;   // [n_sinks] device: ops nothing later in the step depends on
   int32_t n_sinks;
-  const int32_t* next_linear;  // [n_ops] device: the first GEMV op (schedule::is_gemv) at or after each op (n_ops: none)
+  const int32_t* next_linear;  // [n_ops] device: the first staged GEMV op (schedule::is_staged_gemv) at or after each op (n_ops: none)
   int32_t batch;               // B, 1..kMaxBatch
   int32_t n_steps;             // decode steps run in this launch (>= 1): loop mode when > 1
 

@@ -74,10 +74,11 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
   for (int b = 0; b < int(Buffer::kNumBuffers); ++b) buffers_[b] = arena_ + offsets[b];
   KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&program_), ops.size() * sizeof(Op)));
   KOG_GPU_CHECK(gpuMemcpyAsync(program_, ops.data(), ops.size() * sizeof(Op), gpuMemcpyHostToDevice, nullptr));
-  // next_linear[j]: the first LINEAR op at or after op j (n_ops: none), for weight staging.
+  // next_linear[j]: the first staged GEMV op (LINEAR, its fused forms, the router, the experts'
+  // GEMVs) at or after op j (n_ops: none), for weight staging.
   std::vector<int32_t> next_linear(ops.size());
   for (int32_t j = n_ops_ - 1, l = n_ops_; j >= 0; --j) {
-    if (schedule::is_gemv(ops[size_t(j)])) l = j;
+    if (schedule::is_staged_gemv(ops[size_t(j)])) l = j;
     next_linear[size_t(j)] = l;
   }
   KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&next_linear_), ops.size() * sizeof(int32_t)));

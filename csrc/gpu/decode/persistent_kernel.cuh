@@ -295,9 +295,13 @@ __device__ __forceinline__ void run_item(const PersistentDecodeParams& p, const 
       silu_mul_item<T>(buf(op.in), buf(op.out), p.dims.intermediate, b, part);
       break;
     case schedule::kOpMoeGateUp:  // item = (group, part): the group's expert's rows
-    case schedule::kOpMoeDown:
-      moe_expert_item<T>(p, op, item);
+    case schedule::kOpMoeDown: {
+      if constexpr (kQuant)  // unstaged: the quantized kernel's registers are spent (docs/GPU.md)
+        moe_expert_item<T, 0>(p, op, item, NoStages<T>{}, -1);
+      else
+        moe_expert_item<T, kStagedVecs>(p, op, item, st, stage);
       break;
+    }
     case schedule::kOpMoeCombine:
       moe_combine_item<T>(p, buf(op.out), b, part);
       break;
@@ -382,11 +386,33 @@ __device__ __forceinline__ void wait_for_ops(const PersistentDecodeParams& p, co
 }
 
 
-// The next GEMV item this workgroup will run from op j on: item `cand` of op j if op j is a
-// GEMV, else its first item (blockIdx.x) of a later GEMV that has one; with `wrap`, the next
-// step's ops after this step's (wrapped: the item is the next step's). False when there is none.
+// Whether this kernel runs op's items from weight stages: the GEMVs, and (float kernel) the
+// experts' GEMVs.
+template <bool kQuant>
+__device__ __forceinline__ bool staged_op(const Op& op) {
+  return schedule::is_gemv(op) || (!kQuant && schedule::is_moe_expert_gemv(op));
+}
+
+// Where a staged op's item reads its weights (StageSource); false: an expert item that runs
+// nothing (its group is past the step's groups). An expert item's source reads the route: see
+// moe_stage_source.
+template <typename T, bool kQuant>
+__device__ __forceinline__ bool stage_source(const PersistentDecodeParams& p, const Op& op, int64_t item, StageSource& src) {
+  if (schedule::is_moe_expert_gemv(op)) return moe_stage_source<T>(p, op, item, src);
+  src.w = op.w0, src.n = gemv_rows(p, op), src.row_bytes = gemv_row_bytes<T>(op, gemv_k<kQuant>(p, op));
+  src.item = item, src.rows = gemv_epilogue<T>(p, op, nullptr).rows();
+  return true;
+}
+
+// The next staged GEMV item this workgroup will run from op j on: item `cand` of op j if op j is
+// one, else its first item (blockIdx.x) of a later one that has one; with `wrap`, the next step's
+// ops after this step's (wrapped: the item is the next step's). False when there is none, or
+// when the walk meets an expert GEMV whose route this workgroup does not know: only the layer
+// route_layer's of this step (it waited for an op of that layer after its router), since the
+// route scratch holds one layer's route at a time. The quantized kernel runs experts unstaged.
+template <bool kQuant>
 __device__ inline bool next_linear_item(const PersistentDecodeParams& p, int32_t j, int64_t cand, bool wrap,
-                                        int32_t& op, int64_t& item, bool& wrapped) {
+                                        int32_t route_layer, int32_t& op, int64_t& item, bool& wrapped) {
   bool this_step = true;
   int32_t l = j < p.n_ops ? p.next_linear[j] : p.n_ops;
   while (true) {
@@ -395,6 +421,13 @@ __device__ inline bool next_linear_item(const PersistentDecodeParams& p, int32_t
       wrap = this_step = false;
       l = p.next_linear[0];
       if (l >= p.n_ops) return false;
+    }
+    if (schedule::is_moe_expert_gemv(p.program[l])) {
+      if (kQuant) {  // not staged: skip it
+        l = l + 1 < p.n_ops ? p.next_linear[l + 1] : p.n_ops;
+        continue;
+      }
+      if (!this_step || p.program[l].layer != route_layer) return false;  // its route is not known yet
     }
     const int64_t c = this_step && l == j ? cand : int64_t(blockIdx.x);
     if (c < items_of(p, p.program[l])) {
@@ -409,18 +442,17 @@ __device__ inline bool next_linear_item(const PersistentDecodeParams& p, int32_t
 // workgroup will run them (items already staged are skipped, not reloaded).
 template <typename T, bool kQuant>
 __device__ inline void stage_next(const PersistentDecodeParams& p, WeightStages<T>& st, int32_t j, int64_t cand,
-                                  int step) {
+                                  int step, int32_t route_layer) {
   bool wrap = step + 1 < p.n_steps, wrapped = false;
   for (int k = 0; k < kStages; ++k) {
     int32_t o;
     int64_t i;
-    if (!next_linear_item(p, j, cand, wrap, o, i, wrapped)) return;
+    if (!next_linear_item<kQuant>(p, j, cand, wrap, route_layer, o, i, wrapped)) return;
     if (st.find(o, i) < 0) {
       const int s = st.free_stage();
       if (s < 0) return;
-      const Op& l = p.program[o];
-      st.issue(s, o, i, l.w0, gemv_rows(p, l), gemv_row_bytes<T>(l, gemv_k<kQuant>(p, l)),
-               gemv_epilogue<T>(p, l, nullptr).rows());
+      StageSource src;
+      if (stage_source<T, kQuant>(p, p.program[o], i, src)) st.issue(s, o, i, src);  // else: runs nothing
     }
     j = o, cand = i + gridDim.x;
     wrap = wrap && !wrapped;  // one step ahead at most
@@ -435,6 +467,9 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(Persiste
   WeightStages<T> st;
   st.init(stage_smem);
   for (int step = 0; step < p.n_steps; ++step) {
+    // The layer whose route (the MoE scratch) this workgroup has acquired this step: it waited for
+    // an op of that layer after the router. Its expert items may be staged; no other layer's.
+    int32_t route_layer = -1;
     if (step > 0) {  // every workgroup: the whole previous step completed (its sinks, SAMPLE included)
       wait_for_ops(p, p.step_sinks, p.n_sinks, int64_t(step - 1) * p.n_ops);
       if (threadIdx.x == 0) {
@@ -452,30 +487,34 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_decode_kernel(Persiste
       bool ready = op.n_deps == 0;  // deps are ops of this step: the step's start waited for the last
       // The next LINEAR item's weights load while this op waits and runs (weights never depend
       // on activations); a workgroup with no item here runs ahead to its next op.
-      stage_next<T, kQuant>(p, st, j, blockIdx.x, step);
+      stage_next<T, kQuant>(p, st, j, blockIdx.x, step, route_layer);
       for (int64_t item = blockIdx.x; item < n_items; item += gridDim.x) {
         if (!ready) {
           wait_for_ops(p, op.deps, op.n_deps, int64_t(step) * p.n_ops);
           if constexpr (!kQuant)
             if (op.comm >= 0 && !op.comm_push) wait_for_ranks(p, op, j, step);  // every rank's push of the step
           ready = true;
+          // an op of an MoE layer after its router: that layer's route is complete and acquired
+          if (schedule::is_moe_expert_gemv(op) || op.op == schedule::kOpMoeCombine) route_layer = op.layer;
         }
         int stage = -1;
-        if (schedule::is_gemv(op)) {
+        StageSource src;
+        if (staged_op<kQuant>(op) && stage_source<T, kQuant>(p, op, item, src)) {
           stage = st.find(j, item);  // staged by stage_next, before this op or during the last item
-          if (stage < 0) {           // not reached (the next item is staged whenever a stage frees)
-            st.reset();
+          if (stage < 0) {           // not reached (the first expert items of a layer; else the next
+            st.reset();              // item is staged whenever a stage frees)
             stage = 0;
-            st.issue(stage, j, item, op.w0, gemv_rows(p, op), gemv_row_bytes<T>(op, gemv_k<kQuant>(p, op)),
-                     gemv_epilogue<T>(p, op, nullptr).rows());
+            st.issue(stage, j, item, src);
           }
-          stage_next<T, kQuant>(p, st, j, item + gridDim.x, step);  // NVIDIA: the next items load while this runs
+          // NVIDIA: the next items load while this runs
+          stage_next<T, kQuant>(p, st, j, item + gridDim.x, step, route_layer);
           st.wait(stage);
         }
         run_item<T, kQuant>(p, op, item, step, st, stage, smem);
         if (stage >= 0) {
           st.release(stage);
-          stage_next<T, kQuant>(p, st, j, item + gridDim.x, step);  // into the stage just freed (AMD: the only one)
+          // into the stage just freed (AMD: the only one)
+          stage_next<T, kQuant>(p, st, j, item + gridDim.x, step, route_layer);
         }
         // a tensor-parallel rank's logits finish: its item is a whole chunk of LOGITS
         const bool chunk_item = !kQuant && schedule::is_logits_finish(op);

@@ -72,6 +72,17 @@ __device__ __forceinline__ int64_t gemv_weight_row(int64_t i, int rr, int64_t n,
   return h * rows.hd + (rows.neox ? j + rr * half : 2 * j + rr);
 }
 
+// What a staged item reads: n weight rows of row_bytes at w, laid out as `rows`, the item's
+// place among them `item` (op item i of a LINEAR; for an expert GEMV, i's part within its group,
+// w the group's expert's matrix).
+struct StageSource {
+  const void* w = nullptr;
+  int64_t n = 0;
+  int64_t row_bytes = 0;
+  int64_t item = 0;
+  GemvRows rows{};
+};
+
 // The per-workgroup staging state. The tags are uniform over the workgroup (every thread runs
 // the same calls); the staged data is per lane.
 template <typename T>
@@ -130,16 +141,15 @@ struct WeightStages {
   }
 #endif
 
-  // Starts loading item i of GEMV op o (weights w: n rows of row_bytes, 16-byte vectors of any
-  // element type; rows laid out as `rows`) into stage s (free).
-  __device__ void issue(int s, int32_t o, int64_t i, const void* __restrict__ w, int64_t n, int64_t row_bytes,
-                        const GemvRows& rows) {
+  // Starts loading item i of GEMV op o (src: its weights, 16-byte vectors of any element type)
+  // into stage s (free).
+  __device__ void issue(int s, int32_t o, int64_t i, const StageSource& src) {
     const int lane = threadIdx.x % KOG_WARP_SIZE;
-    const int64_t chunks = row_bytes / 16;
+    const int64_t n = src.n, row_bytes = src.row_bytes, chunks = row_bytes / 16;
 #pragma unroll
     for (int rr = 0; rr < kLinearRowsPerWarp; ++rr) {
-      const int64_t row = gemv_weight_row(i, rr, n, rows);
-      const WVec<T>* wr = reinterpret_cast<const WVec<T>*>(static_cast<const char*>(w) + row * row_bytes);
+      const int64_t row = gemv_weight_row(src.item, rr, n, src.rows);
+      const WVec<T>* wr = reinterpret_cast<const WVec<T>*>(static_cast<const char*>(src.w) + row * row_bytes);
 #pragma unroll
       for (int v = 0; v < kStagedVecs; ++v) {
         const int64_t c = lane + int64_t(v) * KOG_WARP_SIZE;

@@ -64,6 +64,7 @@ class Protocol:
     signal_after_first_item: bool = False  # a broken kernel: a workgroup signals after its first item
     group_target_bonus: Mapping[int, int] = field(default_factory=dict)  # op -> added to its group size
                                        # where an item decides whether it runs the tail
+    stage_any_route: bool = False      # a broken kernel: stages expert items without knowing their route
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class Stats:
     actions: int = 0
     blocked_ticks: int = 0  # scheduler choices made while some workgroup was held by a wait
     split_exits: int = 0    # launches whose workgroups left the step loop after different steps
+    staged_expert_items: int = 0  # expert items whose staging's reads were checked (_stage)
 
 
 def run_launches(protocol: Protocol, launch: Launch, seed: int, n_launches: int = 2,
@@ -135,6 +137,9 @@ class LaunchRun:
         self.where: dict[int, tuple[int, int]] = {}
         self.left_at: set[int] = set()  # how many steps each workgroup ran before leaving
         self.recent: deque = deque(maxlen=RECENT_ACTIONS)
+        # op j -> the ops at or after it whose stagings read something (the experts' GEMVs)
+        staged = [k for k, o in enumerate(protocol.ops) if o.stage_reads]
+        self.staged_from = [[k for k in staged if k >= j] for j in range(self.n_ops)]
         self.conflicts = _conflicts(protocol.ops, check_flag_reads)
         self.conflicts_tail = _conflicts(protocol.ops, check_flag_reads, tails=True)
 
@@ -201,9 +206,11 @@ class LaunchRun:
                 if self._flag_check(w, step):
                     steps_run = step
                     break  # every sequence finished
+            route = -1  # the MoE layer whose route this workgroup has acquired this step
             for j, op in enumerate(ops):
                 self.where[w] = (step, j)
                 ready = not op.deps and not op.waits_for_ranks
+                self._stage(w, step, j, w, route)  # stage_next before the op's wait
                 for item in range(w, op.n_items, grid):
                     if not ready:
                         for d in op.deps:
@@ -211,7 +218,10 @@ class LaunchRun:
                         if op.waits_for_ranks:  # every rank's flag of the channel
                             yield ("flags", op.comm, step)
                         ready = True
+                        if op.route_layer >= 0:
+                            route = op.route_layer
                     yield None
+                    self._stage(w, step, j, item, route)  # this item (if not staged yet) and the next ones
                     self._run_item(w, step, j, item)
                     if op.group_items:
                         yield None
@@ -236,6 +246,20 @@ class LaunchRun:
             yield None
             self.counters[:] = [0] * len(self.counters)
             self.zeroed = True
+
+    def _stage(self, w: int, step: int, j: int, cand: int, route: int) -> None:
+        """The staging walk's reads (stage_next from op j, item cand on): over-approximated as
+        every item of w's it could stage in this step, up to the first expert GEMV whose route w
+        does not know (where the kernel's walk stops). Only expert items' stagings read anything
+        a launch writes (the route); a LINEAR's reads only weights."""
+        for k in self.staged_from[j]:
+            op = self.p.ops[k]
+            if op.route_layer != route and not self.p.stage_any_route:
+                return
+            reads = [c for c in self.conflicts[k] if c[2] == "RAW" and c[1] in op.stage_reads]
+            for item in range(cand if k == j else w, op.n_items, self.l.grid):
+                self._check(w, step, k, item, reads)
+                self.stats.staged_expert_items += 1
 
     def _wait(self, step: int, d: int) -> tuple[int, int]:
         if not 0 <= d < self.n_ops:

@@ -74,6 +74,13 @@ class SyncOp:
     # rank's flag of the step, then reads its own inbox). -1: not cross-rank.
     comm: int = -1
     comm_push: bool = False
+    # An op of an MoE layer after its router: that layer (else -1). A workgroup that waited for
+    # it knows the layer's route this step (persistent_kernel.cuh: route_layer).
+    route_layer: int = -1
+    # What staging one of its items ahead reads, before the item runs (the experts' GEMVs: the
+    # route's groups, to find the expert's matrix); only a workgroup that knows the route of
+    # route_layer this step stages them (persistent_kernel.cuh: next_linear_item).
+    stage_reads: frozenset[str] = frozenset()
 
     @property
     def waits_for_ranks(self) -> bool:
@@ -241,6 +248,10 @@ def sync_ops(expanded: Sequence[_C.Op], dims: _C.ModelDims, batch: int, max_part
             tail = dict(group_items=n, group_counter=ROUTE_COUNT, tail_reads=frozenset({MOE_LOGITS, buffer(op.in_)}),
                         tail_writes=frozenset({buffer(op.out), MOE_GROUPS, MOE_X}))
         n = items_of(op, dims, batch, max_parts, rows_per_item)
+        if op.opcode in (MOE_GATE_UP, MOE_DOWN, MOE_COMBINE):
+            tail |= dict(route_layer=op.layer)
+            if op.opcode != MOE_COMBINE:
+                tail |= dict(stage_reads=frozenset({MOE_GROUPS}))
         if op.comm >= 0:
             tail = dict(comm=op.comm, comm_push=bool(op.comm_push))
             if op.comm_push:  # the op's last item raises the flags
