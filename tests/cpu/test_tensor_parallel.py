@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -300,9 +301,14 @@ def test_rank_0_mirrors_each_gpu_launch_on_the_other_ranks_before_its_own():
     class Decoder:  # stands in for rank 0's GpuDecoder
         device = "cuda:0"
 
-        def decode(self, *args):
-            calls.append(("local", args))
-            return "result"
+        def stage(self, *args):
+            if args[4] > 16:
+                raise kog.InvalidRequest("n_steps")
+            calls.append(("stage", args))
+            return types.SimpleNamespace(result="result")
+
+        def launch(self, staged):
+            calls.append(("launch", staged.result))
 
     class Local:
         native_decoder, kv = Decoder(), None
@@ -314,7 +320,12 @@ def test_rank_0_mirrors_each_gpu_launch_on_the_other_ranks_before_its_own():
     assert isinstance(runner.native_decoder, MirroredGpuDecoder) and runner.native_decoder.device == "cuda:0"
     args = (np.array([5]), np.array([3]), np.zeros((1, 1), np.int32), None, 4, [2], 0)
     assert runner.native_decoder.decode(*args) == "result"
-    assert calls == [("gpu_decode", args), ("local", args)]
+    # checked and staged, then sent, then launched
+    assert calls == [("stage", args), ("gpu_decode", args), ("launch", "result")]
+    calls.clear()
+    with pytest.raises(kog.InvalidRequest):  # a call rank 0 refuses reaches no other rank
+        runner.native_decoder.decode(*args[:4], 32, [2], 0)
+    assert calls == []
 
 
 def test_a_dead_rank_fails_the_request_with_a_transport_error_instead_of_hanging(tmp_path):

@@ -278,8 +278,12 @@ class MirroredGpuDecoder:
         self._parent, self._decoder = parent, decoder
 
     def decode(self, *args: Any):
+        # NOTE: staged (checked) first: a call rank 0 refuses reaches no rank, whose kernel would
+        # otherwise wait for rank 0's pushes until the watchdog traps it
+        staged = self._decoder.stage(*args)
         self._parent.send("gpu_decode", *args)
-        return self._decoder.decode(*args)
+        self._decoder.launch(staged)
+        return staged.result
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._decoder, name)
