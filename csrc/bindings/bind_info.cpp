@@ -3,7 +3,9 @@
 #include <pybind11/stl.h>
 
 #include <cstdlib>
+#include <string>
 
+#include "common/errors.h"
 #include "cpu/kernels.h"
 #include "gpu/launch.h"
 
@@ -42,17 +44,32 @@ py::dict build_info() {
   d["cpu_isa"] = kog::cpu::kernels().isa;
   d["cpu_isas_supported"] = kog::cpu::supported_isas();
   d["cpu_threads"] = kog::cpu::num_threads();
+  d["cpu_prefetch"] = kog::cpu::weight_prefetch_name(kog::cpu::weight_prefetch());
   return d;
 }
 
 }  // namespace
 
 void bind_info(py::module_& m) {
+  // KOG_CPU_PREFETCH is read here, on the importing thread: a bad value fails the import with
+  // its message, never later inside a kernel's worker thread.
+  (void)kog::cpu::weight_prefetch();
   m.def("build_info", &build_info, "backend, GPU targets, compiler and CPU ISA of this build");
   m.def("gpu_devices", &gpu_devices, "GPUs visible to this build's runtime (empty on CPU builds)");
   m.def("set_cpu_isa", &kog::cpu::set_isa, py::arg("isa"),
         "use the CPU kernels built for `isa` (generic, avx2, avx512)");
   m.def("cpu_isas_supported", &kog::cpu::supported_isas);
+  m.def(
+      "set_cpu_prefetch",
+      [](const std::string& name) {
+        using kog::cpu::WeightPrefetch;
+        for (WeightPrefetch p : {WeightPrefetch::kNone, WeightPrefetch::kT0, WeightPrefetch::kNta})
+          if (name == kog::cpu::weight_prefetch_name(p)) return kog::cpu::set_weight_prefetch(p);
+        KOG_CHECK(false, "cpu prefetch '", name, "': expected none, t0 or nta");
+      },
+      py::arg("policy"), "how the bf16 GEMV prefetches weights: none, t0 or nta (KOG_CPU_PREFETCH)");
+  m.def("cpu_prefetch", [] { return std::string(kog::cpu::weight_prefetch_name(kog::cpu::weight_prefetch())); },
+        "the bf16 GEMV's weight prefetch policy in use");
   m.attr("has_gpu_backend") =
 #ifdef KOG_WITH_GPU
       true;

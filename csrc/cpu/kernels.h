@@ -53,4 +53,15 @@ void set_isa(const std::string& isa);
 // Threads the CPU kernels use (OpenMP); KOG_NUM_THREADS or OMP_NUM_THREADS override.
 int num_threads();
 
+// How the bf16 GEMV prefetches its weight stream ahead of its loads: a property of the CPU's
+// caches and prefetchers, not of its ISA, so chosen at run time beside the kernel table.
+//   kNone: the hardware prefetcher alone.  kT0: software prefetch into every level.
+//   kNta:  non-temporal software prefetch (Intel: into L1 only, bypassing L2).
+enum class WeightPrefetch : int { kNone = 0, kT0 = 1, kNta = 2 };
+// The policy in use: KOG_CPU_PREFETCH (none, t0 or nta) if set, else by vendor (dispatch.cpp).
+WeightPrefetch weight_prefetch();
+// Switches the policy (tests run the bf16 GEMV under each; benches compare them).
+void set_weight_prefetch(WeightPrefetch policy);
+const char* weight_prefetch_name(WeightPrefetch policy);
+
 }  // namespace kog::cpu

@@ -43,6 +43,21 @@ def test_kog_cpu_isa_env_selects_kernels():
     assert out.stdout.strip() == "generic"
 
 
+def test_kog_cpu_prefetch_env_selects_the_policy_and_a_bad_one_fails_the_import():
+    import os
+
+    code = "import kog; print(kog.backend_info()['cpu_prefetch'])"
+    for policy in ("none", "t0", "nta"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "KOG_CPU_PREFETCH": policy})
+        assert out.stdout.strip() == policy
+    bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "KOG_CPU_PREFETCH": "always"})
+    assert bad.returncode != 0 and "KOG_CPU_PREFETCH=always: expected none, t0 or nta" in bad.stderr
+    with pytest.raises(kog.InvalidRequest, match="expected none, t0 or nta"):
+        _C.set_cpu_prefetch("always")
+
+
 def test_set_cpu_isa_rejects_unknown_and_unsupported():
     with pytest.raises(kog.InvalidRequest, match="no CPU kernels named"):
         _C.set_cpu_isa("sse9")

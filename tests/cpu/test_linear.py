@@ -33,6 +33,26 @@ def test_linear_large_parallel_and_strided_rows(cpu_isa, gen):
     assert_close(out, ref.linear(x, w))
 
 
+@pytest.mark.parametrize("policy", ["none", "t0", "nta"])
+def test_bf16_linear_gives_the_same_bits_under_every_weight_prefetch(cpu_isa, gen, policy):
+    # the prefetch policy (kog._C.set_cpu_prefetch, KOG_CPU_PREFETCH) only moves lines early:
+    # the sums, and their order, are the same
+    from kog import _C
+
+    x = randn(gen, 3, 1000, dtype=torch.bfloat16)
+    w = randn(gen, 300, 1000, dtype=torch.bfloat16)
+    default = _C.cpu_prefetch()
+    try:
+        _C.set_cpu_prefetch("none")
+        want = ops.linear(x, w)
+        _C.set_cpu_prefetch(policy)
+        assert _C.cpu_prefetch() == policy
+        assert torch.equal(ops.linear(x, w), want)
+        assert_close(want, ref.linear(x, w))
+    finally:
+        _C.set_cpu_prefetch(default)
+
+
 def test_linear_batched_leading_dims(gen):
     x = randn(gen, 2, 3, 40, dtype=torch.float32)
     w = randn(gen, 24, 40, dtype=torch.float32)

@@ -69,18 +69,22 @@ static inline int pair_index(int j) {
   return 8 * lane + 4 * half + e;
 }
 
-// The bf16 row loop asks for the weights kPrefetchBytes ahead of the current load (the rows of a
-// thread's share are contiguous, so this runs on into the next rows). Non-temporal: the weights of
-// a real model are far larger than the caches and are read once a step. Measured on a 2-core Zen3
-// VM (docs/PERFORMANCE.md): +9% decode tok/s at 768-1024 bytes, less beyond 1.5 KB; the
-// hardware prefetcher alone leaves the bf16 loop (twice the work per byte of fp32) waiting on
-// memory. The fp32 loop gained nothing, so it does not prefetch.
+// The bf16 row loop may ask for the weights kPrefetchBytes ahead of the current load (the rows of
+// a thread's share are contiguous, so this runs on into the next rows), as weight_prefetch()
+// says (cpu/kernels.h; by CPU vendor, dispatch.cpp). Measured on a 2-core Zen3 VM
+// (docs/PERFORMANCE.md): +9% decode tok/s non-temporal at 768-1024 bytes, less beyond 1.5 KB; on
+// a 2-core Xeon VM non-temporal halved bf16 decode and T0 was best. The fp32 loop gained nothing,
+// so it does not prefetch.
 constexpr int kPrefetchBytes = 1024;
+template <WeightPrefetch kMode>
 static inline void prefetch_weights(const void* p) {
-  _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_NTA);
+  if constexpr (kMode == WeightPrefetch::kNta)
+    _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_NTA);
+  else if constexpr (kMode == WeightPrefetch::kT0)
+    _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
 }
 
-template <int NC>
+template <int NC, WeightPrefetch kMode>
 void row_dot_bf16_pairs(const bf16_t* w, const float* const* x, int64_t k, float* acc) {
   constexpr int kChains = NC == 1 ? 2 : 1;  // x 2 vectors per load
   constexpr int64_t kStep = int64_t(kChains) * kPair;
@@ -90,7 +94,8 @@ void row_dot_bf16_pairs(const bf16_t* w, const float* const* x, int64_t k, float
   int64_t i = 0;
   for (; i + kStep <= k; i += kStep) {
     // One prefetch per 64-byte line (per step when a step is shorter than a line).
-    for (int64_t b = 0; b < kStep; b += 64 / int64_t(sizeof(bf16_t))) prefetch_weights(w + i + b);
+    if constexpr (kMode != WeightPrefetch::kNone)
+      for (int64_t b = 0; b < kStep; b += 64 / int64_t(sizeof(bf16_t))) prefetch_weights<kMode>(w + i + b);
     for (int u = 0; u < kChains; ++u) {
       vec_t lo, hi;
       vload2(w + i + u * kPair, lo, hi);
@@ -121,7 +126,11 @@ void row_dot_bf16_pairs(const bf16_t* w, const float* const* x, int64_t k, float
 template <int NC, typename T>
 void row_dot(const T* w, const float* const* x, int64_t k, float* acc) {
   if constexpr (std::is_same_v<T, bf16_t>) {
-    row_dot_bf16_pairs<NC>(w, x, k, acc);
+    switch (weight_prefetch()) {  // a relaxed load per row
+      case WeightPrefetch::kNta: row_dot_bf16_pairs<NC, WeightPrefetch::kNta>(w, x, k, acc); break;
+      case WeightPrefetch::kT0: row_dot_bf16_pairs<NC, WeightPrefetch::kT0>(w, x, k, acc); break;
+      default: row_dot_bf16_pairs<NC, WeightPrefetch::kNone>(w, x, k, acc);
+    }
   } else {
     constexpr int kChains = NC == 1 ? 4 : 2;
     constexpr int64_t kStep = int64_t(kChains) * kLanes;
