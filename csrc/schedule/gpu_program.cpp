@@ -146,8 +146,9 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
               i, " reads a quantized weight (ggml type ", ops_in[i].w_type,
               ") in a layout the GPU kernel does not read; convert Q4_0 / Q4_1 / Q4_K matrices with "
               "kog.int4.to_gpu_weights, or load the model with dtype=\"bfloat16\" or quantization=\"fp8\"");
-  // Mixture of experts: run-dtype experts (to_gpu_weights dequantizes quantized stacks), one rank
-  // (no expert placement), and what the router tail holds (moe_route.h).
+  // Mixture of experts: run-dtype experts (to_gpu_weights dequantizes quantized stacks) and what
+  // the router tail holds (moe_route.h). On tensor-parallel ranks the placement (Op::expert_ranks)
+  // becomes the executor's MoeScratch::expert_local.
   for (size_t i = 0; i < ops_in.size(); ++i) {
     const Op& o = ops_in[i];
     const auto op = Opcode(o.op);
@@ -156,8 +157,6 @@ std::vector<Op> expand_gpu_program(const std::vector<Op>& ops_in, const ModelDim
     KOG_CHECK(o.w_type == kWeightRunDtype && o.w1_type == kWeightRunDtype, "GPU decode program: op ", i, " (", name,
               ") reads quantized expert weights (ggml types ", o.w_type, ", ", o.w1_type,
               "); the GPU kernel's experts are in the run dtype (kog.int4.to_gpu_weights dequantizes them)");
-    KOG_CHECK(dims.lane_ranks == 1, "GPU decode program: op ", i, " (", name, ") on tensor-parallel rank ",
-              dims.lane_rank, " of ", dims.lane_ranks, "; the GPU kernel runs every expert on one device");
     KOG_CHECK(moe_slots(dims) <= kMaxMoeSlots && router_rows(dims) <= kMaxRouterRows, "GPU decode program: op ", i,
               " (", name, "): ", moe_slots(dims), " slots per row (top_k + shared_slots, at most ", kMaxMoeSlots,
               ") and ", router_rows(dims), " router rows (at most ", kMaxRouterRows, ") for the GPU kernel");

@@ -117,7 +117,8 @@ KOG_HOST_DEVICE inline bool is_staged_gemv(const Op& o) { return is_gemv(o) || i
 // the LINEAR's tails write). A mixture-of-experts layer's ROUTER becomes kOpRouterGemv (same
 // deps) and its MOE_EXPERTS kOpMoeGateUp (MOE_EXPERTS' deps), kOpMoeDown (on the gate/up) and
 // kOpMoeCombine (on the down; ops that depended on MOE_EXPERTS depend on it): a chain, so waits
-// stay transitive. MoE needs run-dtype experts, one rank, and the limits of moe_route.h.
+// stay transitive. MoE needs run-dtype experts and the limits of moe_route.h; on tensor-parallel
+// ranks, one expert placement for every MoE layer (GpuDecodeExecutor).
 // Laneformer's lanes run as they are (lane LINEARs read their lane's slice of x per row, lane-wide
 // norms normalize each lane, the LANE_* ops run as small items) with run-dtype weights; no
 // RMS_NORM folds into a lane LINEAR or out of a lane-wide buffer. On a tensor-parallel rank

@@ -81,7 +81,7 @@ class LLM:
             runs on its host's GPU r % (N / nnodes): the program's collectives go through NCCL
             (RCCL on ROCm), and decode through every rank's persistent kernel, which exchange
             the collectives by peer-memory stores (kog.parallel.gpu_peers), where the kernel runs
-            the program (not yet: mixtures of experts, quantized weights: the interpreter).
+            the program (not yet: quantized weights, which go through the interpreter).
         nnodes, master_addr, master_port: ranks over several hosts (this one is host 0 and runs
             rank 0; every other host runs `python -m kog.parallel.worker --size N --nnodes H
             --node-rank K --addr MASTER_ADDR --port MASTER_PORT`, or `kog serve ... --node-rank K`).

@@ -149,7 +149,7 @@ def test_fp8_loads_for_the_gpu_as_fp8_with_bf16_activations(tmp_path):
 def test_kernel_runs_says_what_the_gpu_program_accepts(arch, ranks):
     """kog.models.gpu_decode.kernel_runs (ModelRunner on a GPU decodes through the interpreter
     where it is False) agrees with the C++ GPU program's own refusals, for one device and for
-    tensor-parallel rank 1 of 2 (the kernel runs no mixture of experts over ranks yet)."""
+    tensor-parallel rank 1 of 2 (experts placed over the ranks)."""
     import kog
     from kog.models.decode import lower_program, model_dims
     from kog.models.gpu_decode import kernel_runs
@@ -175,5 +175,5 @@ def test_kernel_runs_says_what_the_gpu_program_accepts(arch, ranks):
     except kog.InvalidRequest:
         accepted = False
     assert kernel_runs(c) == kernel_runs(c, weights) == accepted
-    # every family's tiny model, Laneformer lanes included; over ranks all but mixtures of experts
-    assert accepted == (ranks == 1 or not c.moe_layers)
+    # every family's tiny model, Laneformer lanes and experts placed over ranks included
+    assert accepted

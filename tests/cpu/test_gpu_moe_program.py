@@ -100,21 +100,40 @@ def test_moe_group_pairs_refuses_ragged_rows():
         _C.moe_group_pairs([0, 1, 2, 3], 3)
 
 
-@pytest.mark.parametrize("arch,batch", [("qwen3_moe", 1), ("qwen3_moe", 5), ("qwen2_moe", 3), ("mixtral", 8)])
-def test_kernel_data_flow_replayed_gives_the_interpreters_moe_output(arch, batch):
+@pytest.mark.parametrize("arch,batch,rank", [("qwen3_moe", 1, None), ("qwen3_moe", 5, None), ("qwen2_moe", 3, None),
+                                             ("mixtral", 8, None), ("qwen3_moe", 5, 0), ("qwen3_moe", 5, 1),
+                                             ("qwen2_moe", 3, 0), ("qwen2_moe", 3, 1)])
+def test_kernel_data_flow_replayed_gives_the_interpreters_moe_output(arch, batch, rank):
     """The GPU MoE layer's data flow (gather by sorted pair, one GEMV pair per group over its
     rows, combine each row's pairs in row_rank order) built from moe_group_pairs, in torch: equal
-    to the program interpreter's MOE_EXPERTS on the same ROUTE, bit for bit."""
+    to the program interpreter's MOE_EXPERTS on the same ROUTE, bit for bit. With `rank`, rank
+    `rank` of 2 with the experts placed over the ranks: the executor's expert_local table, the
+    route tail's -1 groups (run nothing) and -1 row_pairs (the combine skips them)."""
     from kog import ops as kops
+    from kog.parallel.ranks import rank_view
+    from kog.parallel.shard import shard_weights
     from kog.program import interpreter
 
     c = tiny_config(arch)
-    w = prepare_weights(c, random_weights(c, seed=9), torch.float32)
+    full = random_weights(c, seed=9)
+    if rank is not None:
+        c = rank_view(rank, 2)(c)
+        full = shard_weights(c, full)
+    w = prepare_weights(c, full, torch.float32)
     layer = c.moe_layers[0]
     gate_up = w[f"model.layers.{layer}.mlp.experts.gate_up_proj"]
     down = w[f"model.layers.{layer}.mlp.experts.down_proj"]
+    placement = w.get(f"model.layers.{layer}.mlp.experts.ranks")
+    assert (placement is None) == (rank is None)
     E, K, S = c.num_experts, c.num_experts_per_tok, c.shared_expert_slots
     W, n_stack = K + S, E + S
+    # GpuDecodeExecutor's MoeScratch::expert_local: each expert's index in this rank's stacks
+    local = list(range(n_stack))
+    if placement is not None:
+        mine = [e for e in range(n_stack) if int(placement[e]) == rank]
+        local = [mine.index(e) if e in mine else -1 for e in range(n_stack)]
+        assert 0 < len(mine) < n_stack
+        n_stack = len(mine)
     gen = torch.Generator().manual_seed(batch)
     x = torch.randn(batch, c.hidden_size, generator=gen)
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(batch)])
@@ -139,7 +158,7 @@ def test_kernel_data_flow_replayed_gives_the_interpreters_moe_output(arch, batch
         config = c
 
     state = State()
-    interpreter._moe_experts(It, state, Ins, (gate_up, down))
+    interpreter._moe_experts(It, state, Ins, (gate_up, down) + ((placement,) if placement is not None else ()))
     expected = state.out
 
     flat = ids.reshape(-1).tolist()
@@ -148,23 +167,28 @@ def test_kernel_data_flow_replayed_gives_the_interpreters_moe_output(arch, batch
     pair_row, pair_weight = [0] * P, [0.0] * P
     row_pairs = [[0] * W for _ in range(batch)]
     group_expert, group_start = {}, {}
-    for i in range(P):
-        q = g["rank"][i]
+    for i in range(P):  # moe_route_tail
+        q, here = g["rank"][i], local[flat[i]]
         pair_row[q], pair_weight[q] = i // W, weights.reshape(-1)[i]
-        row_pairs[i // W][g["row_rank"][i]] = q
+        row_pairs[i // W][g["row_rank"][i]] = q if here >= 0 else -1
         if g["first"][i]:
-            group_expert[g["group"][i]], group_start[g["group"][i]] = flat[i], q
+            group_expert[g["group"][i]], group_start[g["group"][i]] = here, q
     n_groups = sum(g["first"])
     starts = [group_start[k] for k in range(n_groups)] + [P]
     gathered = x[pair_row]  # the route tail's gather: sorted pair q's row
-    y = torch.empty(P, c.hidden_size)
-    for k in range(n_groups):
+    y = torch.full((P, c.hidden_size), float("nan"))  # another rank's pairs: never written, never read
+    for k in range(n_groups):  # moe_expert_item
         lo, hi, e = starts[k], starts[k + 1], group_expert[k]
         assert sorted(set(pair_row[lo:hi])) == pair_row[lo:hi]  # rows ascending, each once
+        if e < 0:
+            continue
         y[lo:hi] = _expert_mm(kops.silu_and_mul(_expert_mm(gathered[lo:hi], gate_up, e, n_stack)), down, e, n_stack)
     out = torch.zeros(batch, c.hidden_size)
-    for b in range(batch):
+    for b in range(batch):  # moe_combine_item
         assert [flat[i] for i in sorted(range(b * W, (b + 1) * W), key=lambda i: g["row_rank"][i])] == sorted(flat[b * W:(b + 1) * W])
         for q in row_pairs[b]:  # ascending expert order, f32
-            out[b] += y[q] * pair_weight[q]
+            if q >= 0:
+                out[b] += y[q] * pair_weight[q]
     assert torch.equal(out, expected)
+    if rank is not None:
+        assert any(e < 0 for e in group_expert.values()) or batch * K < 2  # the other rank's groups exist

@@ -27,13 +27,16 @@ def models():
     return {
         "llama": (lane_form(tiny_config("llama", max_position_embeddings=256), 2), 2),
         "laneformer_delay1": (tiny_config("laneformer_tp", max_position_embeddings=256), 2),
+        # experts placed over the ranks, a shared expert's slices too (MoeScratch::expert_local)
+        "qwen2_moe": (lane_form(tiny_config("qwen2_moe", max_position_embeddings=256), 2), 2),
+        "qwen3_moe": (lane_form(tiny_config("qwen3_moe", max_position_embeddings=256), 2), 2),
         "laneformer_lane_head": (tiny_config("laneformer_tp", max_position_embeddings=256, num_key_value_heads=4,
                                              num_hidden_layers=4, lanes=LaneConfig(
                                                  num_lanes=4, broadcast_delay=2, lm_head_type="lane")), 2),
     }
 
 
-@pytest.mark.parametrize("name", ["llama", "laneformer_delay1", "laneformer_lane_head"])
+@pytest.mark.parametrize("name", ["llama", "laneformer_delay1", "laneformer_lane_head", "qwen2_moe", "qwen3_moe"])
 def test_ranks_on_one_gpu_decode_the_tokens_of_one_process(device, name):
     config, size = models()[name]
     weights = random_weights(config, seed=9)

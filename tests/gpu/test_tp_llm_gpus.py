@@ -1,7 +1,7 @@
 """kog.LLM(..., device="cuda", tensor_parallel_size=2): rank r in its own process on GPU r,
 prefill's collectives over NCCL (RCCL on ROCm), decode in every rank's persistent kernel (the
-collectives peer-memory stores, kog.parallel.gpu_peers) or, for a program the kernel does not
-run over ranks (mixtures of experts), through the interpreter over NCCL. Greedy tokens must be
+collectives peer-memory stores, kog.parallel.gpu_peers; a mixture of experts with its experts
+placed over the ranks). Greedy tokens must be
 the CPU's of one process in fp32. Needs a GPU build and two devices; never run so far."""
 
 import pytest
@@ -37,8 +37,8 @@ def test_two_gpu_ranks_generate_what_one_cpu_process_generates(tmp_path, arch):
     llm = kog.LLM(str(folder), dtype="float32", device="cuda", tensor_parallel_size=2, kv_cache_gib=0.05)
     try:
         decoder = llm.engine.runner.native_decoder
-        # the kernel runs dense and lane programs over ranks; mixtures of experts go through the interpreter
-        assert isinstance(decoder, MirroredGpuDecoder) == (arch != "qwen3_moe"), decoder
+        # every family's rank program runs in the kernel (the experts placed over the ranks)
+        assert isinstance(decoder, MirroredGpuDecoder), decoder
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
         assert got == want
         if decoder is not None:

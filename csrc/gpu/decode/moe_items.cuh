@@ -121,14 +121,18 @@ __device__ void moe_route_tail(const PersistentDecodeParams& p, const Op& op, fl
   __syncthreads();
   for (int i = int(threadIdx.x); i < P; i += int(blockDim.x)) first[i] = schedule::moe_is_first(expert, i);
   __syncthreads();
+  // expert parallelism: a pair of another rank's expert keeps its group (the groups' order is
+  // the one-device order) but runs nothing, and its row skips it in the combine
+  const int32_t* local = m.expert_local;
   for (int i = int(threadIdx.x); i < P; i += int(blockDim.x)) {
     const int q = schedule::moe_pair_rank(expert, P, i), row = i / W;
+    const int32_t here = local != nullptr ? local[expert[i]] : expert[i];  // index in this rank's stacks
     m.pair_row[q] = row;
     m.pair_weight[q] = reinterpret_cast<const float*>(route + int64_t(row) * 2 * W + W)[i % W];
-    m.row_pairs[row * W + schedule::moe_row_rank(expert, W, i)] = q;
+    m.row_pairs[row * W + schedule::moe_row_rank(expert, W, i)] = here >= 0 ? q : -1;
     if (first[i]) {
       const int g = schedule::moe_group_of(expert, first, P, i);
-      m.group_expert[g] = expert[i], m.group_start[g] = q;
+      m.group_expert[g] = here, m.group_start[g] = q;
     }
   }
   if (threadIdx.x == 0) {
@@ -163,6 +167,7 @@ __device__ __forceinline__ bool moe_stage_source(const PersistentDecodeParams& p
   const int64_t H = p.dims.hidden, I = p.dims.expert_intermediate;
   const int64_t n = gate_up ? 2 * I : H, k = gate_up ? H : I;
   const int32_t e = gpu_uniform(m.group_expert[g]);  // the same in every lane
+  if (e < 0) return false;                            // another rank's expert
   src.w = static_cast<const T*>(gate_up ? op.w0 : op.w1) + int64_t(e) * n * k;
   src.n = n, src.row_bytes = k * int64_t(sizeof(T)), src.item = item % per;
   src.rows = GemvRows{};
@@ -184,6 +189,7 @@ __device__ __forceinline__ void moe_expert_item(const PersistentDecodeParams& p,
   const int64_t H = p.dims.hidden, I = p.dims.expert_intermediate;
   // the same in every lane (loaded from memory this launch wrote: vector loads)
   const int32_t e = gpu_uniform(m.group_expert[g]), q0 = gpu_uniform(m.group_start[g]);
+  if (e < 0) return;  // another rank's expert (its pairs are that rank's)
   const int32_t rows = gpu_uniform(m.group_start[g + 1]) - q0;
   const int64_t n = gate_up ? 2 * I : H, k = gate_up ? H : I;
   const T* w = static_cast<const T*>(gate_up ? op.w0 : op.w1) + int64_t(e) * n * k;
@@ -214,7 +220,7 @@ __device__ void moe_combine_item(const PersistentDecodeParams& p, T* out, int b,
     float acc = 0.f;
     for (int c = 0; c < W; ++c) {
       const int q = m.row_pairs[b * W + c];
-      acc += m.pair_weight[q] * load_f32(y + int64_t(q) * H + i);
+      if (q >= 0) acc += m.pair_weight[q] * load_f32(y + int64_t(q) * H + i);  // -1: another rank's
     }
     store_f32(out + int64_t(b) * H + i, acc);
   }

@@ -38,11 +38,15 @@ struct MoeScratch {
   void* act;               // [P, expert_intermediate] run dtype: silu(gate) * up per sorted pair
   void* y;                 // [P, hidden] run dtype: the expert's down output per sorted pair
   int32_t* n_groups;       // [1] experts chosen by the batch
-  int32_t* group_expert;   // [P] group g's expert (groups in ascending expert order)
+  int32_t* group_expert;   // [P] group g's expert's index in the stacks (-1: another rank's expert;
+                           // groups in ascending expert order)
   int32_t* group_start;    // [P + 1] group g's pairs are sorted positions [start[g], start[g + 1])
   int32_t* pair_row;       // [P] batch row of sorted pair q
   float* pair_weight;      // [P] routing weight of sorted pair q
-  int32_t* row_pairs;      // [kMaxBatch, moe_slots] sorted positions of row b's pairs, ascending expert
+  int32_t* row_pairs;      // [kMaxBatch, moe_slots] sorted positions of row b's pairs, ascending expert;
+                           // -1: a pair of another rank's expert (expert parallelism)
+  const int32_t* expert_local;  // [n_experts + shared_slots] or null (every expert here): expert e's
+                                // index in this rank's stacks, -1 where another rank runs it
   unsigned* route_count;   // [1] router items done; the last routes and resets it to 0
 };
 

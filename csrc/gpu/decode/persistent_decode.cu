@@ -73,7 +73,12 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
   KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&arena_), size_t(total)));
   for (int b = 0; b < int(Buffer::kNumBuffers); ++b) buffers_[b] = arena_ + offsets[b];
   KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&program_), ops.size() * sizeof(Op)));
-  KOG_GPU_CHECK(gpuMemcpyAsync(program_, ops.data(), ops.size() * sizeof(Op), gpuMemcpyHostToDevice, nullptr));
+  // NOTE: the device's copy drops the expert placements' host pointers (MoeScratch::expert_local
+  // holds what the kernel needs of them)
+  std::vector<Op> device_ops = ops;
+  for (Op& o : device_ops) o.expert_ranks = nullptr;
+  KOG_GPU_CHECK(gpuMemcpyAsync(program_, device_ops.data(), ops.size() * sizeof(Op), gpuMemcpyHostToDevice, nullptr));
+  KOG_GPU_CHECK(gpuStreamSynchronize(nullptr));  // device_ops is freed when the constructor returns
   // next_linear[j]: the first staged GEMV op (LINEAR, its fused forms, the router, the experts'
   // GEMVs) at or after op j (n_ops: none), for weight staging.
   std::vector<int32_t> next_linear(ops.size());
@@ -101,9 +106,10 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
     const size_t P = size_t(kMaxBatch) * size_t(schedule::moe_slots(dims));
     const size_t H = size_t(dims.hidden), I = size_t(dims.expert_intermediate), e = size_t(elem);
     auto round = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
+    const size_t E = size_t(dims.n_experts + dims.shared_slots);
     const size_t sizes[] = {round(size_t(kMaxBatch) * size_t(schedule::router_rows(dims)) * e), round(P * H * e),
                             round(P * I * e), round(P * H * e), round(4), round(P * 4), round((P + 1) * 4),
-                            round(P * 4), round(P * 4), round(P * 4)};
+                            round(P * 4), round(P * 4), round(P * 4), round(E * 4)};
     size_t total_moe = 0;
     for (size_t b : sizes) total_moe += b;
     KOG_GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&moe_scratch_), total_moe));
@@ -120,6 +126,27 @@ GpuDecodeExecutor::GpuDecodeExecutor(const ModelDims& dims, const KVCacheDesc& k
     moe_.pair_row = reinterpret_cast<int32_t*>(next(7));
     moe_.pair_weight = reinterpret_cast<float*>(next(8));
     moe_.row_pairs = reinterpret_cast<int32_t*>(next(9));
+    // Expert parallelism (Op::expert_ranks, host memory: read here only): each expert's index in
+    // this rank's stacks, ascending expert order, -1 for another rank's; one table for the model
+    // (kog places experts per model), checked against every MoE layer's placement.
+    int32_t* local = reinterpret_cast<int32_t*>(next(10));
+    const int32_t* placed = nullptr;
+    for (const Op& o : ops) {
+      if (o.op != schedule::kOpMoeGateUp) continue;
+      if (placed == nullptr) placed = o.expert_ranks;
+      KOG_CHECK((o.expert_ranks == nullptr) == (placed == nullptr) &&
+                    (placed == nullptr || std::equal(placed, placed + E, o.expert_ranks)),
+                "gpu decode: MoE layer ", o.layer, " places its experts on other ranks than the first MoE layer");
+    }
+    moe_.expert_local = nullptr;
+    if (placed != nullptr) {
+      std::vector<int32_t> table(E, -1);
+      for (size_t x = 0, n = 0; x < E; ++x)
+        if (placed[x] == dims.lane_rank) table[x] = int32_t(n++);
+      KOG_GPU_CHECK(gpuMemcpyAsync(local, table.data(), E * 4, gpuMemcpyHostToDevice, nullptr));
+      KOG_GPU_CHECK(gpuStreamSynchronize(nullptr));  // table is freed at the end of this block
+      moe_.expert_local = local;
+    }
   }
   // per-op counters, exit_count, the attention group counts, the sample chunk counts, then the
   // MoE router's item count

@@ -75,15 +75,14 @@ def kernel_runs(config: ModelConfig, weights: dict | None = None) -> bool:
     """Whether the persistent decode kernel runs config's program (with `weights`, when given:
     prepared weights as GpuDecoder takes them). Not yet: lanes (Laneformer's, or a tensor-parallel
     rank's) with FP8 / 4-bit weights (the kernel runs lanes in the run dtype:
-    csrc/schedule/gpu_program.cpp), mixture-of-experts layers over tensor-parallel ranks or past
-    the kernel's router limits (routed + shared slots per row, router rows: csrc/schedule/moe_route.h);
+    csrc/schedule/gpu_program.cpp), mixture-of-experts layers past the kernel's router limits
+    (routed + shared slots per row, router rows: csrc/schedule/moe_route.h);
     ModelRunner decodes such a model on the GPU through the program interpreter (torch and kog's
     GPU ops, one step per call)."""
-    if config.shard.size > 1 and config.moe_layers:
-        return False
     if config.shard.size > 1 or (config.lanes is not None and config.lanes.num_lanes > 1):
         quantized = (Fp8Weight, Int4Weight, QuantizedWeight)
-        return weights is None or not any(isinstance(w, quantized) for w in weights.values())
+        if weights is not None and any(isinstance(w, quantized) for w in weights.values()):
+            return False
     if config.moe_layers:
         slots = config.num_experts_per_tok + config.shared_expert_slots
         router_rows = config.num_experts + (1 if config.shared_expert_slots else 0)
@@ -110,6 +109,9 @@ class GpuDecoder:
             raise InvalidRequest(f"kv cache must be a contiguous GPU tensor, got {kv.device}")
         program = schedule_for(config)
         weights = to_gpu_weights(program, weights, kv.dtype)
+        # An expert placement (tensor-parallel MoE: "...experts.ranks") is read on the host when
+        # the executor is built (it keeps its own device table): host copies.
+        weights = {k: v.cpu() if k.endswith("experts.ranks") else v for k, v in weights.items()}
         self.device = kv.device
         self.vocab_size = config.vocab_size
         self._inv_freq = inv_freq.to(self.device, torch.float32).contiguous()

@@ -115,7 +115,7 @@ class ModelRunner:
                 self._gpu = GpuDecoder(c, self.weights, self.kv.kv, block_size, self.inv_freq)
             else:
                 log.info("%s: the persistent decode kernel does not run its program yet (mixture of experts past "
-                         "its router limits or over tensor-parallel ranks, or quantized lanes): decode goes "
+                         "its router limits, or quantized lanes): decode goes "
                          "through the program interpreter on the GPU, one step per call", c.architecture)
         else:
             self._executor = build_executor(c, self.weights, self.kv.kv, block_size, self.inv_freq)
