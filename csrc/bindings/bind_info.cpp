@@ -45,6 +45,7 @@ py::dict build_info() {
   d["cpu_isas_supported"] = kog::cpu::supported_isas();
   d["cpu_threads"] = kog::cpu::num_threads();
   d["cpu_prefetch"] = kog::cpu::weight_prefetch_name(kog::cpu::weight_prefetch());
+  d["cpu_amx_bf16"] = kog::cpu::has_amx_bf16();
   return d;
 }
 

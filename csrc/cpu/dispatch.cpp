@@ -6,6 +6,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#endif
+
 #include "common/errors.h"
 #include "cpu/kernels.h"
 
@@ -91,6 +95,16 @@ void set_isa(const std::string& isa) {
 }
 
 int num_threads() { return ThreadPool::instance().size(); }
+
+bool has_amx_bf16() {
+#if defined(__x86_64__) || defined(_M_X64)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (d >> 22) & 1u;  // CPUID.(EAX=7, ECX=0):EDX[22] AMX-BF16
+#else
+  return false;
+#endif
+}
 
 namespace {
 // Default by vendor, each as measured (docs/PERFORMANCE.md, "The bf16 GEMV's weight prefetch,
