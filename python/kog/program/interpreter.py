@@ -12,7 +12,7 @@ RoPE, KV append, paged attention, SiLU-mul), on whatever device the tensors live
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import math
 
@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from kog import _C, ops
 from kog.config import ModelConfig
 from kog.errors import InvalidRequest
-from kog.parallel.transport import Transport
+if TYPE_CHECKING:  # (an import at run time closes a cycle: kog.parallel -> kog.models -> this module)
+    from kog.parallel.transport import Transport
 from kog.program.batch import TokenBatch
 from kog.program.families import ROPE_NEOX
 from kog.program.opcodes import Buffer, Opcode
