@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 
-PYTHON = str(Path(__file__).resolve().parents[2] / "python")
+import kog
+
+# The kog this test process runs (a source tree's python/ or an installed package), first on the
+# child's path too
+PYTHON = str(Path(kog.__file__).resolve().parents[1])
 
 FIRST_IMPORTS = ["kog.program.interpreter", "kog.program", "kog.parallel", "kog.parallel.ranks", "kog.models",
                  "kog.models.gpu_decode", "kog.engine.decode_loop", "kog.loader", "kog.testing.sync_model"]
