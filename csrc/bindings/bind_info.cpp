@@ -5,7 +5,6 @@
 #include <cstdlib>
 #include <string>
 
-#include "common/errors.h"
 #include "cpu/kernels.h"
 #include "gpu/launch.h"
 
@@ -63,12 +62,10 @@ void bind_info(py::module_& m) {
   m.def(
       "set_cpu_prefetch",
       [](const std::string& name) {
-        using kog::cpu::WeightPrefetch;
-        for (WeightPrefetch p : {WeightPrefetch::kNone, WeightPrefetch::kT0, WeightPrefetch::kNta})
-          if (name == kog::cpu::weight_prefetch_name(p)) return kog::cpu::set_weight_prefetch(p);
-        KOG_CHECK(false, "cpu prefetch '", name, "': expected none, t0 or nta");
+        kog::cpu::set_weight_prefetch(kog::cpu::weight_prefetch_named(name, "cpu prefetch '" + name + "'"));
       },
       py::arg("policy"), "how the bf16 GEMV prefetches weights: none, t0 or nta (KOG_CPU_PREFETCH)");
+  m.def("cpu_has_amx_bf16", &kog::cpu::has_amx_bf16, "whether the CPU has AMX-BF16 tiles (native bf16 GEMMs)");
   m.def("cpu_prefetch", [] { return std::string(kog::cpu::weight_prefetch_name(kog::cpu::weight_prefetch())); },
         "the bf16 GEMV's weight prefetch policy in use");
   m.attr("has_gpu_backend") =

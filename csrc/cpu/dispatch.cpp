@@ -122,11 +122,7 @@ WeightPrefetch default_weight_prefetch() {
 WeightPrefetch initial_weight_prefetch() {
   const char* env = std::getenv("KOG_CPU_PREFETCH");
   if (env == nullptr || *env == '\0') return default_weight_prefetch();
-  const std::string v(env);
-  for (WeightPrefetch p : {WeightPrefetch::kNone, WeightPrefetch::kT0, WeightPrefetch::kNta})
-    if (v == weight_prefetch_name(p)) return p;
-  KOG_CHECK(false, "KOG_CPU_PREFETCH=", v, ": expected none, t0 or nta");
-  return WeightPrefetch::kNone;
+  return weight_prefetch_named(env, std::string("KOG_CPU_PREFETCH=") + env);
 }
 
 std::atomic<int> g_prefetch{-1};
@@ -138,6 +134,13 @@ const char* weight_prefetch_name(WeightPrefetch policy) {
     case WeightPrefetch::kNta: return "nta";
     default: return "none";
   }
+}
+
+WeightPrefetch weight_prefetch_named(const std::string& name, const std::string& what) {
+  for (WeightPrefetch p : {WeightPrefetch::kNone, WeightPrefetch::kT0, WeightPrefetch::kNta})
+    if (name == weight_prefetch_name(p)) return p;
+  KOG_CHECK(false, what, ": expected none, t0 or nta");
+  return WeightPrefetch::kNone;
 }
 
 WeightPrefetch weight_prefetch() {

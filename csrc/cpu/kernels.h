@@ -67,5 +67,7 @@ WeightPrefetch weight_prefetch();
 // Switches the policy (tests run the bf16 GEMV under each; benches compare them).
 void set_weight_prefetch(WeightPrefetch policy);
 const char* weight_prefetch_name(WeightPrefetch policy);
+// The policy named `name` (none, t0 or nta); throws InvalidArgument "<what>: expected ..." else.
+WeightPrefetch weight_prefetch_named(const std::string& name, const std::string& what);
 
 }  // namespace kog::cpu

@@ -106,21 +106,19 @@ class LLM:
         on_gpu = str(device) != "cpu"
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise InvalidRequest(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
-        if tensor_parallel_size > 1 and device not in ("cpu", "cuda"):
-            raise InvalidRequest(f"tensor_parallel_size > 1 takes device 'cpu' or 'cuda' (rank r on its host's GPU "
-                                 f"r % ranks per host; pick the GPUs with CUDA_VISIBLE_DEVICES), got {device!r}")
+        if tensor_parallel_size > 1:  # a device this host cannot give every rank fails before any weight is read
+            from kog.parallel.ranks import Placement, check_devices
+
+            check_devices(device, tensor_parallel_size, Placement(nnodes, 0))
         if tensor_parallel_size > 1 and quantization is not None:
             # NOTE: per-output-channel scales of a rank's columns are not the whole rows' scales
             raise InvalidRequest(f"quantization={quantization!r} with tensor_parallel_size > 1 is not supported "
                                  "(load the checkpoint as stored, or quantize it first: kog convert)")
         shard = None
         if tensor_parallel_size > 1:  # this process is rank 0: it reads only its share of the weights
-            from kog.parallel.ranks import Placement, RankSpec, check_devices, rank_view
+            from kog.parallel.ranks import rank_view
 
             shard = rank_view(0, tensor_parallel_size)
-            # a missing GPU fails here, before the weights are read
-            check_devices(RankSpec(None, None, tensor_parallel_size, 0, block_size, 0, device=device, nnodes=nnodes),
-                          Placement(nnodes, 0))
         loaded = load_model(model, dtype, progress, template_source, quantization=quantization, device=device,
                             fp8_format=gpu_format() if on_gpu else None, shard=shard)
         if loaded.chat_template is not None:
@@ -134,7 +132,7 @@ class LLM:
             raise InvalidRequest(f"swap_space_gib must be >= 0, got {swap_space_gib}")
         num_host_blocks = int(swap_space_gib * 2**30) // layout.bytes_per_block
         if tensor_parallel_size > 1:
-            from kog.parallel.ranks import start_ranks
+            from kog.parallel.ranks import RankSpec, start_ranks
 
             dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else None
             runner = start_ranks(RankSpec(None if model is None else str(model), dtype_name, tensor_parallel_size,

@@ -178,6 +178,9 @@ __device__ __forceinline__ bool moe_stage_source(const PersistentDecodeParams& p
 // One expert GEMV item (kOpMoeGateUp: gate/up rows with SiLU-mul into act; kOpMoeDown: down rows
 // into y) over group g's pairs: their gathered rows, the group's expert's matrix (the weights
 // moe_stage_source names). kStaged: its first vectors are in stage `stage` of st (landed).
+// NOTE: it recomputes the group, expert and matrix moe_stage_source computes rather than taking
+// or building a StageSource: either way LLVM (gfx940) copied the whole PersistentDecodeParams to
+// scratch memory (648-656 bytes a lane; tried 2026-12-07).
 template <typename T, int kStaged, typename Stages>
 __device__ __forceinline__ void moe_expert_item(const PersistentDecodeParams& p, const Op& op, int64_t item,
                                                 const Stages& st, int stage) {

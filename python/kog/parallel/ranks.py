@@ -269,8 +269,9 @@ class MirroredLoop(CpuLoop):
 
 
 class MirroredGpuDecoder:
-    """Rank 0's GpuDecoder for the engine's decode loop: each launch is sent to the other ranks
-    first, which launch their kernels with the same arguments (sampling rows, seeds, stop ids):
+    """Rank 0's GpuDecoder for the engine's decode loop: each launch is staged (checked) here, sent
+    to the other ranks, then launched; they launch their kernels with the same arguments
+    (sampling rows, seeds, stop ids):
     the kernels exchange the collectives through each other's inboxes and, from bit-identical
     gathered logits, draw the same tokens (kog.parallel.gpu_peers)."""
 
@@ -356,7 +357,7 @@ def start_ranks(spec: RankSpec, loaded=None, placement: Placement = Placement())
     one_host_cpu = placement.nnodes == 1 and spec.device == "cpu"
     spec = dataclasses.replace(spec, shm_name=f"/kog-tp-{os.getpid()}-{port}" if one_host_cpu else None,
                                nnodes=placement.nnodes)
-    check_devices(spec, placement)
+    check_devices(spec.device, spec.size, placement)
     procs = _spawn(placement.local_ranks(spec.size)[1:], spec.size, addr, port)
     try:
         transport, commands = init_groups(0, spec.size, addr, port)
@@ -375,19 +376,20 @@ def start_ranks(spec: RankSpec, loaded=None, placement: Placement = Placement())
     return ParallelRunner(local, commands, procs)
 
 
-def check_devices(spec: RankSpec, placement: Placement) -> None:
-    """Refuses, before any rank starts, a device this host cannot give every one of its ranks."""
-    if spec.device == "cpu":
+def check_devices(device: str, size: int, placement: Placement) -> None:
+    """Refuses, before any rank starts (or any weight is read), a device this host cannot give
+    every one of its `size` / nnodes ranks."""
+    if device == "cpu":
         return
-    if spec.device != "cuda":
-        raise InvalidRequest(f"tensor-parallel ranks run on 'cpu' or 'cuda' (rank r on its host's GPU r % ranks per "
-                             f"host; pick the GPUs with CUDA_VISIBLE_DEVICES), got device={spec.device!r}")
+    if device != "cuda":
+        raise InvalidRequest(f"tensor_parallel_size > 1 takes device 'cpu' or 'cuda' (rank r on its host's GPU "
+                             f"r % ranks per host; pick the GPUs with CUDA_VISIBLE_DEVICES), got {device!r}")
     import torch
 
-    per_host = len(placement.local_ranks(spec.size))
+    per_host = len(placement.local_ranks(size))
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < per_host:
-        raise InvalidRequest(f"tensor_parallel_size {spec.size} over {placement.nnodes} host(s) puts {per_host} ranks "
+        raise InvalidRequest(f"tensor_parallel_size {size} over {placement.nnodes} host(s) puts {per_host} ranks "
                              f"on this host, one GPU each, and it has {have}")
 
 

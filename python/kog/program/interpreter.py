@@ -449,4 +449,4 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
 
 # Whether this CPU multiplies bf16 matrices natively (AMX-BF16): matmul then keeps bf16 GEMMs in bf16.
-NATIVE_BF16_GEMM: bool = bool(_C.build_info()["cpu_amx_bf16"])
+NATIVE_BF16_GEMM: bool = _C.cpu_has_amx_bf16()
