@@ -44,7 +44,7 @@ py::dict build_info() {
   d["cpu_isas_supported"] = kog::cpu::supported_isas();
   d["cpu_threads"] = kog::cpu::num_threads();
   d["cpu_prefetch"] = kog::cpu::weight_prefetch_name(kog::cpu::weight_prefetch());
-  d["cpu_amx_bf16"] = kog::cpu::has_amx_bf16();
+  d["cpu_bf16_gemm"] = kog::cpu::bf16_gemm_unit();
   return d;
 }
 
@@ -65,7 +65,8 @@ void bind_info(py::module_& m) {
         kog::cpu::set_weight_prefetch(kog::cpu::weight_prefetch_named(name, "cpu prefetch '" + name + "'"));
       },
       py::arg("policy"), "how the bf16 GEMV prefetches weights: none, t0 or nta (KOG_CPU_PREFETCH)");
-  m.def("cpu_has_amx_bf16", &kog::cpu::has_amx_bf16, "whether the CPU has AMX-BF16 tiles (native bf16 GEMMs)");
+  m.def("cpu_bf16_gemm", [] { return std::string(kog::cpu::bf16_gemm_unit()); },
+        "the CPU's native bf16 matrix instructions: amx_bf16, avx512_bf16, or '' (none)");
   m.def("cpu_prefetch", [] { return std::string(kog::cpu::weight_prefetch_name(kog::cpu::weight_prefetch())); },
         "the bf16 GEMV's weight prefetch policy in use");
   m.attr("has_gpu_backend") =

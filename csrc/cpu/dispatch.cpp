@@ -96,20 +96,21 @@ void set_isa(const std::string& isa) {
 
 int num_threads() { return ThreadPool::instance().size(); }
 
-bool has_amx_bf16() {
+const char* bf16_gemm_unit() {
 #if defined(__x86_64__) || defined(_M_X64)
   unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  return (d >> 22) & 1u;  // CPUID.(EAX=7, ECX=0):EDX[22] AMX-BF16
-#else
-  return false;
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1u))  // CPUID.(7,0):EDX[22] AMX-BF16
+    return "amx_bf16";
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16")) return "avx512_bf16";
 #endif
+  return "";
 }
 
 namespace {
 // Default by vendor, each as measured (docs/PERFORMANCE.md, "The bf16 GEMV's weight prefetch,
 // by CPU"): on a 2-core Zen3 VM non-temporal prefetch 1 KiB ahead gave +9% bf16 decode over
-// none; on a 2-core Xeon VM (AVX-512 BF16) the same made bf16 decode 1.8x (SmolLM2) to 2x (MoE)
+// none, on a 2-core Zen5 VM +15%; on a 2-core Xeon VM (AVX-512 BF16) the same made bf16 decode 1.8x (SmolLM2) to 2x (MoE)
 // slower than none, and T0 1.1-1.2x faster than none. Other vendors: T0 (untested).
 WeightPrefetch default_weight_prefetch() {
 #if defined(__x86_64__) || defined(_M_X64)

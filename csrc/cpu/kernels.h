@@ -53,9 +53,11 @@ void set_isa(const std::string& isa);
 // Threads the CPU kernels use (OpenMP); KOG_NUM_THREADS or OMP_NUM_THREADS override.
 int num_threads();
 
-// Whether the CPU multiplies bf16 matrices natively (AMX-BF16 tiles): then torch's bf16 GEMM
-// (oneDNN) beats an fp32 GEMM on upcast copies, which wins everywhere else (kog.program.interpreter.matmul).
-bool has_amx_bf16();
+// The CPU's native bf16 matrix instructions, best first: "amx_bf16" (AMX tiles), "avx512_bf16"
+// (VDPBF16PS), or "" (none). With either, torch's bf16 GEMM (oneDNN: bf16 products, fp32 sums,
+// one rounding) beats an fp32 GEMM on upcast copies, which wins everywhere else
+// (kog.program.interpreter.matmul; measured in docs/PERFORMANCE.md).
+const char* bf16_gemm_unit();
 
 // How the bf16 GEMV prefetches its weight stream ahead of its loads: a property of the CPU's
 // caches and prefetchers, not of its ISA, so chosen at run time beside the kernel table.

@@ -1,5 +1,5 @@
 """kog.program.interpreter.matmul, the prefill GEMM: fp32 sums, one rounding to x's dtype, through
-torch's bf16 GEMM where the CPU has AMX-BF16 (NATIVE_BF16_GEMM) and through an fp32 GEMM on upcast
+torch's bf16 GEMM where the CPU has AMX-BF16 or AVX-512 BF16 (NATIVE_BF16_GEMM) and through an fp32 GEMM on upcast
 copies elsewhere. Both paths, whichever this CPU takes by default."""
 
 import sys
@@ -12,11 +12,14 @@ from kog import _C
 from kog.program import interpreter
 
 
-def test_native_bf16_gemm_follows_the_cpus_amx_bf16_flag():
-    assert interpreter.NATIVE_BF16_GEMM == _C.build_info()["cpu_amx_bf16"]
+def test_native_bf16_gemm_follows_the_cpus_bf16_flags():
+    unit = _C.cpu_bf16_gemm()
+    assert unit in ("amx_bf16", "avx512_bf16", "") and _C.build_info()["cpu_bf16_gemm"] == unit
+    assert interpreter.NATIVE_BF16_GEMM == (unit != "")
     if sys.platform.startswith("linux"):
-        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
-        assert _C.build_info()["cpu_amx_bf16"] == (" amx_bf16" in flags)
+        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+        want = "amx_bf16" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else ""
+        assert unit == want
 
 
 @pytest.mark.parametrize("native", [False, True])

@@ -436,10 +436,11 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     """x @ w.T (+ bias): fp32 math, one rounding to x's dtype (the kernels' contract).
 
     NOTE: half-precision GEMMs of many rows run in fp32 on upcast copies: on CPUs without
-    native bf16 matmul units torch's bf16 GEMM is several times slower than converting the
-    weight and running the fp32 one (measured 4x on AVX2). Where the CPU has AMX-BF16 tiles
-    (NATIVE_BF16_GEMM) torch's bf16 GEMM (oneDNN: bf16 products, fp32 sums, one rounding) is
-    7-8x faster than the upcast one (measured on a Xeon VM, docs/PERFORMANCE.md).
+    native bf16 matrix instructions torch's bf16 GEMM is several times slower than converting the
+    weight and running the fp32 one (measured 4x on AVX2). Where the CPU has them
+    (NATIVE_BF16_GEMM: AMX-BF16 tiles or AVX-512 BF16) torch's bf16 GEMM (oneDNN: bf16
+    products, fp32 sums, one rounding) is faster than the upcast one: 7-8x with AMX on a Xeon
+    VM, 4-6x with AVX-512 BF16 on a Zen5 VM (docs/PERFORMANCE.md).
     """
     if x.dtype == torch.float32 or x.shape[0] < 16 or x.device.type != "cpu":
         return F.linear(x, w, bias)
@@ -448,5 +449,6 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
-# Whether this CPU multiplies bf16 matrices natively (AMX-BF16): matmul then keeps bf16 GEMMs in bf16.
-NATIVE_BF16_GEMM: bool = _C.cpu_has_amx_bf16()
+# Whether this CPU multiplies bf16 matrices natively (AMX-BF16 or AVX-512 BF16): matmul then
+# keeps bf16 GEMMs in bf16.
+NATIVE_BF16_GEMM: bool = _C.cpu_bf16_gemm() != ""
