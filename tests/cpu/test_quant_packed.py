@@ -112,3 +112,30 @@ def test_runner_packs_and_decodes_like_the_file_form(monkeypatch, qtype):
     assert packed.weight_bytes == plain.weight_bytes
     got, want = decode_logits(packed, prompts), decode_logits(plain, prompts)
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("stages", [1, 2])
+def test_packed_linear_is_the_same_bits_on_every_simd_isa(qtype, stages):
+    """The packed group dots sum a unit's integer products exactly (VNNI dpbusd / dpwssd in the
+    AVX-512 table, maddubs / madd in the AVX2 one) and then apply the scales in the same order:
+    bit-identical outputs on every SIMD table, for any rows of x (1 to 4 columns per pass and a
+    remainder) and matrices that are not a multiple of a thread's share. A kernel form that
+    reorders the float work shows here first."""
+    simd = [isa for isa in _C.cpu_isas_supported() if isa != "generic"]
+    if len(simd) < 2:
+        pytest.skip(f"one SIMD kernel table on this CPU ({simd}): nothing to compare")
+    n, k = 200, 1088  # 25 groups of 8 rows, 34 units of 32
+    p = pack_rows(matrix(qtype, n, k, seed=7))
+    default = _C.build_info()["cpu_isa"]
+    try:
+        for m in (1, 2, 3, 5):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 + m)) * 3
+            outs = []
+            for isa in simd:
+                _C.set_cpu_isa(isa)
+                outs.append(ops.linear_quant(x, p.data, p.qtype, x_stages=stages))
+            for isa, out in zip(simd[1:], outs[1:]):
+                assert torch.equal(out, outs[0]), (isa, m, (out - outs[0]).abs().max())
+    finally:
+        _C.set_cpu_isa(default)
