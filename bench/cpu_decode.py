@@ -60,6 +60,15 @@ def triad_gbs(n: int = 32_000_000, repeats: int = 5) -> float:
     return 3 * 4 * n / best / 1e9
 
 
+def read_gbs(n: int = 128_000_000, repeats: int = 5) -> float:
+    """GB/s of a read-only stream (a sum over n float32, torch's threads): what a GEMV's weight
+    stream can reach. On some VMs well below the triad, whose writes travel another path (a Zen5
+    VM: triad 52-69 GB/s, reads 35-39), so a decode at the read rate shows as ~55% of the triad."""
+    a = torch.ones(n)
+    best = min(_timed(a.sum) for _ in range(repeats))
+    return 4 * n / best / 1e9
+
+
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()

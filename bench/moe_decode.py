@@ -15,7 +15,9 @@ run by run, on the BF16 file and on the same model as Q8_0 (`kog convert --outty
 BF16 file, cached beside it; Kog keeps the experts' Q8_0 blocks and runs the quantized GEMV on
 the chosen experts' rows); MB/tok = bytes of the weights one step reads (active only: attention, router, 8 of
 the 64 experts per layer, LM head); % triad = MB/tok x tok/s over the best STREAM triad of the
-run (bench/cpu_decode.py's triad_gbs), % adj against the triads just before and after each run.
+run (bench/cpu_decode.py's triad_gbs), % adj against the triads just before and after each run,
+% read against a read-only stream measured once (read_gbs: the rate a weight stream can reach,
+below the triad on VMs whose writes take another path).
 
 Table 2, batch 8: Kog decode tok/s (8 rows x steps / s) with the rows that chose the same expert
 merged into one GEMM (the default) and with KOG_MOE_MERGE=0 (each row reads its experts
@@ -38,7 +40,7 @@ from kog.loader import load_model
 from kog.models import ModelRunner, PrefillChunk
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu_decode import llama_cpp_runs, paired_runs, triad_gbs  # noqa: E402
+from cpu_decode import llama_cpp_runs, paired_runs, read_gbs, triad_gbs  # noqa: E402
 
 SHAPE = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
              num_experts=64, num_experts_per_tok=8, moe_intermediate_size=384, intermediate_size=3072,
@@ -189,20 +191,21 @@ def main() -> None:
     merge_env(True)
     distinct = decode8.routes()
     bw = max([triad_gbs()] + [t for r in runs.values() for _, t in r])
+    rd = read_gbs()
 
     c = model.config
     print(f"\nQwen3-MoE-shaped random model (hidden {c.hidden_size}, {c.num_hidden_layers} layers, {c.num_experts} "
           f"experts x {c.moe_intermediate_size}, top-{c.num_experts_per_tok}), {path.name}, bf16, {threads} threads; "
           f"decode {args.new_tokens} tokens after {args.prompt}, best of {args.repeats} alternating; "
-          f"triad {bw:.1f} GB/s")
-    print(f"{'engine':<16}{'tok/s':>8}{'MB/tok':>8}{'GB/s':>7}{'% triad':>9}{'% adj':>7}")
+          f"triad {bw:.1f} GB/s, read-only stream {rd:.1f} GB/s")
+    print(f"{'engine':<16}{'tok/s':>8}{'MB/tok':>8}{'GB/s':>7}{'% triad':>9}{'% adj':>7}{'% read':>8}")
     best = {}
     for name, r in runs.items():
         n = nbytes[name]
         tps = best[name] = max(t for t, _ in r)
         adj = float(np.median([t * n / 1e9 / tri for t, tri in r]))
         print(f"{name:<16}{tps:>8.2f}{n / 1e6:>8.1f}{tps * n / 1e9:>7.2f}{100 * tps * n / 1e9 / bw:>8.0f}%"
-              f"{100 * adj:>6.0f}%")
+              f"{100 * adj:>6.0f}%{100 * tps * n / 1e9 / rd:>7.0f}%")
     print(f"kog q8_0 / kog bf16 at batch 1: {best['kog q8_0'] / best['kog']:.2f}x")
     if "llama.cpp" in best:
         print(f"kog / llama.cpp at batch 1: bf16 {best['kog'] / best['llama.cpp']:.2f}x, q8_0 "
@@ -214,11 +217,12 @@ def main() -> None:
     reads = {True: dense + sum(distinct) * per_expert, False: dense + 8 * c.num_experts_per_tok * len(distinct) * per_expert}
     print(f"\nbatch 8, {args.new_tokens // 2} steps, Kog: rows choose {np.mean(distinct):.1f} distinct experts per layer "
           f"(of 8 x {c.num_experts_per_tok} choices; {min(distinct)}-{max(distinct)} over the layers, one step)")
-    print(f"{'expert merge':<22}{'tok/s':>8}{'steps/s':>9}{'MB/step':>9}{'GB/s':>7}{'% triad':>9}")
+    print(f"{'expert merge':<22}{'tok/s':>8}{'steps/s':>9}{'MB/step':>9}{'GB/s':>7}{'% triad':>9}{'% read':>8}")
     for flag, tps in ((True, on), (False, off)):
         label = "on (default)" if flag else "off (KOG_MOE_MERGE=0)"
         gbs = tps / 8 * reads[flag] / 1e9
-        print(f"{label:<22}{tps:>8.1f}{tps / 8:>9.2f}{reads[flag] / 1e6:>9.1f}{gbs:>7.2f}{100 * gbs / bw:>8.0f}%")
+        print(f"{label:<22}{tps:>8.1f}{tps / 8:>9.2f}{reads[flag] / 1e6:>9.1f}{gbs:>7.2f}{100 * gbs / bw:>8.0f}%"
+              f"{100 * gbs / rd:>7.0f}%")
     print(f"merge on / off: {on / off:.2f}x. MB/step: bytes the step's GEMMs stream from the routes above (merged: "
           "each distinct expert once; off: each of the 64 row-expert pairs), not a counter.")
 
