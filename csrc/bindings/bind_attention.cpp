@@ -31,16 +31,18 @@ void require_gpu_build(const char* op) {
 void kv_append(uintptr_t kv_cache, uintptr_t k, uintptr_t v, uintptr_t slot_mapping,
                int64_t n_tokens, int64_t n_kv_heads, int64_t head_dim, int64_t block_size,
                int64_t num_blocks, int64_t k_stride, int64_t v_stride, int dtype, int64_t device,
-               uintptr_t stream) {
+               uintptr_t stream, int kv_dtype) {
   KOG_CHECK(n_tokens >= 0 && n_kv_heads > 0 && head_dim > 0 && block_size > 0 && num_blocks > 0,
             "kv_append: bad shape");
   KOG_CHECK(n_tokens == 0 || (kv_cache && k && v && slot_mapping), "kv_append: null tensor");
   kog::KVAppendParams p{reinterpret_cast<void*>(kv_cache), reinterpret_cast<const void*>(k),
                         reinterpret_cast<const void*>(v),
                         reinterpret_cast<const int64_t*>(slot_mapping), n_tokens, n_kv_heads,
-                        head_dim, block_size, num_blocks, k_stride, v_stride, float_dtype(dtype)};
+                        head_dim, block_size, num_blocks, k_stride, v_stride, float_dtype(dtype),
+                        kv_dtype < 0 ? float_dtype(dtype) : float_dtype(kv_dtype)};
   if (device >= 0) {
     require_gpu_build("kv_append");
+    KOG_CHECK(p.kv_dtype == p.dtype, "kv_append: a GPU cache has the activations' dtype");
 #ifdef KOG_WITH_GPU
     kog::gpu::kv_append(p, reinterpret_cast<void*>(stream));
 #endif
@@ -84,7 +86,7 @@ void paged_attention(bool decode, uintptr_t out, uintptr_t q, uintptr_t kv_cache
                      int64_t max_blocks_per_seq, int64_t block_tables_stride, int64_t q_stride,
                      int64_t out_stride, int64_t max_seq_len, int64_t max_q_len, float scale,
                      int dtype, int64_t device, uintptr_t stream, uintptr_t partials, int kernel,
-                     int64_t window) {
+                     int64_t window, int kv_dtype) {
   const char* op = decode ? "paged_attention_decode" : "paged_attention_prefill";
   KOG_CHECK(n_seqs >= 0 && n_tokens >= 0 && n_kv_heads > 0 && n_q_heads % n_kv_heads == 0 &&
                 n_q_heads > 0 && block_size > 0 && num_blocks > 0 && max_blocks_per_seq >= 0,
@@ -101,12 +103,13 @@ void paged_attention(bool decode, uintptr_t out, uintptr_t q, uintptr_t kv_cache
       reinterpret_cast<const int32_t*>(seq_lens), reinterpret_cast<const int32_t*>(query_start_loc),
       n_seqs, n_tokens, n_q_heads, n_kv_heads, head_dim, block_size, num_blocks,
       max_blocks_per_seq, block_tables_stride, q_stride, out_stride, max_seq_len, max_q_len,
-      scale, float_dtype(dtype), window};
+      scale, float_dtype(dtype), kv_dtype < 0 ? float_dtype(dtype) : float_dtype(kv_dtype), window};
   KOG_CHECK(window >= 0, op, ": window must be >= 0 (0: no sliding window), got ", window);
   KOG_CHECK(kernel >= 0 && kernel <= 2, op, ": kernel must be 0 (auto), 1 (split) or 2 (flash), got ", kernel);
   if (n_seqs == 0) return;
   if (device >= 0) {
     require_gpu_build(op);
+    KOG_CHECK(p.kv_dtype == p.dtype, op, ": a GPU cache has the activations' dtype");
 #ifdef KOG_WITH_GPU
     kog::gpu::paged_attention(p, reinterpret_cast<float*>(partials), reinterpret_cast<void*>(stream),
                               static_cast<kog::GpuPrefillKernel>(kernel));
@@ -131,14 +134,14 @@ void bind_attention(py::module_& m) {
   m.def("kv_append", &kv_append, arg("kv_cache"), arg("k"), arg("v"), arg("slot_mapping"),
         arg("n_tokens"), arg("n_kv_heads"), arg("head_dim"), arg("block_size"),
         arg("num_blocks"), arg("k_stride"), arg("v_stride"), arg("dtype"), arg("device"),
-        arg("stream"), nogil);
+        arg("stream"), arg("kv_dtype") = -1, nogil);
   m.def("paged_attention", &paged_attention, arg("decode"), arg("out"), arg("q"),
         arg("kv_cache"), arg("block_tables"), arg("seq_lens"), arg("query_start_loc"),
         arg("n_seqs"), arg("n_tokens"), arg("n_q_heads"), arg("n_kv_heads"), arg("head_dim"),
         arg("block_size"), arg("num_blocks"), arg("max_blocks_per_seq"),
         arg("block_tables_stride"), arg("q_stride"), arg("out_stride"), arg("max_seq_len"),
         arg("max_q_len"), arg("scale"), arg("dtype"), arg("device"), arg("stream"), arg("partials") = 0,
-        arg("kernel") = 0, arg("window") = 0, nogil);
+        arg("kernel") = 0, arg("window") = 0, arg("kv_dtype") = -1, nogil);
   m.def(
       "paged_attention_partials_floats",
       [](int64_t n_tokens, int64_t n_q_heads, int64_t head_dim, int64_t max_seq_len, bool decode, int64_t max_q_len,

@@ -15,9 +15,13 @@ using kog::engine::DecodeExecutor;
 
 namespace {
 
+// kv_dtype: the cache's DType code; -1: the run dtype (dims.dtype).
 DecodeExecutor* make_executor(const kog::schedule::ModelDims& dims, uintptr_t kv_base, int64_t num_blocks,
-                              int64_t block_size, std::vector<float> inv_freq, std::vector<kog::schedule::Op> ops) {
-  return new DecodeExecutor(dims, {reinterpret_cast<void*>(kv_base), num_blocks, block_size}, std::move(inv_freq),
+                              int64_t block_size, std::vector<float> inv_freq, std::vector<kog::schedule::Op> ops,
+                              int kv_dtype) {
+  KOG_CHECK(kv_dtype >= -1 && kv_dtype <= 2, "DecodeExecutor: kv_dtype code ", kv_dtype, " is not a float dtype");
+  const kog::DType kv = kv_dtype < 0 ? dims.dtype : static_cast<kog::DType>(kv_dtype);
+  return new DecodeExecutor(dims, {reinterpret_cast<void*>(kv_base), num_blocks, block_size, kv}, std::move(inv_freq),
                             std::move(ops));
 }
 
@@ -43,7 +47,7 @@ void bind_engine(py::module_& m) {
   using py::arg;
   py::class_<DecodeExecutor>(m, "DecodeExecutor")
       .def(py::init(&make_executor), arg("dims"), arg("kv_base"), arg("num_blocks"), arg("block_size"),
-           arg("inv_freq"), arg("ops"))
+           arg("inv_freq"), arg("ops"), arg("kv_dtype") = -1)
       .def("run", &run, arg("batch"), arg("tokens"), arg("positions"), arg("block_tables"),
            arg("max_blocks"), arg("seq_lens"), arg("slots"), arg("logits"), arg("sampled"),
            arg("stop_after") = -1, arg("argmax_only") = false, py::call_guard<py::gil_scoped_release>())

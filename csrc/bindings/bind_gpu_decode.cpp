@@ -28,7 +28,7 @@ using kog::gpu::decode::GpuDecodeExecutor;
 std::unique_ptr<GpuDecodeExecutor> make_executor(const ModelDims& dims, uintptr_t kv_base, int64_t num_blocks,
                                                  int64_t block_size, uintptr_t inv_freq, const std::vector<Op>& ops) {
   return std::make_unique<GpuDecodeExecutor>(
-      dims, kog::schedule::KVCacheDesc{reinterpret_cast<void*>(kv_base), num_blocks, block_size},
+      dims, kog::schedule::KVCacheDesc{reinterpret_cast<void*>(kv_base), num_blocks, block_size, dims.dtype},
       reinterpret_cast<const float*>(inv_freq), kog::schedule::expand_gpu_program(ops, dims));
 }
 

@@ -18,6 +18,9 @@ DecodeExecutor::DecodeExecutor(const ModelDims& dims, const KVCacheDesc& kv,
   KOG_CHECK(int64_t(inv_freq_.size()) * 2 == d_.rotary_dim, "decode executor: rotary_dim ", d_.rotary_dim,
             " != 2 x len(inv_freq) ", inv_freq_.size());
   KOG_CHECK(kv_.base != nullptr && kv_.num_blocks > 0 && kv_.block_size > 0, "decode executor: bad KV cache");
+  KOG_CHECK(kv_.dtype == d_.dtype || (d_.dtype == DType::kF32 && is_float_dtype(kv_.dtype)),
+            "decode executor: a KV cache of another dtype than the activations' must be f16 or bf16 under f32 "
+            "activations");
   schedule::validate_program(program_, d_);
   for (size_t i = 0; i < program_.size(); ++i)  // kog.fp8 / kog.int4: the CPU reads GGUF blocks or dequantized values
     KOG_CHECK(!schedule::is_gpu_weight_format(program_[i].w_type), "decode executor: op ", i,
@@ -25,6 +28,7 @@ DecodeExecutor::DecodeExecutor(const ModelDims& dims, const KVCacheDesc& kv,
   elem_ = dtype_size(d_.dtype);
   qkv_width_ = width(Buffer::kQkv);
   layer_stride_ = kv_.num_blocks * 2 * d_.n_kv_heads * kv_.block_size * d_.head_dim;
+  kv_elem_ = dtype_size(kv_.dtype);
   plan_barriers();
   // Row-queue epochs: one per matrix a step splits over the team (a lane LINEAR is one matrix
   // per lane and output segment), unique within the step.
@@ -268,9 +272,9 @@ void DecodeExecutor::exec(const Op& op, const DecodeStep& s) {
       break;
     }
     case Opcode::kKvAppend: {
-      KVAppendParams p{static_cast<char*>(kv_.base) + op.layer * layer_stride_ * elem_,
+      KVAppendParams p{static_cast<char*>(kv_.base) + op.layer * layer_stride_ * kv_elem_,
                        qkv + q_w * elem_, qkv + (q_w + kv_w) * elem_, s.slots, B, d_.n_kv_heads,
-                       hd, kv_.block_size, kv_.num_blocks, qkv_width_, qkv_width_, d_.dtype};
+                       hd, kv_.block_size, kv_.num_blocks, qkv_width_, qkv_width_, d_.dtype, kv_.dtype};
       k.kv_append(p);
       break;
     }
@@ -398,7 +402,7 @@ void DecodeExecutor::attention(const Op& op, const DecodeStep& s) {
   PagedAttentionParams p{};
   p.out = buf(op.out);
   p.q = buf(op.in);
-  p.kv_cache = static_cast<const char*>(kv_.base) + op.layer * layer_stride_ * elem_;
+  p.kv_cache = static_cast<const char*>(kv_.base) + op.layer * layer_stride_ * kv_elem_;
   p.block_tables = s.block_tables;
   p.seq_lens = s.seq_lens;
   p.query_start_loc = nullptr;
@@ -417,6 +421,7 @@ void DecodeExecutor::attention(const Op& op, const DecodeStep& s) {
   p.max_q_len = 1;
   p.scale = d_.attn_scale;
   p.dtype = d_.dtype;
+  p.kv_dtype = kv_.dtype;
   p.window = op.window;
   cpu::kernels().paged_attention_decode(p);
 }

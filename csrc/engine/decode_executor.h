@@ -151,6 +151,7 @@ class DecodeExecutor {
   // barrier_before_[j]: the region's team meets before op j (plan_barriers).
   std::vector<char> barrier_before_;
   int64_t elem_;            // bytes per activation element
+  int64_t kv_elem_;         // bytes per KV cache element (kv_.dtype)
   int64_t qkv_width_;
   int64_t layer_stride_;    // elements of one layer's cache
   int64_t capacity_ = 0;    // batch the arena is sized for

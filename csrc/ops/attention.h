@@ -20,7 +20,7 @@ struct PagedAttentionParams {
   void* out;                       // [n_tokens, n_q_heads, head_dim] dtype, token stride out_stride, heads
                                    //   contiguous; may alias q
   const void* q;                   // [n_tokens, n_q_heads, head_dim] dtype, token stride q_stride, heads contiguous
-  const void* kv_cache;            // [num_blocks, 2, n_kv_heads, block_size, head_dim] dtype, contiguous:
+  const void* kv_cache;            // [num_blocks, 2, n_kv_heads, block_size, head_dim] kv_dtype, contiguous:
                                    //   one layer (index 0 of dim 1 = K, 1 = V)
   const int32_t* block_tables;     // [n_seqs, max_blocks_per_seq] physical block ids, row stride
                                    //   block_tables_stride; entries past a sequence's last block are ignored
@@ -42,7 +42,9 @@ struct PagedAttentionParams {
   int64_t max_q_len;               // max query tokens of one sequence (1 for decode): picks the GPU
                                    //   prefill kernel and sizes the flash kernel's grid
   float scale;                     // softmax scale, usually head_dim^-0.5
-  DType dtype;                     // f32, f16 or bf16: q, out and kv_cache alike
+  DType dtype;                     // f32, f16 or bf16: q and out
+  DType kv_dtype;                  // f32, f16 or bf16: kv_cache (the CPU kernels take any pair; the GPU's
+                                   //   kv_dtype == dtype). Keys and values widen to fp32 in registers.
   int64_t window = 0;              // 0: causal over the whole context; else the last `window` positions
                                    //   up to the query's own
 };

@@ -67,6 +67,8 @@ struct KVCacheDesc {
   void* base;             // [n_layers, num_blocks, 2, n_kv_heads, block_size, head_dim] dtype, contiguous
   int64_t num_blocks;
   int64_t block_size;
+  DType dtype;            // the cache's elements: the run dtype, or (CPU executor) a narrower float
+                          //   than f32 activations (a bf16 / f16 KV cache)
 };
 
 // Op::w_type of a weight stored in the run dtype (every weight of a float model; norms and

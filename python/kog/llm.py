@@ -56,6 +56,11 @@ class LLM:
             that weights and KV cache may use, as vLLM's (on the CPU: of the host memory
             available once the weights are loaded); see kog.memory_budget.
         block_size: tokens per KV block.
+        kv_cache_dtype: the KV cache's dtype: None or "auto" (the run dtype), or on the CPU
+            "bfloat16" / "float16" under float32 activations (a GGUF's quantized blocks, or
+            dtype="float32"): half the KV memory and half the bytes each decode step's attention
+            reads, keys and values rounded once as they are stored (vLLM's kv_cache_dtype;
+            llama.cpp keeps an f16 cache by default).
         progress: progress bar while loading (None: when stderr is a TTY).
         swap_space_gib: host memory for swapped-out KV (suspended sessions, preempted
             sequences); 0 disables swapping.
@@ -96,7 +101,7 @@ class LLM:
                  gpu_memory_utilization: float | None = None, chat_template: str | None = None,
                  allow_special_tokens_in_content: bool = False, quantization: str | None = None,
                  tensor_parallel_size: int = 1, nnodes: int = 1, master_addr: str | None = None,
-                 master_port: int | None = None) -> None:
+                 master_port: int | None = None, kv_cache_dtype: str | None = None) -> None:
         from kog.kvcache import KVLayout
         from kog.models.runner import ModelRunner
 
@@ -110,6 +115,10 @@ class LLM:
             from kog.parallel.ranks import Placement, check_devices
 
             check_devices(device, tensor_parallel_size, Placement(nnodes, 0))
+        kv_dtype = _kv_cache_dtype(kv_cache_dtype)
+        if tensor_parallel_size > 1 and kv_dtype is not None:
+            raise InvalidRequest("kv_cache_dtype with tensor_parallel_size > 1 is not supported yet (the ranks keep "
+                                 "the run dtype)")
         if tensor_parallel_size > 1 and quantization is not None:
             # NOTE: per-output-channel scales of a rank's columns are not the whole rows' scales
             raise InvalidRequest(f"quantization={quantization!r} with tensor_parallel_size > 1 is not supported "
@@ -125,7 +134,12 @@ class LLM:
             loaded.chat_template.allow_special_tokens_in_content = allow_special_tokens_in_content
         cfg = loaded.config  # rank 0's view under tensor parallelism: its KV heads
         context = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, loaded.dtype)
+        from kog.models.runner import kv_cache_dtype_for
+
+        if kv_dtype is not None:  # refused before the KV is sized (the runner checks the device itself)
+            kv_dtype = kv_cache_dtype_for(loaded.dtype, kv_dtype, torch.device("cuda" if on_gpu else "cpu"))
+        layout_dtype = loaded.dtype if kv_dtype is None else kv_dtype
+        layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, layout_dtype)
         num_blocks = _num_kv_blocks(layout.bytes_per_block, max_num_seqs * -(-context // block_size), kv_cache_gib,
                                     gpu_memory_utilization, device, loaded.weights)
         if swap_space_gib < 0:
@@ -141,7 +155,7 @@ class LLM:
                                  Placement(nnodes, 0, master_addr or "127.0.0.1", master_port))
         else:
             runner = ModelRunner(loaded, num_kv_blocks=num_blocks, block_size=block_size,
-                                 num_host_blocks=num_host_blocks, device=device)
+                                 num_host_blocks=num_host_blocks, device=device, kv_cache_dtype=kv_dtype)
         engine = LLMEngine(runner, loaded.tokenizer, loaded.stop_token_ids, context,
                            EngineConfig(max_num_seqs, max_num_batched_tokens, context, num_host_blocks,
                                         str(loaded.path), enable_prefix_caching))
@@ -311,6 +325,17 @@ class LLM:
         rid = self.new_request_id()
         self.engine.add_request(rid, ids, params, prompt=text)
         return rid
+
+def _kv_cache_dtype(name: str | None) -> torch.dtype | None:
+    """LLM's kv_cache_dtype argument as a torch dtype (None: the run dtype)."""
+    from kog.loader.weights import RUN_DTYPES
+
+    if name is None or name == "auto":
+        return None
+    if not isinstance(name, str) or name not in RUN_DTYPES:
+        raise InvalidRequest(f"kv_cache_dtype must be 'auto' or one of {sorted(RUN_DTYPES)}, got {name!r}")
+    return RUN_DTYPES[name]
+
 
 def _num_kv_blocks(bytes_per_block: int, wanted: int, kv_cache_gib: float | None,
                    gpu_memory_utilization: float | None, device: str, weights: dict[str, torch.Tensor]) -> int:

@@ -37,6 +37,19 @@ def _same(name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:
         raise InvalidRequest(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
 
 
+def _kv_dtype_code(name: str, t: torch.Tensor, kv_cache: torch.Tensor) -> int:
+    """The cache's dtype code for kernels reading t's dtype (q, k, v) against kv_cache: the same
+    dtype, or on the CPU a float16 / bfloat16 cache under float32 activations (values rounded
+    once on append, widened to fp32 on read)."""
+    if t.device != kv_cache.device:
+        raise InvalidRequest(f"{name} is on {t.device} but kv_cache is on {kv_cache.device}")
+    narrower = t.dtype == torch.float32 and kv_cache.dtype in (torch.float16, torch.bfloat16)
+    if t.dtype != kv_cache.dtype and not (narrower and kv_cache.device.type == "cpu"):
+        raise InvalidRequest(f"{name} has dtype {t.dtype} but kv_cache has {kv_cache.dtype} (a cache may differ "
+                             f"only on the CPU: float16 or bfloat16 under float32 activations)")
+    return DTYPE_CODE[kv_cache.dtype]
+
+
 def _device_and_stream(t: torch.Tensor) -> tuple[int, int]:
     """(-1, 0) for CPU tensors; (device index, current stream handle) for GPU tensors."""
     if t.device.type == "cpu":
@@ -522,15 +535,17 @@ def kv_append(
     Args:
         k: [n_tokens, n_kv_heads, head_dim], heads contiguous, any token stride.
         v: like k.
-        kv_cache: [num_blocks, 2, n_kv_heads, block_size, head_dim], same dtype and device.
+        kv_cache: [num_blocks, 2, n_kv_heads, block_size, head_dim], same device; k's dtype, or on
+            the CPU float16 / bfloat16 under float32 k (rounded once, to nearest even).
         slot_mapping: [n_tokens] int64, block_id * block_size + offset; negative = skip (padding).
             Non-negative slots must be distinct.
         validate_indices: check slot values (reads them; pass False when the caller already has).
     """
     num_blocks, n_kv_heads, block_size, head_dim = _kv_cache_shape(kv_cache)
-    code = DTYPE_CODE[kv_cache.dtype]
+    _same("v", v, k, "k")
+    kv_code = _kv_dtype_code("k", k, kv_cache)
+    code = DTYPE_CODE[k.dtype]
     for name, t in (("k", k), ("v", v)):
-        _same(name, t, kv_cache, "kv_cache")
         _heads(name, t, k.shape[0] if k.dim() == 3 else None)
         if t.shape[1:] != (n_kv_heads, head_dim):
             raise InvalidRequest(f"{name} must be [n_tokens, {n_kv_heads}, {head_dim}] to match kv_cache, got {tuple(t.shape)}")
@@ -546,7 +561,7 @@ def kv_append(
     _C.kv_append(
         kv_cache.data_ptr(), k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(), n_tokens,
         n_kv_heads, head_dim, block_size, num_blocks, _token_stride(k), _token_stride(v), code,
-        device, stream,
+        device, stream, kv_code,
     )
 
 
@@ -562,7 +577,8 @@ def paged_attention_decode(
     Args:
         q: [n_seqs, n_q_heads, head_dim], heads contiguous; n_q_heads a multiple of n_kv_heads,
             head_dim a multiple of 16 up to 256.
-        kv_cache: one layer [num_blocks, 2, n_kv_heads, block_size, head_dim], q's dtype.
+        kv_cache: one layer [num_blocks, 2, n_kv_heads, block_size, head_dim], q's dtype (or on the
+            CPU float16 / bfloat16 under float32 q: keys and values widen to fp32 as they are read).
         block_tables: [n_seqs, max_blocks_per_seq] int32 block ids (entries past a sequence's
             last block are ignored).
         seq_lens: [n_seqs] int32 tokens in the cache incl. the new one, in [1, max_blocks * block_size].
@@ -621,8 +637,8 @@ def _paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise InvalidRequest(f"window must be an int >= 0 (0: no sliding window), got {window!r}")
     num_blocks, n_kv_heads, block_size, head_dim = _kv_cache_shape(kv_cache)
-    code = DTYPE_CODE[kv_cache.dtype]
-    _same("q", q, kv_cache, "kv_cache")
+    kv_code = _kv_dtype_code("q", q, kv_cache)
+    code = DTYPE_CODE[q.dtype]
     _heads("q", q)
     n_tokens, n_q_heads = q.shape[0], q.shape[1]
     if q.shape[2] != head_dim:
@@ -673,7 +689,7 @@ def _paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale
         n_q_heads, n_kv_heads, head_dim, block_size, num_blocks, max_blocks,
         block_tables.stride(0) if n_seqs > 1 else max_blocks, _token_stride(q), _token_stride(out),
         max_seq_len, max_q_len, float(scale), code, device, stream,
-        partials.data_ptr() if partials is not None else 0, kernel, window,
+        partials.data_ptr() if partials is not None else 0, kernel, window, kv_code,
     )
     return out
 

@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: round the linear matrices to FP8 e4m3 with per-channel scales at load "
                         "(default: none, 'as stored')")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="KV cache dtype; auto: the run dtype. On the CPU a float32 run (a GGUF's quantized blocks) "
+                        "may keep a bfloat16 / float16 cache: half the KV memory and bytes read per step")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-gib", type=float, default=None,
                     help="memory for the paged KV cache (default: enough for every sequence, at most 1 GiB)")
@@ -146,7 +149,7 @@ def load_llm(args: argparse.Namespace):
                speculative_model=args.speculative_model, device=args.device, chat_template=args.chat_template,
                allow_special_tokens_in_content=args.allow_special_tokens_in_content,
                quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
-               master_addr=args.master_addr, master_port=args.master_port)
+               master_addr=args.master_addr, master_port=args.master_port, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def bind_port(host: str, port: int) -> socket.socket:

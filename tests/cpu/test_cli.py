@@ -108,6 +108,23 @@ def test_generate_names_the_quant_type_of_kept_blocks(tmp_path):
     assert "(torch.float32)" in lines["float32"] and "Q8_0" not in lines["float32"], lines
 
 
+def test_generate_keeps_a_narrow_kv_cache_and_says_so(tmp_path):
+    from kog.generate_cli import run
+    from kog.testing.tiny_models import tiny_config, write_gguf_model
+
+    model = str(write_gguf_model(tmp_path / "q8.gguf", tiny_config("llama"), qtype="Q8_0"))
+    for kv, note in (("auto", None), ("float16", ", float16 KV cache)"), ("bfloat16", ", bfloat16 KV cache)")):
+        err = io.StringIO()
+        argv = ["generate", model, "hi", "--max-tokens", "2", "--kv-cache-dtype", kv]
+        assert run(parse(build_parser(), argv), out=io.StringIO(), err=err) == 0
+        line = next(line for line in err.getvalue().splitlines() if line.startswith("[kog] loaded"))
+        assert (note in line) if note else "KV cache" not in line, line
+    err = io.StringIO()
+    argv = ["generate", model, "hi", "--dtype", "bfloat16", "--kv-cache-dtype", "float16"]
+    assert run(parse(build_parser(), argv), out=io.StringIO(), err=err) == 1
+    assert "only as float16 or bfloat16 under float32" in err.getvalue()
+
+
 def test_generate_names_the_gpu_forms_of_kept_weights():
     """On a GPU a kept model's matrices are the decode kernel's 4-bit and FP8 forms: the summary
     names those, largest first."""

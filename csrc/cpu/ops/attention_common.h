@@ -78,13 +78,6 @@ static inline void load_row(Rows& r, int64_t i, const T* q, float scale, int64_t
   r.l[i] = 0.f;
 }
 
-static inline const float* as_f32(const float* src, int64_t, float*) { return src; }
-template <typename T>
-static inline const float* as_f32(const T* src, int64_t n, float* buf) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) buf[i] = to_f32(src[i]);
-  return buf;
-}
 
 // Register-blocked micro-kernels on GCC vector types: one source, the vector width of each ISA
 // build (4 lanes generic SSE2, 8 AVX2, 16 AVX-512), with intrinsics only where GCC's generic code
@@ -124,13 +117,28 @@ static inline vfloat load_v(const bf16_t* p) {
   return v;
 #endif
 }
+// f16 through F16C's vcvtph2ps (GCC's generic conversion of a _Float16 vector is per element).
 static inline vfloat load_v(const f16_t* p) {
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__AVX2__) && defined(__F16C__)
+  return (vfloat)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
   typedef f16_t vf16 __attribute__((vector_size(kVec * sizeof(f16_t))));
   vf16 h;
   __builtin_memcpy(&h, p, sizeof h);
   return __builtin_convertvector(h, vfloat);
+#endif
 }
 static inline void store_v(float* p, vfloat v) { __builtin_memcpy(p, &v, sizeof v); }
+
+// n cache elements as fp32: src itself, or widened into buf (n a multiple of kVec: whole rows).
+static inline const float* as_f32(const float* src, int64_t, float*) { return src; }
+template <typename T>
+static inline const float* as_f32(const T* src, int64_t n, float* buf) {
+  for (int64_t i = 0; i < n; i += kVec) store_v(buf + i, load_v(src + i));
+  return buf;
+}
 // Sum / max of the lanes of v (halving shuffles on AVX2 and AVX-512).
 static inline float hsum(vfloat v) {
 #if defined(__AVX2__)
@@ -367,7 +375,8 @@ static inline void attend_chunk(Rows& r, const S* k, const S* v, int64_t t0, int
 }
 
 // Rows r attend to cached keys [k_begin, k_end) of the sequence whose block table row is
-// block_row, through KV head kv_head; key t is masked for row i when t > r.limit[i].
+// block_row, through KV head kv_head; key t is masked for row i when t > r.limit[i]. T: the
+// cache's element type (p.kv_dtype).
 template <typename T>
 void attend(const PagedAttentionParams& p, const int32_t* block_row, int64_t kv_head,
             int64_t k_begin, int64_t k_end, Rows& r) {

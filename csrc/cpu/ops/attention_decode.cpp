@@ -35,7 +35,8 @@ int64_t balanced_partition_tokens(const PagedAttentionParams& p, const int64_t* 
   return part;
 }
 
-template <typename T>
+// T: q and out; C: the cache.
+template <typename T, typename C>
 void split_context(const PagedAttentionParams& p, const int64_t* seqs, int64_t n_sel) {
   const int64_t D = p.head_dim, G = p.n_q_heads / p.n_kv_heads, Hkv = p.n_kv_heads;
   const int64_t Hq = p.n_q_heads;
@@ -90,7 +91,7 @@ void split_context(const PagedAttentionParams& p, const int64_t* seqs, int64_t n
         load_row(r, i * G + g, q_base + (q_start + i) * p.q_stride + (kvh * G + g) * D, p.scale, D);
         r.limit[i * G + g] = len - q_len + i;
       }
-    attend<T>(p, p.block_tables + s * p.block_tables_stride, kvh, k_begin, k_end, r);
+    attend<C>(p, p.block_tables + s * p.block_tables_stride, kvh, k_begin, k_end, r);
     for (int64_t i = 0; i < q_len; ++i)
       for (int64_t g = 0; g < G; ++g) {
         const int64_t row = i * G + g, h = kvh * G + g;
@@ -158,7 +159,11 @@ void split_context(const PagedAttentionParams& p, const int64_t* seqs, int64_t n
 }  // namespace
 
 void paged_attention_split(const PagedAttentionParams& p, const int64_t* seqs, int64_t n_seqs) {
-  dispatch_float(p.dtype, [&](auto tag) { split_context<decltype(tag)>(p, seqs, n_seqs); });
+  dispatch_float(p.dtype, [&](auto tag) {
+    dispatch_float(p.kv_dtype, [&](auto cache_tag) {
+      split_context<decltype(tag), decltype(cache_tag)>(p, seqs, n_seqs);
+    });
+  });
 }
 
 void paged_attention_decode(const PagedAttentionParams& p) {

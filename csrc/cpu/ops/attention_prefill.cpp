@@ -22,7 +22,8 @@ constexpr int64_t kParallelMinWork = 1 << 18;
 // Query tokens per tile for this GQA group size.
 static inline int64_t tile_tokens(int64_t group) { return kTargetRows / group > 0 ? kTargetRows / group : 1; }
 
-template <typename T>
+// T: q and out; C: the cache.
+template <typename T, typename C>
 void prefill(const PagedAttentionParams& p, const int64_t* seqs, int64_t n_sel) {
   const int64_t D = p.head_dim, G = p.n_q_heads / p.n_kv_heads, Hkv = p.n_kv_heads;
   const int64_t tile = tile_tokens(G);
@@ -69,7 +70,7 @@ void prefill(const PagedAttentionParams& p, const int64_t* seqs, int64_t n_sel) 
         }
       // With a window no row sees a key before pos0 - window + 1 (the first row's first).
       const int64_t k_begin = p.window > 0 ? max_i(0, pos0 - p.window + 1) : 0;
-      attend<T>(p, p.block_tables + s * p.block_tables_stride, kvh, k_begin, pos0 + nq, r);
+      attend<C>(p, p.block_tables + s * p.block_tables_stride, kvh, k_begin, pos0 + nq, r);
       for (int64_t i = 0; i < nq; ++i)
         for (int64_t g = 0; g < G; ++g)
           store_row(r, i * G + g, out_base + (q_start + q0 + i) * p.out_stride + (kvh * G + g) * D, D);
@@ -93,7 +94,10 @@ void paged_attention_prefill(const PagedAttentionParams& p) {
     }
   }
   if (n_split > 0) paged_attention_split(p, split.p, n_split);
-  if (n_tiled > 0) dispatch_float(p.dtype, [&](auto tag) { prefill<decltype(tag)>(p, tiled.p, n_tiled); });
+  if (n_tiled > 0)
+    dispatch_float(p.dtype, [&](auto tag) {
+      dispatch_float(p.kv_dtype, [&](auto cache_tag) { prefill<decltype(tag), decltype(cache_tag)>(p, tiled.p, n_tiled); });
+    });
 }
 
 }  // namespace kog::cpu::KOG_ISA_NS

@@ -107,21 +107,27 @@ def lower_program(program: list[Instruction], weights: dict[str, torch.Tensor]) 
 
 def build_executor(config: ModelConfig, weights: dict[str, torch.Tensor], kv: torch.Tensor,
                    block_size: int, inv_freq: torch.Tensor,
-                   program: list[Instruction] | None = None) -> _C.DecodeExecutor:
+                   program: list[Instruction] | None = None, dtype: torch.dtype | None = None) -> _C.DecodeExecutor:
     """Args:
         config: the model.
         weights: prepared weights (kog.models.weights.prepare_weights), contiguous, run dtype
             (QuantizedWeight matrices: their ggml type goes into each op's w_type).
-        kv: [num_layers, num_blocks, 2, n_kv_heads, block_size, head_dim] in the run dtype.
+        kv: [num_layers, num_blocks, 2, n_kv_heads, block_size, head_dim] in the run dtype, or
+            float16 / bfloat16 under a float32 run dtype (a narrower KV cache).
         block_size: tokens per KV block.
         inv_freq: [rotary_dim / 2] float32 RoPE frequencies.
         program: the ops to run (default: schedule_for(config)); any topological order of them.
+        dtype: the run dtype (default kv's; quantized matrices run with f32 activations: validate_program).
     """
-    dtype = kv.dtype  # the run dtype (quantized matrices run with f32 activations: validate_program)
+    dtype = kv.dtype if dtype is None else dtype
     float_weights = [w for w in weights.values()
                      if not isinstance(w, (QuantizedWeight, Fp8Weight, Int4Weight)) and w.is_floating_point()]
-    if not kv.is_contiguous() or any(w.dtype != dtype for w in float_weights):
-        raise InvalidRequest(f"kv cache must be contiguous and in the float weights' dtype, got {kv.dtype}")
+    if any(w.dtype != dtype for w in float_weights):
+        raise InvalidRequest(f"the float weights must be in the run dtype {dtype}")
+    narrower = dtype == torch.float32 and kv.dtype in (torch.float16, torch.bfloat16)
+    if not kv.is_contiguous() or (kv.dtype != dtype and not narrower):
+        raise InvalidRequest(f"kv cache must be contiguous and in the run dtype {dtype} (or float16 / bfloat16 "
+                             f"under float32), got {kv.dtype}")
     ops = lower_program(schedule_for(config) if program is None else program, weights)
     return _C.DecodeExecutor(model_dims(config, dtype), kv.data_ptr(), kv.shape[1], block_size,
-                             inv_freq.float().tolist(), ops)
+                             inv_freq.float().tolist(), ops, DTYPE_CODE[kv.dtype])

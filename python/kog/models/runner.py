@@ -47,6 +47,21 @@ class PrefillChunk:
     slots: np.ndarray         # int64 [len(token_ids)] cache slots of the new tokens
 
 
+def kv_cache_dtype_for(run_dtype: torch.dtype, wanted: torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The KV cache dtype of a runner: `wanted`, or the run dtype when None. Raises InvalidRequest
+    for a cache that no kernel reads: another dtype than the run dtype on a GPU (the decode kernel
+    keeps one dtype), or anything but float16 / bfloat16 under float32 activations on the CPU."""
+    if wanted is None or wanted == run_dtype:
+        return run_dtype
+    run, want = str(run_dtype).removeprefix("torch."), str(wanted).removeprefix("torch.")
+    if device.type != "cpu":
+        raise InvalidRequest(f"kv_cache_dtype {want!r}: on a GPU the KV cache has the run dtype ({run})")
+    if run_dtype != torch.float32 or wanted not in (torch.float16, torch.bfloat16):
+        raise InvalidRequest(f"kv_cache_dtype {want!r} with {run} activations: a KV cache may differ from the run "
+                             f"dtype only as float16 or bfloat16 under float32")
+    return wanted
+
+
 class ModelRunner:
     """Runs one model on the CPU over a paged KV cache it owns.
 
@@ -56,10 +71,14 @@ class ModelRunner:
         block_size: tokens per KV block.
         num_host_blocks: host swap-pool blocks.
         device: "cpu" or a GPU ("cuda", "cuda:1"; ROCm devices are "cuda" in torch too).
+        kv_cache_dtype: the KV cache's dtype (None: the run dtype). On the CPU a float32 model may
+            keep a float16 or bfloat16 cache: half the bytes each decode step's attention reads,
+            values rounded once as they are appended (kv_cache_dtype_for).
     """
 
     def __init__(self, model: LoadedModel, num_kv_blocks: int, block_size: int = 16,
-                 num_host_blocks: int = 0, device: str | torch.device = "cpu", transport: Transport | None = None) -> None:
+                 num_host_blocks: int = 0, device: str | torch.device = "cpu", transport: Transport | None = None,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         c = self.config = model.config
         self.dtype = model.dtype
         self.block_size = block_size
@@ -92,7 +111,8 @@ class ModelRunner:
             # multiplies with dequantized tiles of both (kog.program.interpreter.dequant_matmul).
             self.weights = {k: v.to(self.device) for k, v in to_gpu_weights(self.program, weights, self.dtype).items()}
         self.weight_bytes = weight_bytes(self.weights)  # resident bytes of the prepared weights
-        layout = KVLayout(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, self.dtype)
+        self.kv_dtype = kv_cache_dtype_for(self.dtype, kv_cache_dtype, self.device)
+        layout = KVLayout(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, self.kv_dtype)
         self.kv = KVCacheStorage(layout, num_kv_blocks, num_host_blocks, device=self.device)
         # [head_dim / 2] f32 RoPE frequencies, on the device
         self.inv_freq = ops.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(self.device)
@@ -104,7 +124,7 @@ class ModelRunner:
             # (the executor drives it), else through the interpreter.
             native = getattr(transport, "native", None)
             if native is not None:
-                self._executor = build_executor(c, self.weights, self.kv.kv, block_size, self.inv_freq)
+                self._executor = build_executor(c, self.weights, self.kv.kv, block_size, self.inv_freq, dtype=self.dtype)
                 self._executor.set_transport(native)
         elif self.device.type == "cuda":
             from kog.models.gpu_decode import GpuDecoder, kernel_runs
@@ -118,7 +138,7 @@ class ModelRunner:
                          "its router limits, or quantized lanes): decode goes "
                          "through the program interpreter on the GPU, one step per call", c.architecture)
         else:
-            self._executor = build_executor(c, self.weights, self.kv.kv, block_size, self.inv_freq)
+            self._executor = build_executor(c, self.weights, self.kv.kv, block_size, self.inv_freq, dtype=self.dtype)
 
     # ------------------------------------------------------------------ public API
 
