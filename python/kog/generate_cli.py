@@ -21,8 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run dtype; auto: bfloat16 for bf16 checkpoints, else float32 (half is float16)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU build of kog)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="KV cache dtype; auto: the run dtype. On the CPU a float32 run (a GGUF's quantized blocks) "
-                        "may keep a bfloat16 / float16 cache: half the KV memory and bytes read per step")
+                   help="KV cache dtype; auto: float16 for a GGUF's kept quantized blocks on the CPU (llama.cpp's "
+                        "default), else the run dtype. A float32 run may keep a bfloat16 / float16 cache (CPU): half "
+                        "the KV memory and bytes read per step")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model over N ranks (processes on this host; CPU)")
     p.add_argument("--quantization", choices=["fp8"], default=None,

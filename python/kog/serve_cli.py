@@ -36,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fp8: round the linear matrices to FP8 e4m3 with per-channel scales at load "
                         "(default: none, 'as stored')")
     p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="KV cache dtype; auto: the run dtype. On the CPU a float32 run (a GGUF's quantized blocks) "
-                        "may keep a bfloat16 / float16 cache: half the KV memory and bytes read per step")
+                   help="KV cache dtype; auto: float16 for a GGUF's kept quantized blocks on the CPU (llama.cpp's "
+                        "default), else the run dtype. A float32 run may keep a bfloat16 / float16 cache (CPU): half "
+                        "the KV memory and bytes read per step")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-gib", type=float, default=None,
                     help="memory for the paged KV cache (default: enough for every sequence, at most 1 GiB)")

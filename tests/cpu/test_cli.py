@@ -104,16 +104,20 @@ def test_generate_names_the_quant_type_of_kept_blocks(tmp_path):
         assert run(parse(build_parser(), ["generate", model, "hi", "--max-tokens", "2", "--dtype", dtype]),
                    out=io.StringIO(), err=err) == 0
         lines[dtype] = next(line for line in err.getvalue().splitlines() if line.startswith("[kog] loaded"))
-    assert "(Q8_0 blocks, torch.float32 activations)" in lines["auto"], lines
+    assert "(Q8_0 blocks, torch.float32 activations, float16 KV cache)" in lines["auto"], lines
     assert "(torch.float32)" in lines["float32"] and "Q8_0" not in lines["float32"], lines
 
 
 def test_generate_keeps_a_narrow_kv_cache_and_says_so(tmp_path):
+    """--kv-cache-dtype reaches the runner, and the loaded line names a cache narrower than the
+    activations; a combination no kernel reads is a one-line error."""
     from kog.generate_cli import run
     from kog.testing.tiny_models import tiny_config, write_gguf_model
 
     model = str(write_gguf_model(tmp_path / "q8.gguf", tiny_config("llama"), qtype="Q8_0"))
-    for kv, note in (("auto", None), ("float16", ", float16 KV cache)"), ("bfloat16", ", bfloat16 KV cache)")):
+    # auto: float16 for a GGUF's kept blocks (llama.cpp's default cache); float32 keeps the run dtype
+    for kv, note in (("auto", ", float16 KV cache)"), ("float32", None), ("float16", ", float16 KV cache)"),
+                     ("bfloat16", ", bfloat16 KV cache)")):
         err = io.StringIO()
         argv = ["generate", model, "hi", "--max-tokens", "2", "--kv-cache-dtype", kv]
         assert run(parse(build_parser(), argv), out=io.StringIO(), err=err) == 0

@@ -122,3 +122,14 @@ def test_a_narrow_cache_holds_twice_the_blocks_in_the_same_memory(tiny_f32_folde
 def test_kv_cache_dtypes_no_kernel_reads_are_refused(tiny_f32_folder, kw, match):
     with pytest.raises(kog.InvalidRequest, match=match):
         kog.LLM(str(tiny_f32_folder), **kw)
+
+
+def test_auto_is_float16_for_a_ggufs_kept_blocks_and_the_run_dtype_otherwise(tmp_path, tiny_f32_folder):
+    from kog.testing.tiny_models import tiny_config, write_gguf_model
+
+    gguf = str(write_gguf_model(tmp_path / "q8.gguf", tiny_config("llama"), qtype="Q8_0"))
+    assert kog.LLM(gguf).engine.runner.kv_dtype == torch.float16  # blocks kept: f32 activations
+    assert kog.LLM(gguf, kv_cache_dtype="auto").engine.runner.kv_dtype == torch.float16
+    assert kog.LLM(gguf, kv_cache_dtype="float32").engine.runner.kv_dtype == torch.float32
+    assert kog.LLM(gguf, "float32").engine.runner.kv_dtype == torch.float32  # dequantized at load
+    assert kog.LLM(str(tiny_f32_folder)).engine.runner.kv_dtype == torch.float32
