@@ -57,7 +57,7 @@ class LLM:
             available once the weights are loaded); see kog.memory_budget.
         block_size: tokens per KV block.
         kv_cache_dtype: the KV cache's dtype. None or "auto": float16 for a GGUF whose quantized
-            blocks are kept (float32 activations) on one CPU process, as llama.cpp's default
+            blocks are kept (float32 activations) on the CPU, as llama.cpp's default
             cache; the run dtype otherwise. Explicitly: the run dtype, or on the CPU "bfloat16" /
             "float16" under float32 activations: half the KV memory and half the bytes each
             decode step's attention reads, keys and values rounded once as they are stored
@@ -117,9 +117,6 @@ class LLM:
 
             check_devices(device, tensor_parallel_size, Placement(nnodes, 0))
         kv_dtype = _kv_cache_dtype(kv_cache_dtype)
-        if tensor_parallel_size > 1 and kv_dtype is not None:
-            raise InvalidRequest("kv_cache_dtype with tensor_parallel_size > 1 is not supported yet (the ranks keep "
-                                 "the run dtype)")
         if tensor_parallel_size > 1 and quantization is not None:
             # NOTE: per-output-channel scales of a rank's columns are not the whole rows' scales
             raise InvalidRequest(f"quantization={quantization!r} with tensor_parallel_size > 1 is not supported "
@@ -137,7 +134,7 @@ class LLM:
         context = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         from kog.models.runner import kv_cache_dtype_for
 
-        if kv_dtype is None and not on_gpu and tensor_parallel_size == 1:  # "auto"
+        if kv_dtype is None and not on_gpu:  # "auto"
             kv_dtype = default_kv_cache_dtype(loaded)
         if kv_dtype is not None:  # refused before the KV is sized (the runner checks the device itself)
             kv_dtype = kv_cache_dtype_for(loaded.dtype, kv_dtype, torch.device("cuda" if on_gpu else "cpu"))
@@ -154,7 +151,9 @@ class LLM:
             dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else None
             runner = start_ranks(RankSpec(None if model is None else str(model), dtype_name, tensor_parallel_size,
                                           num_blocks, block_size, num_host_blocks,
-                                          max_rows=max(max_num_seqs, 32), device=device), loaded,
+                                          max_rows=max(max_num_seqs, 32), device=device,
+                                          kv_cache_dtype=str(kv_dtype).removeprefix("torch.") if kv_dtype else None),
+                                 loaded,
                                  Placement(nnodes, 0, master_addr or "127.0.0.1", master_port))
         else:
             runner = ModelRunner(loaded, num_kv_blocks=num_blocks, block_size=block_size,
@@ -330,7 +329,7 @@ class LLM:
         return rid
 
 def default_kv_cache_dtype(loaded) -> torch.dtype | None:
-    """kv_cache_dtype=None on one CPU process: float16 for a model whose quantized blocks are kept
+    """kv_cache_dtype None / "auto" on the CPU: float16 for a model whose quantized blocks are kept
     (a GGUF run with float32 activations), as llama.cpp's default cache; else None (the run
     dtype). Measured: half the KV bytes, SmolLM2 Q4_1 decode 1.2x at 2k and 1.4x at 8k tokens of
     context, greedy tokens equal to the float32 cache's (docs/PERFORMANCE.md)."""

@@ -117,7 +117,6 @@ def test_a_narrow_cache_holds_twice_the_blocks_in_the_same_memory(tiny_f32_folde
 @pytest.mark.parametrize("kw, match", [
     (dict(dtype="bfloat16", kv_cache_dtype="float16"), "only as float16 or bfloat16 under float32"),
     (dict(dtype="float32", kv_cache_dtype="int8"), "kv_cache_dtype must be"),
-    (dict(dtype="float32", kv_cache_dtype="float16", tensor_parallel_size=2), "tensor_parallel_size"),
 ])
 def test_kv_cache_dtypes_no_kernel_reads_are_refused(tiny_f32_folder, kw, match):
     with pytest.raises(kog.InvalidRequest, match=match):
@@ -133,3 +132,17 @@ def test_auto_is_float16_for_a_ggufs_kept_blocks_and_the_run_dtype_otherwise(tmp
     assert kog.LLM(gguf, kv_cache_dtype="float32").engine.runner.kv_dtype == torch.float32
     assert kog.LLM(gguf, "float32").engine.runner.kv_dtype == torch.float32  # dequantized at load
     assert kog.LLM(str(tiny_f32_folder)).engine.runner.kv_dtype == torch.float32
+
+
+def test_tensor_parallel_ranks_keep_the_same_narrow_cache(tiny_f32_folder):
+    # RankSpec carries the dtype to every rank; two ranks generate what one process does with it.
+    greedy = kog.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3, 250, 8, 41]}, {"prompt_token_ids": list(range(30, 60))}]
+    one = kog.LLM(str(tiny_f32_folder), "float32", kv_cache_dtype="bfloat16")
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, greedy)]
+    llm = kog.LLM(str(tiny_f32_folder), "float32", kv_cache_dtype="bfloat16", tensor_parallel_size=2)
+    try:
+        assert llm.engine.runner.local.kv_dtype == torch.bfloat16
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want
+    finally:
+        llm.engine.runner.close()

@@ -560,6 +560,7 @@ def test_gguf_blocks_split_over_two_ranks_generate_what_one_process_generates(tm
     llm = kog.LLM(str(path), tensor_parallel_size=2)
     try:
         local = llm.engine.runner.local.weights
+        assert llm.engine.runner.local.kv_dtype == torch.float16  # "auto" for kept blocks, on every rank
         assert isinstance(local["model.layers.0.self_attn.o_proj.weight"], QuantizedWeight)
         assert local["model.layers.0.mlp.down_proj.weight"].shape == (config.hidden_size, 128)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want

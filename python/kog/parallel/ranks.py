@@ -32,6 +32,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from kog import _C
 from kog.config import ModelConfig
@@ -58,6 +59,7 @@ class RankSpec:
     shm_name: str | None = None  # the ranks' shared-memory segment (one host, CPU); None: no segment
     device: str = "cpu"          # "cpu", or "cuda": rank r runs on its host's GPU r % (size / nnodes)
     nnodes: int = 1              # hosts; each runs size / nnodes consecutive ranks
+    kv_cache_dtype: str | None = None  # the KV cache's dtype name ("float16"); None: the run dtype
 
 
 def rank_device(spec: RankSpec, rank: int) -> str:
@@ -115,7 +117,8 @@ def build_rank_runner(spec: RankSpec, rank: int, transport, loaded=None, command
     if spec.shm_name is not None:  # ranks on one host: shared memory for prefill and native decode
         transport = shm_transport(spec, model.config, rank)
     runner = ModelRunner(model, num_kv_blocks=spec.num_kv_blocks, block_size=spec.block_size,
-                         num_host_blocks=spec.num_host_blocks, device=device, transport=transport)
+                         num_host_blocks=spec.num_host_blocks, device=device, transport=transport,
+                         kv_cache_dtype=getattr(torch, spec.kv_cache_dtype) if spec.kv_cache_dtype else None)
     if device != "cpu" and runner.native_decoder is not None:
         from kog.parallel.gpu_peers import connect_gpu_ranks
 
