@@ -21,6 +21,9 @@ DType float_dtype(int code) {
   return static_cast<DType>(code);
 }
 
+// The cache's dtype: kv_dtype's code, or (-1) the activations' dtype.
+DType cache_dtype(int kv_dtype, int dtype) { return float_dtype(kv_dtype < 0 ? dtype : kv_dtype); }
+
 void require_gpu_build(const char* op) {
 #ifndef KOG_WITH_GPU
   kog::throw_error(kog::ErrorKind::kBackend, op, ": this kog build has no GPU backend (built with KOG_BACKEND=",
@@ -39,7 +42,7 @@ void kv_append(uintptr_t kv_cache, uintptr_t k, uintptr_t v, uintptr_t slot_mapp
                         reinterpret_cast<const void*>(v),
                         reinterpret_cast<const int64_t*>(slot_mapping), n_tokens, n_kv_heads,
                         head_dim, block_size, num_blocks, k_stride, v_stride, float_dtype(dtype),
-                        kv_dtype < 0 ? float_dtype(dtype) : float_dtype(kv_dtype)};
+                        cache_dtype(kv_dtype, dtype)};
   if (device >= 0) {
     require_gpu_build("kv_append");
     KOG_CHECK(p.kv_dtype == p.dtype, "kv_append: a GPU cache has the activations' dtype");
@@ -103,7 +106,7 @@ void paged_attention(bool decode, uintptr_t out, uintptr_t q, uintptr_t kv_cache
       reinterpret_cast<const int32_t*>(seq_lens), reinterpret_cast<const int32_t*>(query_start_loc),
       n_seqs, n_tokens, n_q_heads, n_kv_heads, head_dim, block_size, num_blocks,
       max_blocks_per_seq, block_tables_stride, q_stride, out_stride, max_seq_len, max_q_len,
-      scale, float_dtype(dtype), kv_dtype < 0 ? float_dtype(dtype) : float_dtype(kv_dtype), window};
+      scale, float_dtype(dtype), cache_dtype(kv_dtype, dtype), window};
   KOG_CHECK(window >= 0, op, ": window must be >= 0 (0: no sliding window), got ", window);
   KOG_CHECK(kernel >= 0 && kernel <= 2, op, ": kernel must be 0 (auto), 1 (split) or 2 (flash), got ", kernel);
   if (n_seqs == 0) return;

@@ -110,8 +110,8 @@ const char* bf16_gemm_unit() {
 namespace {
 // Default by vendor, each as measured (docs/PERFORMANCE.md, "The bf16 GEMV's weight prefetch,
 // by CPU"): on a 2-core Zen3 VM non-temporal prefetch 1 KiB ahead gave +9% bf16 decode over
-// none, on a 2-core Zen5 VM +15%; on a 2-core Xeon VM (AVX-512 BF16) the same made bf16 decode 1.8x (SmolLM2) to 2x (MoE)
-// slower than none, and T0 1.1-1.2x faster than none. Other vendors: T0 (untested).
+// none, on a 2-core Zen5 VM +15%; on a 2-core Xeon VM (AVX-512 BF16) the same made bf16 decode
+// 1.8x (SmolLM2) to 2x (MoE) slower than none, and T0 1.1-1.2x faster than none. Other vendors: T0 (untested).
 WeightPrefetch default_weight_prefetch() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();

@@ -104,7 +104,7 @@ class LLM:
                  tensor_parallel_size: int = 1, nnodes: int = 1, master_addr: str | None = None,
                  master_port: int | None = None, kv_cache_dtype: str | None = None) -> None:
         from kog.kvcache import KVLayout
-        from kog.models.runner import ModelRunner
+        from kog.models.runner import ModelRunner, kv_cache_dtype_for
 
         if kv_cache_gib is not None and gpu_memory_utilization is not None:
             raise InvalidRequest("give kv_cache_gib or gpu_memory_utilization, not both")
@@ -132,14 +132,11 @@ class LLM:
             loaded.chat_template.allow_special_tokens_in_content = allow_special_tokens_in_content
         cfg = loaded.config  # rank 0's view under tensor parallelism: its KV heads
         context = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        from kog.models.runner import kv_cache_dtype_for
-
         if kv_dtype is None and not on_gpu:  # "auto"
             kv_dtype = default_kv_cache_dtype(loaded)
-        if kv_dtype is not None:  # refused before the KV is sized (the runner checks the device itself)
-            kv_dtype = kv_cache_dtype_for(loaded.dtype, kv_dtype, torch.device("cuda" if on_gpu else "cpu"))
-        layout_dtype = loaded.dtype if kv_dtype is None else kv_dtype
-        layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, layout_dtype)
+        # refused before the KV is sized (device: its kind only; the runner checks the device itself)
+        kv_dtype = kv_cache_dtype_for(loaded.dtype, kv_dtype, torch.device("cuda" if on_gpu else "cpu"))
+        layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, kv_dtype)
         num_blocks = _num_kv_blocks(layout.bytes_per_block, max_num_seqs * -(-context // block_size), kv_cache_gib,
                                     gpu_memory_utilization, device, loaded.weights)
         if swap_space_gib < 0:
@@ -152,7 +149,7 @@ class LLM:
             runner = start_ranks(RankSpec(None if model is None else str(model), dtype_name, tensor_parallel_size,
                                           num_blocks, block_size, num_host_blocks,
                                           max_rows=max(max_num_seqs, 32), device=device,
-                                          kv_cache_dtype=str(kv_dtype).removeprefix("torch.") if kv_dtype else None),
+                                          kv_cache_dtype=str(kv_dtype).removeprefix("torch.")),
                                  loaded,
                                  Placement(nnodes, 0, master_addr or "127.0.0.1", master_port))
         else:

@@ -37,14 +37,18 @@ def _same(name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:
         raise InvalidRequest(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
 
 
+def kv_cache_dtype_ok(act: torch.dtype, cache: torch.dtype) -> bool:
+    """Whether the CPU kernels read a KV cache of dtype `cache` under activations (q, k, v) of
+    dtype `act`: the same dtype, or a float16 / bfloat16 cache under float32 (values rounded once
+    on append, widened to fp32 on read). The GPU's cache has the activations' dtype."""
+    return cache == act or (act == torch.float32 and cache in (torch.float16, torch.bfloat16))
+
+
 def _kv_dtype_code(name: str, t: torch.Tensor, kv_cache: torch.Tensor) -> int:
-    """The cache's dtype code for kernels reading t's dtype (q, k, v) against kv_cache: the same
-    dtype, or on the CPU a float16 / bfloat16 cache under float32 activations (values rounded
-    once on append, widened to fp32 on read)."""
+    """The cache's dtype code for kernels reading t (q, k, v) against kv_cache (kv_cache_dtype_ok)."""
     if t.device != kv_cache.device:
         raise InvalidRequest(f"{name} is on {t.device} but kv_cache is on {kv_cache.device}")
-    narrower = t.dtype == torch.float32 and kv_cache.dtype in (torch.float16, torch.bfloat16)
-    if t.dtype != kv_cache.dtype and not (narrower and kv_cache.device.type == "cpu"):
+    if t.dtype != kv_cache.dtype and not (kv_cache.device.type == "cpu" and kv_cache_dtype_ok(t.dtype, kv_cache.dtype)):
         raise InvalidRequest(f"{name} has dtype {t.dtype} but kv_cache has {kv_cache.dtype} (a cache may differ "
                              f"only on the CPU: float16 or bfloat16 under float32 activations)")
     return DTYPE_CODE[kv_cache.dtype]

@@ -18,7 +18,7 @@ from kog.config import ModelConfig
 from kog.errors import InvalidRequest
 from kog.fp8 import Fp8Weight
 from kog.int4 import Int4Weight
-from kog.ops import DTYPE_CODE
+from kog.ops import DTYPE_CODE, kv_cache_dtype_ok
 from kog.program import Buffer, Instruction, Opcode, program_for
 from kog.program.families import ROPE_NEOX
 from kog.program.program import slot_of
@@ -124,8 +124,7 @@ def build_executor(config: ModelConfig, weights: dict[str, torch.Tensor], kv: to
                      if not isinstance(w, (QuantizedWeight, Fp8Weight, Int4Weight)) and w.is_floating_point()]
     if any(w.dtype != dtype for w in float_weights):
         raise InvalidRequest(f"the float weights must be in the run dtype {dtype}")
-    narrower = dtype == torch.float32 and kv.dtype in (torch.float16, torch.bfloat16)
-    if not kv.is_contiguous() or (kv.dtype != dtype and not narrower):
+    if not kv.is_contiguous() or not kv_cache_dtype_ok(dtype, kv.dtype):
         raise InvalidRequest(f"kv cache must be contiguous and in the run dtype {dtype} (or float16 / bfloat16 "
                              f"under float32), got {kv.dtype}")
     ops = lower_program(schedule_for(config) if program is None else program, weights)

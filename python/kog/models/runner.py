@@ -56,7 +56,7 @@ def kv_cache_dtype_for(run_dtype: torch.dtype, wanted: torch.dtype | None, devic
     run, want = str(run_dtype).removeprefix("torch."), str(wanted).removeprefix("torch.")
     if device.type != "cpu":
         raise InvalidRequest(f"kv_cache_dtype {want!r}: on a GPU the KV cache has the run dtype ({run})")
-    if run_dtype != torch.float32 or wanted not in (torch.float16, torch.bfloat16):
+    if not ops.kv_cache_dtype_ok(run_dtype, wanted):
         raise InvalidRequest(f"kv_cache_dtype {want!r} with {run} activations: a KV cache may differ from the run "
                              f"dtype only as float16 or bfloat16 under float32")
     return wanted
